@@ -1,2 +1,3 @@
 """infer: an LLM inference server and serving-benchmark lab."""
+
 __version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from infer.cli import main
+
+sys.exit(main())

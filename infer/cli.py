@@ -1,0 +1,88 @@
+"""The `infer` command line: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder, hub id, or preset name (see `infer presets`); default: the embedded model",
+    )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "dummy"],
+        help="dummy: random weights in the model's shape (presets need no download)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_generate(args) -> int:
+    import time
+
+    from infer.engine.tokenizer import Tokenizer
+    from infer.models.generate import generate
+    from infer.models.loader import EMBEDDED_MODEL, load_model
+
+    model, cfg, path = load_model(args.model, args.dtype, args.load_format, args.seed)
+    tokenizer_path = path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
+    tokenizer = Tokenizer.from_pretrained(tokenizer_path)
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=not args.chat)
+    eos = set() if args.ignore_eos else tokenizer.eos_token_ids
+    start = time.perf_counter()
+    out = generate(model, [prompt_ids], args.max_tokens, args.temperature, eos, args.seed)[0]
+    elapsed = time.perf_counter() - start
+    print(tokenizer.decode([t for t in out if t < tokenizer.vocab_size]))
+    print(
+        f"[{len(prompt_ids)} prompt + {len(out)} generated tokens in {elapsed:.2f}s, "
+        f"{cfg.architecture}, {next(model.parameters()).dtype}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from infer.models.presets import list_presets
+
+    for name in list_presets():
+        print(name)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infer", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    add_model_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+
+    presets = sub.add_parser("presets", help="list the model presets usable with --load-format dummy")
+    presets.set_defaults(func=cmd_presets)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad input: say what to do, no traceback
+        print(f"infer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

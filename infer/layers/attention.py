@@ -1,0 +1,85 @@
+"""Attention over a packed batch, reading and writing a block-table KV cache.
+
+The model sees a flat batch: `num_tokens` rows from `num_seqs` sequences. Each sequence's new tokens
+are the last `query_len` positions of its context of `seq_len` tokens:
+
+    context of seq i:   [ already in the cache : seq_len - query_len | new this step : query_len ]
+                          ^ position 0                                 ^ rows query_start .. +query_len
+
+With a cache, the new keys/values are written to their slots first, and every sequence then attends
+over its whole context read back through its block table. Without one (a prefill-only forward, the
+no-cache benchmark mode), query_len == seq_len and attention reads the new keys directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    query_lens: list[int]
+    seq_lens: list[int]
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] int64: block_id * block_size + offset
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks_per_seq] int64
+    # one (key_cache, value_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @classmethod
+    def prefill_only(cls, lens: list[int]) -> AttentionMetadata:
+        """Metadata for whole sequences computed from scratch, with no cache."""
+        return cls(query_lens=list(lens), seq_lens=list(lens))
+
+    def __post_init__(self):
+        assert len(self.query_lens) == len(self.seq_lens)
+        assert all(0 < q <= s for q, s in zip(self.query_lens, self.seq_lens, strict=True))
+        assert (self.kv_caches is None) == (self.slot_mapping is None) == (self.block_tables is None)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    cache = meta.kv_caches[layer_idx] if meta.kv_caches is not None else None
+    if cache is not None:
+        key_cache, value_cache = cache
+        block_size = key_cache.shape[1]
+        key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k  # [num_slots, num_kv_heads, head_dim]
+        value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    start = 0
+    for i, (query_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens, strict=True)):
+        rows = slice(start, start + query_len)
+        if cache is None:
+            keys, values = k[rows], v[rows]
+        else:
+            blocks = meta.block_tables[i, : -(-seq_len // block_size)]
+            keys = key_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
+            values = value_cache[blocks].flatten(0, 1)[:seq_len]
+        out[rows] = _attend(q[rows], keys, values, scale, sliding_window)
+        start += query_len
+    return out
+
+
+def _attend(q, k, v, scale, sliding_window):
+    """One sequence: q [query_len, H, D] attends causally over k, v [seq_len, H_kv, D]."""
+    query_len, seq_len = q.shape[0], k.shape[0]
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [heads, len, head_dim]
+    mask = None
+    if query_len > 1 or (sliding_window is not None and seq_len > sliding_window):
+        q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)  # [query_len, 1]
+        k_pos = torch.arange(seq_len).unsqueeze(0)  # [1, seq_len]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= q_pos - k_pos < sliding_window
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)  # [query_len, heads, head_dim]

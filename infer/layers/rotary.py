@@ -1,0 +1,57 @@
+"""Rotary position embeddings (neox style: the head is split in two halves, as in HF Llama)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from infer.models.config import RopeConfig
+
+
+def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        # Llama 3.1+: keep high frequencies, divide low ones by `factor`, blend the band between.
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin for every position up to max_positions, looked up by `positions`."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
+        super().__init__()
+        self.rope, self.head_dim, self.max_positions = rope, head_dim, max_positions
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Also called by the loader: a model built on the meta device has no real buffers yet."""
+        inv_freq = inv_frequencies(self.rope, self.head_dim).float()
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+        # [max_positions, head_dim // 2] each, float32 whatever the model dtype
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)

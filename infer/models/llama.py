@@ -1,0 +1,126 @@
+"""Llama-family decoders: Llama 2/3/3.1/3.2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms).
+
+Inputs are flat: `input_ids[num_tokens]`, `positions[num_tokens]`, with the packing of sequences
+described by AttentionMetadata (see infer/layers/attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infer.layers.activations import get_activation
+from infer.layers.attention import AttentionMetadata, attention
+from infer.layers.linear import MergedLinear
+from infer.layers.norms import RMSNorm
+from infer.layers.rotary import RotaryEmbedding
+from infer.models.config import SLIDING, ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, norm_cls=RMSNorm):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = norm_cls(self.head_dim, cfg.norm_eps)
+            self.k_norm = norm_cls(self.head_dim, cfg.norm_eps)
+        self.rotary = rotary
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else self.head_dim**-0.5
+        self.sliding_window = cfg.sliding_window if cfg.layer_types[layer_idx] == SLIDING else None
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = attention(q, k, v, meta, self.layer_idx, self.scale, self.sliding_window)
+        return self.o_proj(out.flatten(1))  # [num_tokens, hidden_size]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = get_activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, positions, h, meta):
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        h = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)
+
+
+class CausalLM(nn.Module):
+    """What every model class offers the loader and the runner."""
+
+    # fused parameter -> the checkpoint names it concatenates, in order
+    packed_modules: dict[str, tuple[str, ...]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+
+    def remap_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """Checkpoint name/tensor -> ours; None skips it. Identity unless a model's format differs."""
+        return name, tensor
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()  # [num_tokens, vocab_size]
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.input_embeddings().weight
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]

@@ -1,0 +1,170 @@
+"""Find a model (folder, preset, hub id), build our model class, and load its weights.
+
+Weights are copied tensor by tensor from memory-mapped safetensors files into parameters that were
+allocated once, uninitialised, in the target dtype: a checkpoint is never held twice in RAM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from infer.models.config import ModelConfig
+from infer.models.dtypes import to_torch_dtype
+from infer.models.registry import model_class
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+EMBEDDED_MODEL = ASSETS / "embedded"
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+
+
+def resolve_model_path(model: str | None, load_format: str = "auto") -> Path:
+    """A local folder holding config.json. `None` or "embedded" is the project's own model.
+
+    With load_format "dummy", a preset name (see infer.models.presets) or hub id with a preset needs
+    no download: the preset's folder holds its config.json.
+    """
+    if model in (None, "", "embedded"):
+        return EMBEDDED_MODEL
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
+        return path
+    if load_format == "dummy":
+        from infer.models.presets import preset_path
+
+        if (preset := preset_path(model)) is not None:
+            return preset
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ValueError(f"model {model!r} is neither a model folder nor a hub id like 'org/name'")
+    return _download(model)
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as exc:  # offline, gated, or misspelt: all end the same way for the user
+        raise ValueError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}). "
+            f"Without internet, download it elsewhere (`hf download {repo_id} --local-dir DIR`) and pass "
+            f"the folder, or run with --load-format dummy to use random weights in its shape."
+        ) from exc
+
+
+def read_config(path: Path) -> dict:
+    with open(path / "config.json") as f:
+        return json.load(f)
+
+
+def pick_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
+    """`auto` follows the checkpoint, except float16 on CPU (no fast fp16 matmuls there: bf16 instead)."""
+    if dtype != "auto":
+        return to_torch_dtype(dtype)
+    chosen = to_torch_dtype(cfg.dtype)
+    return torch.bfloat16 if chosen == torch.float16 else chosen
+
+
+def load_model(
+    model: str | None = None, dtype: str = "auto", load_format: str = "auto", seed: int = 0
+) -> tuple[nn.Module, ModelConfig, Path]:
+    """Returns (model in eval mode on CPU, its config, its folder)."""
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"unknown load format {load_format!r}; choose auto, safetensors or dummy")
+    path = resolve_model_path(model, load_format)
+    cfg = ModelConfig.from_hf(read_config(path))
+    torch_dtype = pick_dtype(cfg, dtype)
+    with torch.device("meta"):
+        net = model_class(cfg.architecture)(cfg)
+    net = net.to(dtype=torch_dtype).to_empty(device="cpu")
+    net.tie_weights()
+    for module in net.modules():  # buffers (rope tables) were left uninitialised by to_empty
+        if hasattr(module, "init_buffers"):
+            module.init_buffers()
+    if load_format == "dummy":
+        init_dummy_weights(net, seed)
+    else:
+        load_weights(net, path)
+    return net.eval().requires_grad_(False), cfg, path
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            return [path / name for name in sorted(set(json.load(f)["weight_map"].values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path} (use --load-format dummy for random weights)")
+    return files
+
+
+@torch.no_grad()
+def load_weights(net: nn.Module, path: Path) -> None:
+    params = dict(net.named_parameters())
+    packed = {ckpt: (fused, i) for fused, names in net.packed_modules.items() for i, ckpt in enumerate(names)}
+    loaded: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                remapped = net.remap_weight(ckpt_name, f.get_tensor(ckpt_name))
+                if remapped is None:
+                    continue
+                name, tensor = remapped
+                if name == "lm_head.weight" and net.config.tie_word_embeddings:
+                    continue  # some checkpoints store the tied copy too
+                module_path, _, leaf = name.rpartition(".")
+                parent, _, child = module_path.rpartition(".")
+                if child in packed:
+                    fused, shard = packed[child]
+                    target = f"{parent}.{fused}" if parent else fused
+                    net.get_submodule(target).load_shard(leaf, tensor, shard)
+                    loaded.add(name)
+                elif name in params:
+                    if params[name].shape != tensor.shape:
+                        expected, got = tuple(params[name].shape), tuple(tensor.shape)
+                        raise ValueError(f"{name}: expected {expected}, got {got}")
+                    params[name].copy_(tensor)
+                    loaded.add(name)
+                else:
+                    raise ValueError(f"unexpected weight {ckpt_name!r} in {file.name}")
+    missing = set(_checkpoint_names(net, params)) - loaded
+    if net.config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"weights missing from {path}: {', '.join(sorted(missing)[:8])}")
+
+
+def _checkpoint_names(net: nn.Module, params: dict) -> list[str]:
+    """Our parameter names as the checkpoint spells them: a fused parameter stands for its shards."""
+    names = []
+    for name in params:
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, child = module_path.rpartition(".")
+        shards = net.packed_modules.get(child)
+        names += [f"{parent}.{shard}.{leaf}" for shard in shards] if shards else [name]
+    return names
+
+
+@torch.no_grad()
+def init_dummy_weights(net: nn.Module, seed: int = 0) -> None:
+    """Random weights in the model's shape: matrices ~ N(0, 0.02), biases 0, norms at their identity."""
+    gen = torch.Generator().manual_seed(seed)
+    for module in net.modules():
+        if hasattr(module, "reset_parameters") and not isinstance(module, nn.Linear | nn.Embedding):
+            module.reset_parameters()  # norms
+    for name, param in net.named_parameters():
+        if param.ndim >= 2:
+            param.normal_(0.0, 0.02, generator=gen)
+        elif name.endswith(".bias"):
+            param.zero_()
+
+
+def num_parameters(net: nn.Module) -> int:
+    return sum(p.numel() for p in net.parameters())

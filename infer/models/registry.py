@@ -1,0 +1,28 @@
+"""The `architectures` string of config.json -> our model class."""
+
+from __future__ import annotations
+
+import importlib
+
+# values are "module:Class" so that importing the registry does not import every model file
+MODELS = {
+    "LlamaForCausalLM": "infer.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "infer.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "infer.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "infer.models.llama:LlamaForCausalLM",
+    "Gemma3ForCausalLM": "infer.models.gemma3:Gemma3ForCausalLM",
+    "GPT2LMHeadModel": "infer.models.gpt2:GPT2LMHeadModel",
+}
+
+
+def check_supported(architecture: str) -> None:
+    if architecture not in MODELS:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(MODELS))}"
+        )
+
+
+def model_class(architecture: str):
+    check_supported(architecture)
+    module, name = MODELS[architecture].split(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,51 @@
+"""Our model definitions against transformers: logits in fp32 and greedy generations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.layers.attention import AttentionMetadata
+from infer.models.generate import generate
+from infer.models.loader import load_model
+
+from .tiny_models import VARIANTS, save_tiny_model
+
+PROMPT_LENS = [9, 1, 23, 14]
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request, tmp_path_factory):
+    hf_model, path = save_tiny_model(request.param, tmp_path_factory.mktemp("models"))
+    ours, cfg, _ = load_model(str(path), dtype="float32")
+    return hf_model, ours
+
+
+def prompts(vocab_size: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(2, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+@torch.no_grad()
+def test_packed_logits_match_transformers(pair):
+    hf_model, ours = pair
+    batch = prompts(ours.config.vocab_size)
+    input_ids = torch.tensor([t for p in batch for t in p])
+    positions = torch.cat([torch.arange(len(p)) for p in batch])
+    logits = ours.compute_logits(ours(input_ids, positions, AttentionMetadata.prefill_only(PROMPT_LENS)))
+    start = 0
+    for p in batch:
+        expected = hf_model(torch.tensor([p])).logits[0].float()
+        torch.testing.assert_close(logits[start : start + len(p)], expected, atol=1e-4, rtol=1e-4)
+        start += len(p)
+
+
+def test_greedy_generation_matches_transformers(pair):
+    hf_model, ours = pair
+    batch = prompts(ours.config.vocab_size)
+    got = generate(ours, batch, max_new_tokens=20)
+    for p, tokens in zip(batch, got, strict=True):
+        out = hf_model.generate(
+            torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert tokens == out[0, len(p) :].tolist()
