@@ -74,12 +74,16 @@ def _attend(q, k, v, scale, sliding_window):
     """One sequence: q [query_len, H, D] attends causally over k, v [seq_len, H_kv, D]."""
     query_len, seq_len = q.shape[0], k.shape[0]
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [heads, len, head_dim]
+    windowed = sliding_window is not None and seq_len > sliding_window
+    if query_len == seq_len and not windowed:  # a whole prompt: SDPA's own causal mask is right
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=query_len > 1, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
     mask = None
-    if query_len > 1 or (sliding_window is not None and seq_len > sliding_window):
+    if query_len > 1 or windowed:
         q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)  # [query_len, 1]
         k_pos = torch.arange(seq_len).unsqueeze(0)  # [1, seq_len]
         mask = k_pos <= q_pos
-        if sliding_window is not None:
+        if windowed:
             mask &= q_pos - k_pos < sliding_window
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)  # [query_len, heads, head_dim]

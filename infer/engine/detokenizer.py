@@ -1,0 +1,147 @@
+"""Token ids -> text deltas for streaming, with stop strings.
+
+Two stages, each holding back text it cannot yet be sure of:
+
+1. Decoding (vLLM's prefix_offset / read_offset technique). Decoding tokens one by one and
+   concatenating is wrong twice over: a character can span several tokens (byte-level BPE, byte
+   fallback), and some decoders treat the first token of a decode specially (SentencePiece strips the
+   leading space), so decode(suffix) != suffix of decode. We therefore always decode a short window that
+   starts a few tokens back, and emit only what the new tokens added to that window's text:
+
+       output ids:  . . . . . [ prefix  | read ... new ]
+                               ^prefix  ^read          ^end
+       prefix_text = decode(ids[prefix:read])      (already emitted)
+       text        = decode(ids[prefix:end])
+       delta       = text[len(prefix_text):]       emitted unless text ends with U+FFFD (incomplete char)
+
+   After emitting, prefix moves to read and read to end, so the window stays a few tokens long: each
+   update costs O(new tokens), not O(output length).
+
+2. Stop strings. Text that ends with the start of a stop string ("wor" for stop "world") is held back
+   until the next text decides it; when a stop string appears, the output is cut before it.
+
+Contract: while no stop string matched, "".join(update(...) for each step) + flush() equals
+tokenizer.decode(output_ids, skip_special_tokens) exactly. The output is the text of the generated ids
+alone, so streaming and a final one-shot decode agree; the prompt is not part of the window.
+One exception, on invalid UTF-8 only: a byte-fallback decoder (SentencePiece style: Llama 2, Gemma)
+turns a whole run of <0xNN> tokens into U+FFFD when the run holds an invalid byte, including bytes that
+were valid, and already streamed, before it. Byte-level BPE (Llama 3, Qwen, GPT-2) has no such case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
+
+
+class _Decoder(Protocol):
+    all_special_ids: frozenset[int]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated token ids into text deltas. One instance per request.
+
+    `prompt_token_ids` is accepted so the engine can hand over the request as it is; the text produced is
+    that of the generated ids only (see the module docstring), so the prompt is not decoded.
+    Once `stopped` is True, further updates are ignored and return "".
+    """
+
+    def __init__(
+        self,
+        tokenizer: _Decoder,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        stop: Iterable[str] = (),
+    ):
+        self._tokenizer = tokenizer
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.skip_special_tokens = skip_special_tokens
+        # decode(skip_special_tokens=True) drops special ids before decoding, so dropping them here is
+        # the same and keeps runs of them out of the window.
+        self._skipped_ids = tokenizer.all_special_ids if skip_special_tokens else frozenset()
+        self.stop: tuple[str, ...] = tuple(stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+
+        self._window: list[int] = []  # ids[prefix:], special ids dropped when they are skipped
+        self._read = 0  # window index of read_offset
+        self._prefix_text = ""  # decode(window[:read])
+        self._held = ""  # decoded text held back because it may start a stop string
+        self._chunks: list[str] = []
+
+        self.num_output_tokens = 0  # tokens consumed; after a stop, the last one completed the stop string
+        self.stopped = False
+        self.stop_str: str | None = None  # the stop string that matched
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far (the concatenation of the returned deltas)."""
+        return "".join(self._chunks)
+
+    def update(self, new_token_ids: Iterable[int]) -> str:
+        """Consume newly generated ids; return the text that is now certain (may be "")."""
+        out = []
+        for token_id in new_token_ids:
+            if self.stopped:
+                break
+            self.num_output_tokens += 1
+            if token_id in self._skipped_ids:
+                continue
+            self._window.append(token_id)
+            text = self._tokenizer.decode(self._window, skip_special_tokens=self.skip_special_tokens)
+            if len(text) > len(self._prefix_text) and not text.endswith(REPLACEMENT_CHAR):
+                out.append(self._release(text[len(self._prefix_text) :], final=False))
+                self._advance()
+        return self._record("".join(out))
+
+    def flush(self) -> str:
+        """The request ended without a stop string: return everything still held back.
+
+        That includes an incomplete character at the end (decoded as U+FFFD, as one-shot decode does).
+        """
+        if self.stopped:
+            return ""
+        text = self._tokenizer.decode(self._window, skip_special_tokens=self.skip_special_tokens)
+        delta = self._release(text[len(self._prefix_text) :], final=True)
+        self._advance()
+        return self._record(delta)
+
+    def _advance(self) -> None:
+        """prefix_offset <- read_offset, read_offset <- end: keep only the just-emitted ids as context."""
+        self._window = self._window[self._read :]
+        self._read = len(self._window)
+        self._prefix_text = self._tokenizer.decode(self._window, skip_special_tokens=self.skip_special_tokens)
+
+    def _release(self, delta: str, final: bool) -> str:
+        """Run new text through the stop-string check; return the part that can be emitted."""
+        if not self.stop:
+            return delta
+        text = self._held + delta
+        # A stop string cannot start inside text emitted earlier: its start would have been held back.
+        found = [(i, s) for s in self.stop if (i := text.find(s)) != -1]
+        match = min(found, key=lambda m: m[0]) if found else None  # the earliest; ties: list order
+        if match is not None:
+            self.stopped, self.stop_str, self._held = True, match[1], ""
+            return text[: match[0]]
+        keep = 0 if final else self._partial_stop_len(text)
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        for n in range(min(len(text), self._max_stop_len - 1), 0, -1):
+            tail = text[-n:]
+            if any(len(s) > n and s.startswith(tail) for s in self.stop):
+                return n
+        return 0
+
+    def _record(self, delta: str) -> str:
+        if delta:
+            self._chunks.append(delta)
+        return delta

@@ -1,0 +1,322 @@
+"""A Hugging Face tokenizer folder, read without transformers.
+
+`Tokenizer.from_pretrained(folder)` reads the same files `AutoTokenizer` reads and behaves as transformers 5
+does on them:
+
+- `tokenizer.json` is the tokenizer (the `tokenizers` library runs it). Its post-processor decides which
+  special tokens `encode(text)` adds; transformers 5 ignores `add_bos_token` / `add_eos_token` when that
+  file exists. We honour them only where `tokenizer.json` has no post-processor (the transformers 4 rule
+  for Llama-style tokenizers, so an old checkpoint still gets its BOS).
+- `tokenizer_config.json` names the special tokens (a string or an AddedToken-style dict) and may hold the
+  chat template: a string, or a list of `{"name", "template"}`.
+- `chat_template.jinja` and `additional_chat_templates/*.jinja` (what transformers 5 saves) replace the
+  templates of `tokenizer_config.json` when present.
+- `generation_config.json` and `config.json` add EOS ids: instruct models stop on several tokens
+  (Llama 3: <|end_of_text|>, <|eom_id|>, <|eot_id|>; Gemma 3: <eos>, <end_of_turn>).
+
+Chat templates render in the sandbox transformers uses, with its globals and filters, so a prompt is
+byte-identical to `apply_chat_template(..., tokenize=False)`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from tokenizers import AddedToken, processors
+from tokenizers import Tokenizer as _Backend
+
+from infer.engine.chat_template import compile_template, plain, with_reasoning_aliases
+
+# The named special tokens transformers passes to a chat template (its `special_tokens_map`).
+SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+class Tokenizer:
+    """Text <-> token ids, the model's chat template, and the ids that end generation.
+
+    Build it with `from_pretrained`. Immutable after construction; safe to share between requests.
+    """
+
+    def __init__(
+        self,
+        backend: _Backend,
+        special_tokens: Mapping[str, str],
+        chat_templates: str | Mapping[str, str] | None = None,
+        extra_eos_token_ids: tuple[int, ...] = (),
+        name: str = "",
+    ):
+        self._backend = backend
+        self.name = name
+        self.special_tokens: dict[str, str] = dict(special_tokens)  # named tokens, e.g. {"bos_token": "<s>"}
+        self._chat_templates = chat_templates
+        self.bos_token: str | None = self.special_tokens.get("bos_token")
+        self.eos_token: str | None = self.special_tokens.get("eos_token")
+        self.bos_token_id = self._id_of(self.bos_token)
+        self.eos_token_id = self._id_of(self.eos_token)
+        eos_ids = {self.eos_token_id} if self.eos_token_id is not None else set()
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids | set(extra_eos_token_ids))
+        named_ids = {self._id_of(token) for token in self.special_tokens.values()} - {None}
+        added = backend.get_added_tokens_decoder()
+        # Exactly the ids `decode(..., skip_special_tokens=True)` drops.
+        self.all_special_ids: frozenset[int] = frozenset(
+            {i for i, token in added.items() if token.special} | named_ids
+        )
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> Tokenizer:
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise ValueError(f"tokenizer folder {str(folder)!r} does not exist or is not a directory")
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(
+                f"{str(folder)!r} has no tokenizer.json; infer reads only the fast-tokenizer file "
+                "(convert a slow tokenizer with transformers: AutoTokenizer.from_pretrained(...)"
+                ".save_pretrained(folder))"
+            )
+        config = _read_json(folder / "tokenizer_config.json")
+        legacy = _read_json(folder / "special_tokens_map.json")
+        if "added_tokens_decoder" not in config:  # old folders keep their special tokens there
+            config.update(legacy)
+        try:
+            backend = _Backend.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception on bad JSON
+            raise ValueError(f"cannot read {path}: {e}") from e
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+
+        special_tokens, to_add = _named_special_tokens(config)
+        # As transformers does: a named special token missing from the added tokens becomes one, so that
+        # encode matches it whole and decode can skip it.
+        present = {token.content for token in backend.get_added_tokens_decoder().values()}
+        missing = [token for token in to_add if token.content not in present]
+        if missing:
+            backend.add_special_tokens(missing)
+
+        if backend.post_processor is None:
+            add_bos = bool(config.get("add_bos_token")) and "bos_token" in special_tokens
+            add_eos = bool(config.get("add_eos_token")) and "eos_token" in special_tokens
+            if add_bos or add_eos:
+                backend.post_processor = _bos_eos_processor(backend, special_tokens, add_bos, add_eos)
+
+        return cls(
+            backend,
+            special_tokens,
+            _load_chat_templates(folder, config.get("chat_template")),
+            _model_eos_ids(folder),
+            name=str(folder),
+        )
+
+    # -- text <-> ids ---------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; equals transformers' `tokenizer(text)["input_ids"]`.
+
+        Text that is already a rendered chat prompt carries its own BOS: encode it with
+        `add_special_tokens=False` (as transformers' `apply_chat_template(tokenize=True)` does).
+        Special-token text inside `text` (e.g. "<|eot_id|>") becomes the special token's id.
+        """
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (the size of the embedding the ids index)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    # -- chat ---------------------------------------------------------------------------------------
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default template, or None when the model has none."""
+        if isinstance(self._chat_templates, Mapping):
+            return self._chat_templates.get("default")
+        return self._chat_templates
+
+    def apply_chat_template(
+        self,
+        messages: list[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **extra: Any,
+    ) -> str:
+        """Render `messages` to the prompt text, exactly as transformers'
+        `apply_chat_template(messages, tokenize=False, ...)` does.
+
+        Message keys whose value is None are dropped (templates test for a missing key, not for None).
+        `extra` becomes template variables (e.g. `enable_thinking=False` for Qwen3) and overrides the
+        special tokens of the same name. `chat_template` is a template name (when the model has several)
+        or a Jinja template. Does not mutate `messages`.
+        """
+        if not messages:
+            raise ValueError("messages is empty: a chat needs at least one message")
+        chat = []
+        for message in messages:
+            if not isinstance(message, Mapping):
+                raise ValueError(f"each message must be an object with a role and content, got {message!r}")
+            chat.append(with_reasoning_aliases(plain({k: v for k, v in message.items() if v is not None})))
+        template = self._select_template(chat_template, tools)
+        try:
+            return compile_template(template).render(
+                messages=chat,
+                tools=plain(tools),
+                documents=plain(documents),
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **plain(extra)},
+            )
+        except jinja2.TemplateError as e:  # includes raise_exception(...) from the template itself
+            raise ValueError(
+                f"chat template of {self.name or 'this model'} rejected the messages: {e}"
+            ) from e
+
+    def _select_template(self, chat_template: str | None, tools: list | None) -> str:
+        templates = self._chat_templates
+        if isinstance(templates, Mapping):
+            if chat_template is not None:
+                return templates.get(chat_template, chat_template)
+            if tools is not None and "tool_use" in templates:
+                return templates["tool_use"]
+            if "default" in templates:
+                return templates["default"]
+            raise ValueError(
+                f"{self.name or 'this model'} has several chat templates and none is named 'default'; "
+                f"pick one of {sorted(templates)}"
+            )
+        if chat_template is not None:
+            return chat_template
+        if templates is None:
+            raise ValueError(
+                f"{self.name or 'this model'} has no chat template (tokenizer_config.json has no "
+                "'chat_template' and there is no chat_template.jinja): use the completions API with a "
+                "plain prompt, or add a template to the model folder"
+            )
+        return templates
+
+
+# -- loading helpers -------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _named_special_tokens(config: dict[str, Any]) -> tuple[dict[str, str], list[AddedToken]]:
+    """({name: content} of the named special tokens, every special token the config declares).
+
+    Named: the standard ones, any other "<name>_token" (Gemma 3's image_token...) and a dict of
+    extra_special_tokens; transformers passes all of them to chat templates by name.
+    """
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    keys = [*SPECIAL_TOKEN_KEYS, *(k for k in config if k.endswith("_token") and k not in SPECIAL_TOKEN_KEYS)]
+    named = {k: config[k] for k in keys if k in config} | (extra if isinstance(extra, dict) else {})
+    special_tokens: dict[str, str] = {}
+    declared: list[AddedToken] = []
+    for key, value in named.items():
+        if (token := _added_token(value)) is not None:
+            special_tokens[key] = token.content
+            declared.append(token)
+    for value in [] if isinstance(extra, dict) else extra:
+        if (token := _added_token(value)) is not None:
+            declared.append(token)
+    return special_tokens, declared
+
+
+def _model_eos_ids(folder: Path) -> tuple[int, ...]:
+    """EOS ids of generation_config.json and config.json (where a multimodal model may nest them)."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        cfg = _read_json(folder / name)
+        ids += _as_ids(cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id")))
+    return tuple(ids)
+
+
+def _added_token(value: Any) -> AddedToken | None:
+    """A special token from a config value: a string, or an AddedToken-style dict with "content"."""
+    if isinstance(value, str):
+        return AddedToken(value, special=True, normalized=False)
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        flags = {k: bool(value[k]) for k in ("single_word", "lstrip", "rstrip", "normalized") if k in value}
+        return AddedToken(value["content"], special=True, **{"normalized": False, **flags})
+    return None
+
+
+def _as_ids(value: Any) -> list[int]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _bos_eos_processor(
+    backend: _Backend, special_tokens: dict[str, str], add_bos: bool, add_eos: bool
+) -> processors.TemplateProcessing:
+    bos, eos = special_tokens.get("bos_token"), special_tokens.get("eos_token")
+    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    used = [t for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+    return processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=[(t, backend.token_to_id(t)) for t in used]
+    )
+
+
+def _load_chat_templates(folder: Path, from_config: Any) -> str | dict[str, str] | None:
+    """transformers 5's rule: template files, when present, replace the templates of tokenizer_config."""
+    files: dict[str, str] = {}
+    if (folder / "chat_template.jinja").is_file():
+        files["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    extra_dir = folder / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            files[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if files:
+        return files["default"] if list(files) == ["default"] else files
+    if isinstance(from_config, str):
+        return from_config
+    if isinstance(from_config, list):
+        try:
+            return {t["name"]: t["template"] for t in from_config}
+        except (KeyError, TypeError) as e:
+            raise ValueError(
+                f"{folder / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                '{"name": ..., "template": ...} objects'
+            ) from e
+    return None
