@@ -1,0 +1,99 @@
+"""Batched sampling: one pass over the logits of every request of a step.
+
+Each row has its own temperature, top-k, top-p, min-p and optional seed. Filters run on the whole
+[num_reqs, vocab] tensor at once; the only per-request work is drawing the noise of seeded rows from
+their own generator, which is what makes a seeded request's tokens independent of its batch.
+
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i,
+so greedy and random rows share one argmax and no multinomial call is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infer.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # per request: None, or (logprob of the sampled token, [(token_id, logprob)] of the top-N)
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)  # for rows without their own seed
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.request_generators.pop(req_id, None)
+
+    @torch.inference_mode()
+    def __call__(
+        self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]
+    ) -> SampleResult:
+        # logits: [num_reqs, vocab_size] float32
+        greedy = all(p.greedy for p in params)
+        if greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            probs = self._filtered_probs(logits, params)
+            token_ids = (probs / self._noise(probs.shape, req_ids, params)).argmax(dim=-1)
+        return SampleResult(token_ids.tolist(), self._logprobs(logits, token_ids, params))
+
+    def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        logits = logits / temperature.unsqueeze(1)
+        greedy_rows = torch.tensor([p.greedy for p in params])
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params])
+        top_k = torch.where(greedy_rows, 1, top_k)  # greedy rows: keep only the argmax
+        if bool((top_k > 0).any()):
+            k = torch.where(top_k > 0, top_k, logits.shape[1]).clamp(max=logits.shape[1])
+            sorted_desc = logits.sort(dim=-1, descending=True).values
+            kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))  # [num_reqs, 1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        top_p = torch.tensor([p.top_p for p in params])
+        if bool((top_p < 1.0).any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # drop a token when the mass strictly before it already reaches top_p (the first always stays)
+            drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p.unsqueeze(1)
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+        min_p = torch.tensor([p.min_p for p in params])
+        if bool((min_p > 0).any()):
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    def _noise(self, shape, req_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
+        noise = torch.empty(shape).exponential_(generator=self.generator)
+        for row, (req_id, p) in enumerate(zip(req_ids, params, strict=True)):
+            if p.seed is not None:
+                gen = self.request_generators.get(req_id)
+                if gen is None:
+                    gen = self.request_generators[req_id] = torch.Generator().manual_seed(p.seed)
+                noise[row].exponential_(generator=gen)
+        return noise
+
+    def _logprobs(self, logits, token_ids, params):
+        wanted = [p.logprobs for p in params]
+        if all(n is None for n in wanted):
+            return [None] * len(params)
+        logprobs = torch.log_softmax(logits, dim=-1)  # of the model's distribution, as vLLM reports
+        top_n = max(n for n in wanted if n is not None)
+        top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+        sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+        out = []
+        for row, n in enumerate(wanted):
+            if n is None:
+                out.append(None)
+                continue
+            top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True)) if n else []
+            out.append((sampled[row], top))
+        return out

@@ -1,0 +1,77 @@
+"""The batched sampler: filters, seeds independent of the batch, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from infer.runner.sampler import Sampler
+from infer.sampling_params import SamplingParams
+
+
+def logits_rows(n: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = logits_rows(4)
+    out = Sampler()(logits, list("abcd"), [SamplingParams(temperature=0)] * 4)
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_stay_greedy_in_a_mixed_batch():
+    logits = logits_rows(6)
+    params = [SamplingParams(temperature=0 if i % 2 else 1.5) for i in range(6)]
+    for seed in range(5):
+        out = Sampler(seed)(logits, list("abcdef"), params)
+        assert [out.token_ids[i] for i in (1, 3, 5)] == logits.argmax(-1)[[1, 3, 5]].tolist()
+
+
+def test_seeded_request_ignores_its_batch():
+    target = logits_rows(1, seed=7)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    alone = Sampler(0)
+    crowd = Sampler(99)
+    for step in range(20):
+        a = alone(target, ["x"], [params]).token_ids[0]
+        batch = torch.cat([logits_rows(3, seed=step), target])
+        others = [SamplingParams(temperature=1.0)] * 3
+        b = crowd(batch, ["o1", "o2", "o3", "x"], [*others, params]).token_ids[3]
+        assert a == b
+
+
+def test_top_k_and_min_p_and_top_p_restrict_the_support():
+    logits = logits_rows(1)
+    order = logits[0].argsort(descending=True).tolist()
+    probs = torch.softmax(logits[0], -1)
+    sampler = Sampler(0)
+    seen_k = {sampler(logits, ["r"], [SamplingParams(top_k=3)]).token_ids[0] for _ in range(200)}
+    assert seen_k <= set(order[:3]) and len(seen_k) >= 2
+    nucleus = next(i for i in range(50) if probs[order[: i + 1]].sum() >= 0.6) + 1
+    seen_p = {sampler(logits, ["r"], [SamplingParams(top_p=0.6)]).token_ids[0] for _ in range(300)}
+    assert seen_p <= set(order[:nucleus])
+    keep = {i for i in range(50) if probs[i] >= 0.2 * probs.max()}
+    seen_m = {sampler(logits, ["r"], [SamplingParams(min_p=0.2)]).token_ids[0] for _ in range(300)}
+    assert seen_m <= keep
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    sampler = Sampler(0)
+    counts = [0, 0, 0]
+    for _ in range(3000):
+        counts[sampler(logits, ["r"], [SamplingParams()]).token_ids[0]] += 1
+    for got, p in zip(counts, (0.5, 0.3, 0.2), strict=True):
+        assert abs(got / 3000 - p) < 0.04
+
+
+def test_logprobs_of_sampled_and_top_tokens():
+    logits = logits_rows(2)
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)]
+    out = Sampler()(logits, ["a", "b"], params)
+    sampled, top = out.logprobs[0]
+    ref = torch.log_softmax(logits[0], -1)
+    assert math.isclose(sampled, ref.max().item(), rel_tol=1e-5)
+    assert [t for t, _ in top] == ref.topk(3).indices.tolist()
+    assert out.logprobs[1] is None
