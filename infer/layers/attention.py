@@ -9,11 +9,14 @@ are the last `query_len` positions of its context of `seq_len` tokens:
 With a cache, the new keys/values are written to their slots first, and every sequence then attends
 over its whole context read back through its block table. Without one (a prefill-only forward, the
 no-cache benchmark mode), query_len == seq_len and attention reads the new keys directly.
+
+Decoding sequences (query_len == 1) are served together by one SDPA call per layer over their
+gathered, padded contexts; prefill chunks, fewer and longer, go one sequence at a time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks_per_seq] int64
     # one (key_cache, value_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    # derived once per forward (not per layer) in __post_init__
+    decode_seqs: list[int] = field(init=False, default_factory=list)
+    prefill_seqs: list[int] = field(init=False, default_factory=list)
+    query_starts: list[int] = field(init=False, default_factory=list)
+    _decode_masks: dict = field(init=False, default_factory=dict)
 
     @classmethod
     def prefill_only(cls, lens: list[int]) -> AttentionMetadata:
@@ -37,6 +45,30 @@ class AttentionMetadata:
         assert len(self.query_lens) == len(self.seq_lens)
         assert all(0 < q <= s for q, s in zip(self.query_lens, self.seq_lens, strict=True))
         assert (self.kv_caches is None) == (self.slot_mapping is None) == (self.block_tables is None)
+        start = 0
+        for i, query_len in enumerate(self.query_lens):
+            self.query_starts.append(start)
+            start += query_len
+            batched = query_len == 1 and self.kv_caches is not None
+            (self.decode_seqs if batched else self.prefill_seqs).append(i)
+        if self.decode_seqs:
+            self.decode_rows = torch.tensor([self.query_starts[i] for i in self.decode_seqs])
+            self.decode_seq_lens = torch.tensor([self.seq_lens[i] for i in self.decode_seqs])
+            block_size = self.kv_caches[0][0].shape[1]
+            num_blocks = -(-int(self.decode_seq_lens.max()) // block_size)
+            self.decode_tables = self.block_tables[self.decode_seqs, :num_blocks]  # [num_decodes, num_blocks]
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[num_decodes, 1, 1, padded_len] True where a decode may attend (its context, its window)."""
+        if sliding_window not in self._decode_masks:
+            padded = self.decode_tables.shape[1] * self.kv_caches[0][0].shape[1]
+            k_pos = torch.arange(padded).unsqueeze(0)  # [1, padded_len]
+            seq_lens = self.decode_seq_lens.unsqueeze(1)  # [num_decodes, 1]
+            mask = k_pos < seq_lens
+            if sliding_window is not None:
+                mask &= k_pos >= seq_lens - sliding_window
+            self._decode_masks[sliding_window] = mask[:, None, None, :]
+        return self._decode_masks[sliding_window]
 
 
 def attention(
@@ -56,9 +88,13 @@ def attention(
         key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k  # [num_slots, num_kv_heads, head_dim]
         value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
     out = torch.empty_like(q)
-    start = 0
-    for i, (query_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens, strict=True)):
-        rows = slice(start, start + query_len)
+    if meta.decode_seqs:
+        out[meta.decode_rows] = _decode(
+            q[meta.decode_rows], key_cache, value_cache, meta, scale, sliding_window
+        )
+    for i in meta.prefill_seqs:
+        query_len, seq_len = meta.query_lens[i], meta.seq_lens[i]
+        rows = slice(meta.query_starts[i], meta.query_starts[i] + query_len)
         if cache is None:
             keys, values = k[rows], v[rows]
         else:
@@ -66,8 +102,22 @@ def attention(
             keys = key_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
             values = value_cache[blocks].flatten(0, 1)[:seq_len]
         out[rows] = _attend(q[rows], keys, values, scale, sliding_window)
-        start += query_len
     return out
+
+
+def _decode(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
+    """All decoding sequences at once: q [num_decodes, H, D] over their padded contexts."""
+    keys = key_cache[meta.decode_tables].flatten(1, 2)  # [num_decodes, padded_len, num_kv_heads, head_dim]
+    values = value_cache[meta.decode_tables].flatten(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [num_decodes, H, 1, D]
+        keys.transpose(1, 2),  # [num_decodes, H_kv, padded_len, D]
+        values.transpose(1, 2),
+        attn_mask=meta.decode_mask(sliding_window),
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)  # [num_decodes, H, D]
 
 
 def _attend(q, k, v, scale, sliding_window):
@@ -78,12 +128,10 @@ def _attend(q, k, v, scale, sliding_window):
     if query_len == seq_len and not windowed:  # a whole prompt: SDPA's own causal mask is right
         out = F.scaled_dot_product_attention(q, k, v, is_causal=query_len > 1, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)
-    mask = None
-    if query_len > 1 or windowed:
-        q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)  # [query_len, 1]
-        k_pos = torch.arange(seq_len).unsqueeze(0)  # [1, seq_len]
-        mask = k_pos <= q_pos
-        if windowed:
-            mask &= q_pos - k_pos < sliding_window
+    q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)  # [query_len, 1]
+    k_pos = torch.arange(seq_len).unsqueeze(0)  # [1, seq_len]
+    mask = k_pos <= q_pos
+    if windowed:
+        mask &= q_pos - k_pos < sliding_window
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)  # [query_len, heads, head_dim]
