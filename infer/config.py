@@ -1,0 +1,152 @@
+"""Engine configuration: frozen dataclasses, validated in `__post_init__`, no I/O.
+
+The model's own configuration (from config.json) lives in `infer.models.config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KV_CACHE_BACKENDS = ("paged", "contiguous")
+POLICIES = ("fcfs", "priority")
+BATCHING_MODES = ("continuous", "static")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """The KV cache pool, counted in blocks of `block_size` tokens.
+
+    num_blocks: blocks in the preallocated pool (`--num-gpu-blocks` / `--num-kv-blocks`, or sized from a
+        memory budget by the runner). Pool capacity in tokens = num_blocks * block_size.
+    enable_prefix_caching: share full blocks of identical prefixes between requests (paged backend only;
+        the contiguous backend has no shareable blocks and ignores it).
+    kv_cache_backend: "paged" = blocks handed out one at a time as sequences grow; "contiguous" = each
+        running request reserves one whole max_model_len slot of consecutive blocks (the seed-002
+        baseline, kept for comparison).
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_backend: str = "paged"
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        _positive_int("num_blocks", self.num_blocks)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        _one_of("kv_cache_backend", self.kv_cache_backend, KV_CACHE_BACKENDS)
+
+    @property
+    def num_tokens(self) -> int:
+        """Capacity of the pool in tokens."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is actually in effect (it needs the paged backend)."""
+        return self.enable_prefix_caching and self.kv_cache_backend == "paged"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """What one engine step may contain and in which order requests are served.
+
+    max_num_seqs: running requests at most (the seeds' `max_batch_size`).
+    max_num_batched_tokens: token budget of one step, decode and prefill tokens together. Must be at least
+        max_num_seqs so every running request can decode in every step.
+    enable_chunked_prefill: split prompts into chunks of at most prefill_chunk_size tokens, interleaved
+        with decodes. Off: a prompt is prefilled whole in one step (a request whose prompt + max_tokens
+        cannot fit the budget is refused, as a preempted one must recompute all of it at once).
+    prefill_chunk_size: largest prefill chunk of one request in one step; None = max_num_batched_tokens.
+    policy: "fcfs" (arrival order) or "priority" (lower `Request.priority` first, ties by arrival; an
+        urgent waiting request may preempt a less urgent running one).
+    batching_mode: "continuous" (admit and retire every step) or "static" (admit up to max_num_seqs,
+        run them all to completion, then admit the next batch; for benchmarks).
+    max_model_len: prompt + max_tokens of one request at most.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    prefill_chunk_size: int | None = None
+    policy: str = "fcfs"
+    batching_mode: str = "continuous"
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_model_len", self.max_model_len)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running request can decode each step; "
+                "raise the token budget or lower max_num_seqs"
+            )
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
+        if self.prefill_chunk_size is None:
+            object.__setattr__(self, "prefill_chunk_size", self.max_num_batched_tokens)
+        _positive_int("prefill_chunk_size", self.prefill_chunk_size)
+        if self.prefill_chunk_size > self.max_num_batched_tokens:
+            raise ValueError(
+                f"prefill_chunk_size ({self.prefill_chunk_size}) cannot exceed max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}); lower the chunk size or raise the budget"
+            )
+        _one_of("policy", self.policy, POLICIES)
+        _one_of("batching_mode", self.batching_mode, BATCHING_MODES)
+
+    @property
+    def max_batch_size(self) -> int:
+        """The seeds' name for max_num_seqs."""
+        return self.max_num_seqs
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _one_of(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Everything `LLMEngine` needs, with the server's flags as field names. Defaults are the best
+    configuration: continuous batching over a paged cache with chunked prefill and prefix caching.
+
+    model: folder, hub id or preset; None = the embedded model.
+    num_kv_blocks: KV pool size in blocks; None = as many as fit in kv_cache_memory_gb.
+    max_model_len: prompt + output tokens of one request; None = the model's context length.
+    use_kv_cache: False recomputes every sequence from scratch each step (the KV-cache benchmark's
+        baseline); the scheduler is unchanged.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    kv_cache_backend: str = "paged"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    prefill_chunk_size: int | None = None
+    policy: str = "fcfs"
+    batching_mode: str = "continuous"
+    max_model_len: int | None = None
+    use_kv_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)

@@ -1,0 +1,369 @@
+"""The scheduler: which requests run in the next step, and how many tokens each.
+
+There are no prefill and decode phases, only a token budget per step and counts per request:
+
+    budget = max_num_batched_tokens
+      1. decodes of running requests, best key first          1 token each
+      2. prefill chunks of running, partly prefilled requests  min(remaining, chunk, budget)
+      3. admissions from the waiting queue, in key order       min(remaining - prefix hit, chunk, budget)
+         (none in a step where 1. or 2. had to preempt: the pool is full)
+
+A request's key is (priority, arrival_time, seq) under "priority" and (0, arrival_time, seq) under
+"fcfs"; both queues are kept sorted by it, so `running[-1]` is always the preemption victim (lowest
+priority, latest arrival) and a preempted request re-enters the waiting queue at its original position.
+
+Why no request is preempted forever:
+  (a) a request is preempted only in favour of one with a strictly better key: a running request short
+      of blocks preempts the worst-keyed running request (itself, if it is the worst), and under
+      "priority" a waiting request preempts a running one only if that one's priority value is larger;
+  (b) the waiting queue is served strictly in key order with head-of-line blocking: when the head
+      cannot be admitted, nothing behind it is, so the running set drains and the head gets in;
+  (c) the best-keyed running request is never a victim, always gets budget (the others' decodes take at
+      most max_num_seqs - 1 <= max_num_batched_tokens - 1 tokens), and can always get blocks, since
+      add_request refused any request that the whole pool cannot hold.
+  So the best-keyed unfinished request finishes in finitely many steps, then the next one, and so on by
+  induction on the key order: every request finishes, so none is preempted forever, and preemptions never
+  cycle. Under fcfs the requests that can preempt R are fixed when R arrives (the earlier arrivals).
+  Under "priority" an endless stream of more urgent arrivals delays a less urgent request by design
+  (strict priority); with equal priorities the policy is exactly fcfs, since (a) then never lets a
+  waiting request preempt and both queues are ordered by arrival.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import insort
+from collections.abc import Callable, Iterable
+
+from infer.config import CacheConfig, SchedulerConfig
+from infer.core.kv_cache_manager import make_kv_cache_manager
+from infer.core.outputs import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput, StepStats
+from infer.core.request import Request, RequestStatus
+
+
+class _StepPlan:
+    """Tokens granted per request during one schedule() call; a grant can be undone by a preemption."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_new_tokens: dict[Request, int] = {}  # insertion order: decodes, prefill chunks, admissions
+        self.preempted_req_ids: list[str] = []
+
+    def grant(self, req: Request, num_new_tokens: int) -> None:
+        self.num_new_tokens[req] = num_new_tokens
+        self.budget -= num_new_tokens
+
+    def revoke(self, req: Request) -> None:
+        self.budget += self.num_new_tokens.pop(req, 0)
+
+
+class Scheduler:
+    """Owns the requests and the KV cache manager; the engine drives it one step at a time:
+
+        out = scheduler.schedule()        # never empty while a request can run
+        runner_out = runner.execute(out)  # one sampled token per ScheduledRequest with sample=True
+        deltas = scheduler.update(out, runner_out)
+
+    Invariants (checked by `check_integrity`): every unfinished request is in exactly one of `waiting`
+    (WAITING or PREEMPTED, no blocks, num_computed_tokens == 0) and `running` (RUNNING, holding blocks
+    for its computed tokens); both are sorted by key; len(running) <= max_num_seqs.
+    clock: the time source of request timestamps (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = make_kv_cache_manager(cache_config, scheduler_config.max_model_len)
+        self.clock = clock
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.waiting: list[Request] = []  # sorted by key; WAITING and PREEMPTED requests, no blocks
+        self.running: list[Request] = []  # sorted by key; RUNNING requests, holding blocks
+        self.num_preemptions = 0
+        self._by_priority = scheduler_config.policy == "priority"
+        self._static = scheduler_config.batching_mode == "static"
+        self._wave_slots = 0  # static batching: admissions left in the current wave
+        self._finished_req_ids: list[str] = []  # since the last schedule()
+
+    def _key(self, req: Request) -> tuple[int, float, int]:
+        return (req.priority if self._by_priority else 0, req.arrival_time, req.seq)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- admission -----------------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request. ValueError if its id is taken or it could never run to completion."""
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use by an unfinished request")
+        if req.status != RequestStatus.WAITING or req.output_token_ids:
+            raise ValueError(f"request {req.req_id!r} was already run; build a new Request")
+        self._check_fits(req)
+        self.requests[req.req_id] = req
+        insort(self.waiting, req, key=self._key)
+
+    def _check_fits(self, req: Request) -> None:
+        cfg, kv = self.config, self.kv_cache_manager
+        num_prompt, max_tokens = req.num_prompt_tokens, req.sampling_params.max_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {req.req_id!r} has an empty prompt; send at least one token")
+        num_total = num_prompt + max_tokens
+        if num_total > cfg.max_model_len:
+            raise ValueError(
+                f"request {req.req_id!r}: prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_total} exceeds max_model_len ({cfg.max_model_len}); "
+                "shorten the prompt or lower max_tokens"
+            )
+        num_kv = num_total - 1  # the last sampled token is never fed back, so it needs no KV
+        if num_kv > kv.max_request_tokens:
+            raise ValueError(
+                f"request {req.req_id!r} needs KV for up to {num_kv} tokens but the cache holds at most "
+                f"{kv.max_request_tokens} per request ({kv.num_blocks} blocks of {kv.block_size}); "
+                "lower max_tokens, shorten the prompt or give the cache more blocks"
+            )
+        if not cfg.enable_chunked_prefill and num_kv > cfg.max_num_batched_tokens:
+            raise ValueError(
+                f"request {req.req_id!r}: with chunked prefill off, up to {num_kv} tokens (prompt + "
+                "generated tokens, recomputed after a preemption) must fit one step's "
+                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}); enable chunked prefill, raise the "
+                "budget or lower max_tokens"
+            )
+
+    # -- one step ------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work. Advances num_computed_tokens of every scheduled request (the runner
+        is trusted to compute them); `update` must follow with the runner's output."""
+        if self._static and not self.running:
+            self._wave_slots = self.config.max_num_seqs  # the previous wave is done: open a new one
+        num_evictions = self.kv_cache_manager.num_evictions
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_req_ids:  # memory is short: admitting more would only preempt more
+            self._schedule_waiting(plan)
+        return self._emit(plan, self.kv_cache_manager.num_evictions - num_evictions)
+
+    def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
+        """Tokens req may feed now (0 = none): a chunk if chunking, else all remaining or nothing."""
+        num_new = req.num_tokens - num_computed
+        if self.config.enable_chunked_prefill:
+            return min(num_new, self.config.prefill_chunk_size, budget)
+        return num_new if num_new <= budget else 0
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Decodes first, then prefill chunks of running requests, each pass best key first."""
+        for decode_pass in (True, False):
+            for req in list(self.running):
+                if plan.budget == 0:
+                    return
+                if req.status != RequestStatus.RUNNING or req.is_prefill == decode_pass:
+                    continue  # preempted earlier in this loop, or not this pass's kind
+                num_new = self._num_new_tokens(req, req.num_computed_tokens, plan.budget)
+                if num_new and self._allocate_or_preempt(req, num_new, plan):
+                    plan.grant(req, num_new)
+
+    def _allocate_or_preempt(self, req: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
+        """Get blocks for req, preempting the worst-keyed running requests until they fit.
+        False when req itself was the worst and got preempted."""
+        while self.kv_cache_manager.allocate_slots(req, num_new_tokens) is None:
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is req:
+                return False
+        return True
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests in key order while the budget, max_num_seqs and the pool allow.
+        Stops at the first request that cannot be admitted (head-of-line blocking, see module doc)."""
+        kv = self.kv_cache_manager
+        while self.waiting and plan.budget > 0 and not (self._static and self._wave_slots == 0):
+            req = self.waiting[0]
+            if len(self.running) >= self.config.max_num_seqs:
+                if self._preempt_for(req, plan):
+                    continue
+                return
+            computed_blocks, num_hit = kv.get_computed_blocks(req)
+            num_new = self._num_new_tokens(req, num_hit, plan.budget)
+            if num_new == 0:
+                return
+            if kv.allocate_slots(req, num_new, computed_blocks) is None:
+                if self._preempt_for(req, plan):
+                    continue  # look up the prefix again: the victim's blocks may now be hits
+                return
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.clock()
+                req.num_cached_tokens = num_hit
+            insort(self.running, req, key=self._key)
+            plan.grant(req, num_new)
+            if self._static:
+                self._wave_slots -= 1
+
+    def _preempt_for(self, req: Request, plan: _StepPlan) -> bool:
+        """Under "priority", preempt the worst running request if it is strictly less urgent than req."""
+        if not self._by_priority or not self.running or self.running[-1].priority <= req.priority:
+            return False
+        self._preempt(self.running[-1], plan)
+        return True
+
+    def _preempt(self, req: Request, plan: _StepPlan) -> None:
+        """Recompute-style preemption: drop req's blocks (full ones stay in the prefix cache), undo its
+        grant for this step, and put it back in the waiting queue at its original position."""
+        self.running.remove(req)
+        plan.revoke(req)
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        insort(self.waiting, req, key=self._key)
+        plan.preempted_req_ids.append(req.req_id)
+        if self._static:
+            self._wave_slots += 1  # the slot goes back to the wave the request belonged to
+
+    def _emit(self, plan: _StepPlan, num_evictions: int) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        scheduled, num_prefill, num_decode = [], 0, 0
+        for req, num_new in plan.num_new_tokens.items():
+            start = req.num_computed_tokens
+            end = start + num_new
+            scheduled.append(
+                ScheduledRequest(
+                    req_id=req.req_id,
+                    token_ids=req.token_ids[start:end],
+                    start_pos=start,
+                    block_ids=kv.block_ids(req),
+                    sample=end == req.num_tokens,
+                    sampling_params=req.sampling_params,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                )
+            )
+            if req.num_output_tokens and start == req.num_tokens - 1:  # feeds the last sampled token
+                num_decode += num_new
+            else:
+                num_prefill += num_new
+            req.num_computed_tokens = end
+        stats = StepStats(
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_decode,
+            num_preemptions=len(plan.preempted_req_ids),
+            num_evictions=num_evictions,
+            num_blocks_used=kv.num_used_blocks,
+            num_blocks_cached=kv.num_cached_blocks,
+            num_blocks_free=kv.num_free_blocks,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+        )
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        return SchedulerOutput(scheduled, num_prefill + num_decode, finished, plan.preempted_req_ids, stats)
+
+    def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
+        """Apply a step's results: cache newly full blocks, append sampled tokens, finish on EOS / stop
+        token ids / max_tokens (min_tokens and ignore_eos respected) and free finished requests' blocks.
+        Requests finished between schedule() and update() (aborts) are skipped."""
+        now = self.clock()
+        sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids, strict=True))
+        logprobs = {}
+        if runner_out.logprobs is not None:
+            logprobs = dict(zip(runner_out.req_ids, runner_out.logprobs, strict=True))
+        outputs = []
+        for sched in sched_out.scheduled:
+            req = self.requests.get(sched.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            self.kv_cache_manager.cache_blocks(req)  # before a finish frees them, so they stay reusable
+            if not sched.sample:
+                continue
+            assert sched.req_id in sampled, f"the runner sampled no token for {sched.req_id}"
+            token_id = sampled[sched.req_id]
+            status = req.append_output_token(token_id, now)
+            if status is not None:
+                self._finish(req, status, now)
+            outputs.append(
+                RequestOutput(
+                    req_id=req.req_id,
+                    new_token_ids=[token_id],
+                    finished=req.is_finished(),
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                    logprobs=logprobs.get(req.req_id),
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    # -- ending requests -----------------------------------------------------------------------------
+
+    def finish_requests(
+        self, req_ids: str | Iterable[str], status: RequestStatus, stop_reason: str | None = None
+    ) -> list[RequestOutput]:
+        """End requests from outside (abort, a stop string found by the engine, an error) in any state.
+
+        Unknown or already finished ids are ignored. Returns one final output per request ended here.
+        """
+        if not status.is_finished():
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {status.name}")
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        now = self.clock()
+        outputs = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
+            self._finish(req, status, now)
+            outputs.append(
+                RequestOutput(
+                    req_id=req_id,
+                    new_token_ids=[],
+                    finished=True,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+        return outputs
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.kv_cache_manager.free(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        req.finished_time = now
+        del self.requests[req.req_id]
+        self._finished_req_ids.append(req.req_id)
+
+    def check_integrity(self) -> None:
+        """Queues sorted and disjoint, statuses consistent with them, blocks held only by running requests."""
+        kv = self.kv_cache_manager
+        kv.check_integrity()
+        assert self.running == sorted(self.running, key=self._key), "running is out of key order"
+        assert self.waiting == sorted(self.waiting, key=self._key), "waiting is out of key order"
+        assert len(self.running) <= self.config.max_num_seqs, len(self.running)
+        ids = [r.req_id for r in self.running] + [r.req_id for r in self.waiting]
+        assert sorted(ids) == sorted(self.requests), "running + waiting != unfinished requests"
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING and kv.holds(req), req.req_id
+            assert 0 < req.num_computed_tokens <= req.num_tokens, (req.req_id, req.num_computed_tokens)
+        for req in self.waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (req.req_id, req.status)
+            assert not kv.holds(req) and req.num_computed_tokens == 0, req.req_id
