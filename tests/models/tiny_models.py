@@ -88,3 +88,17 @@ def save_tiny_model(name: str, root: Path, seed: int = 0):
     path = root / name
     model.save_pretrained(path)
     return model, path
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer with exactly 256 ids and no merges: fits the tiny models' vocab."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))

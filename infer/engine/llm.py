@@ -1,0 +1,48 @@
+"""Offline batch generation: `LLM(model=...).generate(prompts, sampling_params)`, as in vLLM."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infer.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    prompt: str | list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        priorities: list[int] | None = None,
+    ) -> list[GenerationResult]:
+        """Run every prompt to completion; results in the order of `prompts`."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        results = {}
+        for i, prompt in enumerate(prompts):
+            req = self.engine.add_request(prompt, params[i], priority=priorities[i] if priorities else 0)
+            results[req.req_id] = GenerationResult(prompt, num_prompt_tokens=req.num_prompt_tokens)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                result = results[out.req_id]
+                result.text += out.text
+                result.token_ids += out.token_ids
+                result.num_cached_tokens = out.num_cached_tokens
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+        return list(results.values())

@@ -1,0 +1,162 @@
+"""The step loop: scheduler -> runner -> scheduler.update -> detokenize, one engine step at a time.
+
+    engine = LLMEngine(EngineConfig())
+    engine.add_request("In the beginning", SamplingParams(max_tokens=16))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.text, end="")
+
+`LLM` (infer.engine.llm) wraps this for offline batches; the server drives it from its own thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from infer.config import CacheConfig, EngineConfig, SchedulerConfig
+from infer.core.outputs import StepStats
+from infer.core.request import Request, RequestStatus
+from infer.core.scheduler import Scheduler
+from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.engine.tokenizer import Tokenizer
+from infer.models.loader import EMBEDDED_MODEL, load_model
+from infer.runner.kv_cache import kv_bytes_per_token
+from infer.runner.model_runner import ModelRunner
+from infer.sampling_params import SamplingParams
+
+
+@dataclass
+class StepOutput:
+    """What one request gained in one step (or its end)."""
+
+    req_id: str
+    text: str  # new text, stop strings cut
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # so far, counting the token that completed a stop string
+    num_cached_tokens: int
+    logprobs: Any = None  # (sampled token's logprob, [(token_id, logprob)] top-N) when asked for
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model, self.model_config, path = load_model(
+            config.model, config.dtype, config.load_format, config.seed
+        )
+        tokenizer_path = path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
+        self.tokenizer = Tokenizer.from_pretrained(tokenizer_path)
+        self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
+        dtype = next(model.parameters()).dtype
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
+        num_blocks = config.num_kv_blocks or max(
+            1, int(config.kv_cache_memory_gb * 2**30) // (config.block_size * self.kv_bytes_per_token)
+        )
+        self.cache_config = CacheConfig(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            kv_cache_backend=config.kv_cache_backend,
+        )
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            prefill_chunk_size=config.prefill_chunk_size,
+            policy=config.policy,
+            batching_mode=config.batching_mode,
+            max_model_len=self.max_model_len,
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.runner = ModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            config.seed,
+            config.use_kv_cache,
+            self.tokenizer.eos_token_ids,
+        )
+        self.requests: dict[str, Request] = {}  # unfinished, by id
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.last_stats = StepStats()
+        self._ids = itertools.count()
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.cache_config.num_blocks * self.cache_config.block_size
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        req_id: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Queue a request. ValueError (nothing queued) for bad token ids or one that can never fit."""
+        params = params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+        req = Request(
+            req_id=req_id if req_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            priority=priority,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
+        self.scheduler.add_request(req)
+        self.requests[req.req_id] = req
+        self.detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer, token_ids, stop=params.stop)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, req_ids: str | list[str]) -> list[StepOutput]:
+        """End requests in any state; their blocks go back to the pool. Unknown ids are ignored."""
+        ended = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        return [self._output(o.req_id, "", [], "abort", None) for o in ended]
+
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        self.last_stats = sched.stats
+        runner_out = self.runner.execute(sched)
+        outputs = []
+        for out in self.scheduler.update(sched, runner_out):
+            detok = self.detokenizers[out.req_id]
+            text = detok.update(out.new_token_ids)
+            reason = out.finish_reason
+            if detok.stopped:  # a stop string: the engine's to find, not the core's
+                if not out.finished:
+                    self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED, detok.stop_str)
+                reason = "stop"  # also when it completed on the max_tokens-th token
+            elif out.finished:
+                text += detok.flush()  # text held back in case it began a stop string
+            outputs.append(self._output(out.req_id, text, out.new_token_ids, reason, out.logprobs))
+        return outputs
+
+    def _output(
+        self, req_id: str, text: str, token_ids: list[int], reason: str | None, logprobs
+    ) -> StepOutput:
+        req = self.requests[req_id]
+        if reason is not None:
+            del self.requests[req_id], self.detokenizers[req_id]
+        return StepOutput(
+            req_id=req_id,
+            text=text,
+            token_ids=list(token_ids),
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            logprobs=logprobs,
+        )

@@ -1,0 +1,108 @@
+"""SchedulerOutput -> tensors -> one forward -> sampled tokens -> ModelRunnerOutput.
+
+One forward per step over the flat batch of every scheduled token: decode tokens and prefill chunks
+of different requests together. Everything per token is built with tensor ops, not Python loops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
+from infer.layers.attention import AttentionMetadata
+from infer.runner.kv_cache import allocate_kv_cache
+from infer.runner.sampler import Sampler
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the sampler.
+
+    use_kv_cache=False is the no-cache mode of the KV-cache benchmark: every step recomputes each
+    scheduled request's whole sequence (the runner keeps the token history itself).
+    """
+
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int,
+        seed: int = 0,
+        use_kv_cache: bool = True,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ):
+        self.model = model
+        self.eos_token_ids = list(eos_token_ids)
+        self.block_size = block_size
+        self.dtype = next(model.parameters()).dtype
+        self.kv_caches = (
+            allocate_kv_cache(model.config, num_blocks, block_size, self.dtype) if use_kv_cache else None
+        )
+        self.sampler = Sampler(seed)
+        self.history: dict[str, list[int]] = {}  # no-cache mode only: each request's tokens so far
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches or [])
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.sampler.forget(sched.finished_req_ids)
+        for req_id in sched.finished_req_ids:
+            self.history.pop(req_id, None)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [])
+        input_ids, positions, meta = self._prepare(sched)
+        hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
+        last_rows = torch.tensor(meta.query_lens).cumsum(0) - 1  # last token of each request
+        sampled = [i for i, s in enumerate(sched.scheduled) if s.sample]
+        if not sampled:
+            return ModelRunnerOutput([], [])
+        logits = self.model.compute_logits(hidden[last_rows[sampled]])  # [num_sampled, vocab_size]
+        reqs = [sched.scheduled[i] for i in sampled]
+        self._ban_early_stops(logits, reqs)
+        req_ids = [s.req_id for s in reqs]
+        result = self.sampler(logits, req_ids, [s.sampling_params for s in reqs])
+        return ModelRunnerOutput(req_ids, result.token_ids, result.logprobs)
+
+    def _ban_early_stops(self, logits: torch.Tensor, reqs) -> None:
+        """Before min_tokens outputs exist, EOS and stop token ids cannot be sampled (as in vLLM)."""
+        for row, s in enumerate(reqs):
+            p = s.sampling_params
+            if p.min_tokens and s.start_pos + s.num_tokens - s.num_prompt_tokens < p.min_tokens:
+                banned = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                logits[row, banned] = float("-inf")
+
+    def _prepare(self, sched: SchedulerOutput):
+        reqs = sched.scheduled
+        if self.kv_caches is None:
+            return self._prepare_no_cache(sched)
+        token_ids = [t for s in reqs for t in s.token_ids]
+        query_lens = [s.num_tokens for s in reqs]
+        starts = torch.tensor([s.start_pos for s in reqs])
+        lens = torch.tensor(query_lens)
+        seq_index = torch.repeat_interleave(torch.arange(len(reqs)), lens)  # [num_tokens]
+        first_row = lens.cumsum(0) - lens
+        positions = torch.arange(len(token_ids)) - first_row[seq_index] + starts[seq_index]
+        width = max(len(s.block_ids) for s in reqs)
+        block_tables = torch.tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in reqs])
+        block_of_token = block_tables[seq_index, positions // self.block_size]
+        slot_mapping = block_of_token * self.block_size + positions % self.block_size
+        meta = AttentionMetadata(
+            query_lens=query_lens,
+            seq_lens=[s.start_pos + s.num_tokens for s in reqs],
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            kv_caches=self.kv_caches,
+        )
+        return torch.tensor(token_ids), positions, meta
+
+    def _prepare_no_cache(self, sched: SchedulerOutput):
+        sequences = []
+        for s in sched.scheduled:
+            history = self.history.setdefault(s.req_id, [])
+            del history[s.start_pos :]  # a preempted request restarts from position 0
+            history.extend(s.token_ids)
+            sequences.append(history)
+        input_ids = torch.tensor([t for seq in sequences for t in seq])
+        positions = torch.cat([torch.arange(len(seq)) for seq in sequences])
+        return input_ids, positions, AttentionMetadata.prefill_only([len(seq) for seq in sequences])
