@@ -83,3 +83,70 @@ def test_prefix_cache_serves_a_later_request(tiny, enable):
     assert [r.token_ids for r in later] == expected[1:3]
     stats = llm.engine.scheduler.kv_cache_manager
     assert stats.num_hit_tokens == (32 if enable else 0)
+
+
+def test_stop_token_ids_and_min_tokens(tiny):
+    path, prompts, expected = tiny
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    stop_at = expected[4][5]
+    first = expected[4].index(stop_at)
+    (r,) = llm.generate(
+        prompts[4], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_at])
+    )
+    assert r.finish_reason == "stop" and r.token_ids == expected[4][: first + 1]
+    # min_tokens bans the stop token until that many tokens exist: the output must avoid it early on
+    banned = expected[4][0]
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, stop_token_ids=[banned])
+    (r,) = llm.generate(prompts[4], params)
+    assert len(r.token_ids) == 4 and banned not in r.token_ids
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny):
+    path, prompts, _ = tiny
+    seeded = SamplingParams(temperature=1.0, seed=42, max_tokens=MAX_TOKENS, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    alone = LLM(path, dtype="float32", num_kv_blocks=64, seed=1).generate(prompts[5], seeded)[0]
+    crowd = LLM(path, dtype="float32", num_kv_blocks=64, seed=2).generate(
+        prompts[3:8], [other, other, seeded, other, other]
+    )
+    assert crowd[2].token_ids == alone.token_ids
+    reseeded = SamplingParams(temperature=1.0, seed=43, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert (
+        LLM(path, dtype="float32", num_kv_blocks=64).generate(prompts[5], reseeded)[0].token_ids
+        != alone.token_ids
+    )
+
+
+def test_abort_in_every_state_frees_blocks(tiny):
+    path, prompts, _ = tiny
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts[4:8]]  # 2 run, 2 wait
+    engine.step()
+    engine.step()
+    assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 2
+    ended = engine.abort([reqs[0].req_id, reqs[3].req_id, "no-such-id"])
+    assert sorted(o.req_id for o in ended) == sorted([reqs[0].req_id, reqs[3].req_id])
+    assert all(o.finished and o.finish_reason == "abort" for o in ended)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    finished = {o.req_id: o.finish_reason for o in outputs if o.finished}
+    assert finished == {reqs[1].req_id: "length", reqs[2].req_id: "length"}
+    engine.scheduler.check_integrity()
+    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    assert engine.requests == {} and engine.detokenizers == {}
+
+
+def test_bad_requests_are_refused_and_nothing_leaks(tiny):
+    path, prompts, _ = tiny
+    llm = LLM(path, dtype="float32", num_kv_blocks=8, block_size=4)
+    engine = llm.engine
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.add_request([1, 2, 999])
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError):  # 30 + 16 tokens can never fit a 32-token pool
+        engine.add_request(prompts[5], SamplingParams(max_tokens=16))
+    assert not engine.has_unfinished() and engine.requests == {}
