@@ -1,0 +1,137 @@
+"""AsyncEngine: the step loop on its own thread, streams to asyncio callers.
+
+The HTTP event loop never runs a forward and the engine thread never waits on a socket. The two
+threads meet only through a command queue (add, abort: applied between steps, so the engine is
+touched by one thread alone) and `call_soon_threadsafe` (outputs back to each request's asyncio.Queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from infer.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine, StepOutput
+from infer.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(config or EngineConfig())
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        req_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[StepOutput]:
+        """Yield a request's outputs as they come. Raises ValueError (before any output) if refused.
+        Closing the iterator early (a client that went away) aborts the request."""
+        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
+        stream: asyncio.Queue = asyncio.Queue()
+        added = self._loop.create_future()
+        self._streams[req_id] = stream
+        self._send(("add", (prompt, params, req_id, priority), added))
+        finished = False
+        try:
+            await added
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(req_id, None)
+            if not finished:
+                self.abort(req_id)
+
+    def abort(self, req_id: str) -> None:
+        self._send(("abort", req_id, None))
+
+    def _send(self, command) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # -- the engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._apply_commands()
+            if not engine.has_unfinished():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a failed step fails its requests, not the server
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                self._deliver(out.req_id, out)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, payload, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                prompt, params, req_id, priority = payload
+                try:
+                    self.engine.add_request(prompt, params, req_id, priority)
+                except Exception as exc:
+                    self._loop.call_soon_threadsafe(_settle, future, exc)
+                else:
+                    self._loop.call_soon_threadsafe(_settle, future, None)
+            else:
+                self.engine.abort(payload)
+
+    def _deliver(self, req_id: str, item) -> None:
+        stream = self._streams.get(req_id)
+        if stream is not None:
+            self._loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _fail_all(self, exc: Exception) -> None:
+        req_ids = list(self.engine.requests)
+        self.engine.abort(req_ids)
+        error = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
+        for req_id in req_ids:
+            self._deliver(req_id, error)
+
+
+def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
+    if future.done():  # the caller went away before the engine answered
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)

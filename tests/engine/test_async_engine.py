@@ -1,0 +1,77 @@
+"""AsyncEngine: concurrent streams, refusals, and early exits that abort their requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from infer.config import EngineConfig
+from infer.engine.async_engine import AsyncEngine
+from infer.sampling_params import SamplingParams
+from tests.models.tiny_models import save_byte_tokenizer, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    _, path = save_tiny_model("llama", tmp_path_factory.mktemp("async"))
+    save_byte_tokenizer(path)
+    return str(path)
+
+
+def run(engine: AsyncEngine, coro):
+    async def main():
+        engine.start()
+        try:
+            return await coro()
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_concurrent_streams_match_offline_results(model_path):
+    from infer.engine.llm import LLM
+
+    prompts = [[5 + i, 9, 11 + i, 40] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [
+        r.token_ids for r in LLM(model_path, dtype="float32", num_kv_blocks=64).generate(prompts, params)
+    ]
+    engine = AsyncEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=64))
+
+    async def collect(prompt):
+        outs = [o async for o in engine.generate(prompt, params)]
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert not any(o.finished for o in outs[:-1])
+        return [t for o in outs for t in o.token_ids]
+
+    async def main():
+        return await asyncio.gather(*(collect(p) for p in prompts))
+
+    assert run(engine, main) == expected
+    assert engine.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_refused_request_raises_and_closing_early_aborts(model_path):
+    engine = AsyncEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=64))
+
+    async def main():
+        with pytest.raises(ValueError, match="token ids"):
+            async for _ in engine.generate([1, 9999]):
+                pass
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        stream = engine.generate([3, 4, 5], params, req_id="leaver")
+        async for out in stream:
+            if out.num_output_tokens >= 3:
+                break
+        await stream.aclose()  # what a disconnecting HTTP client causes
+        for _ in range(200):
+            if not engine.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        return engine.engine.has_unfinished()
+
+    assert run(engine, main) is False
+    assert engine.num_unfinished == 0
+    assert engine.engine.scheduler.kv_cache_manager.num_used_blocks == 0
