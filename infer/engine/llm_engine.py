@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,20 @@ class StepOutput:
     num_output_tokens: int  # so far, counting the token that completed a stop string
     num_cached_tokens: int
     logprobs: Any = None  # (sampled token's logprob, [(token_id, logprob)] top-N) when asked for
+
+
+@dataclass
+class StepTiming:
+    """Where one step's wall time went: bookkeeping (schedule, prepare, update) versus the model."""
+
+    schedule_s: float = 0.0  # Scheduler.schedule()
+    prepare_s: float = 0.0  # building the batch tensors
+    forward_s: float = 0.0  # forward, logits and sampling
+    update_s: float = 0.0  # Scheduler.update(), detokenization, stop strings
+
+    @property
+    def bookkeeping_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.update_s
 
 
 class LLMEngine:
@@ -83,6 +98,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_stats = StepStats()
+        self.last_timing = StepTiming()
         self._ids = itertools.count()
 
     @property
@@ -126,9 +142,22 @@ class LLMEngine:
         return [self._output(o.req_id, "", [], "abort", None) for o in ended]
 
     def step(self) -> list[StepOutput]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         self.last_stats = sched.stats
+        scheduled = time.perf_counter()
         runner_out = self.runner.execute(sched)
+        executed = time.perf_counter()
+        outputs = self._process(sched, runner_out)
+        self.last_timing = StepTiming(
+            schedule_s=scheduled - start,
+            prepare_s=self.runner.last_prepare_s,
+            forward_s=executed - scheduled - self.runner.last_prepare_s,
+            update_s=time.perf_counter() - executed,
+        )
+        return outputs
+
+    def _process(self, sched, runner_out) -> list[StepOutput]:
         outputs = []
         for out in self.scheduler.update(sched, runner_out):
             detok = self.detokenizers[out.req_id]

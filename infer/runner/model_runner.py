@@ -6,6 +6,8 @@ of different requests together. Everything per token is built with tensor ops, n
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -38,6 +40,7 @@ class ModelRunner:
             allocate_kv_cache(model.config, num_blocks, block_size, self.dtype) if use_kv_cache else None
         )
         self.sampler = Sampler(seed)
+        self.last_prepare_s = 0.0
         self.history: dict[str, list[int]] = {}  # no-cache mode only: each request's tokens so far
 
     @property
@@ -49,9 +52,12 @@ class ModelRunner:
         self.sampler.forget(sched.finished_req_ids)
         for req_id in sched.finished_req_ids:
             self.history.pop(req_id, None)
+        self.last_prepare_s = 0.0
         if sched.is_empty:
             return ModelRunnerOutput([], [])
+        start = time.perf_counter()
         input_ids, positions, meta = self._prepare(sched)
+        self.last_prepare_s = time.perf_counter() - start
         hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
         last_rows = torch.tensor(meta.query_lens).cumsum(0) - 1  # last token of each request
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sample]

@@ -1,0 +1,172 @@
+"""Engine performance on this machine, in-process (no HTTP): the figures of issue 3.
+
+    python benchmarks/bench_engine.py --model llama-50m --load-format dummy
+    python benchmarks/bench_engine.py                       # the embedded model
+
+1. overhead: scheduler + bookkeeping time per step as a fraction of the forward, at batch 1 and 32.
+2. context: decode tokens/s of one stream as its context grows (a growth copy would show as a slope).
+3. prefix: throughput with prefix caching on vs off when nothing is shared (its pure cost), and TTFT
+   with a shared 1024-token prefix (its benefit).
+4. memory: KV pool allocated once at start-up, its size in tokens and bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from infer.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.sampling_params import SamplingParams
+
+
+def engine(args, **overrides) -> LLMEngine:
+    cfg = dict(model=args.model, load_format=args.load_format, dtype=args.dtype, kv_cache_memory_gb=1.0)
+    return LLMEngine(EngineConfig(**{**cfg, **overrides}))
+
+
+def random_prompt(gen: torch.Generator, n: int, vocab: int) -> list[int]:
+    return torch.randint(10, min(vocab, 30000), (n,), generator=gen).tolist()
+
+
+def run_all(eng: LLMEngine) -> list:
+    steps = []
+    while eng.has_unfinished():
+        eng.step()
+        steps.append((eng.last_stats, eng.last_timing))
+    return steps
+
+
+def overhead(args) -> list[dict]:
+    rows = []
+    for batch in (1, 32):
+        eng = engine(args, max_num_seqs=32, max_num_batched_tokens=max(512, 32 * 128))
+        gen = torch.Generator().manual_seed(batch)
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        for _ in range(batch):
+            eng.add_request(random_prompt(gen, 128, eng.model_config.vocab_size), params)
+        decode = [t for s, t in run_all(eng) if s.num_prefill_tokens == 0]
+        fwd = statistics.median(t.forward_s for t in decode)
+        book = statistics.median(t.bookkeeping_s for t in decode)
+        sched = statistics.median(t.schedule_s + t.update_s for t in decode)
+        rows.append(
+            dict(
+                batch=batch,
+                forward_ms=fwd * 1e3,
+                scheduler_ms=sched * 1e3,
+                bookkeeping_ms=book * 1e3,
+                bookkeeping_frac=book / fwd,
+                decode_tok_s=batch / (fwd + book),
+            )
+        )
+    return rows
+
+
+def context(args) -> list[dict]:
+    eng = engine(args)
+    limit = min(eng.max_model_len, args.max_context)
+    gen = torch.Generator().manual_seed(0)
+    eng.add_request(
+        random_prompt(gen, 16, eng.model_config.vocab_size),
+        SamplingParams(temperature=0, max_tokens=limit - 16, ignore_eos=True),
+    )
+    times, pos = [], 16
+    for stats, timing in run_all(eng):
+        if stats.num_decode_tokens:
+            times.append((pos, timing.forward_s + timing.bookkeeping_s))
+        pos += stats.num_prefill_tokens + stats.num_decode_tokens
+    rows, width = [], limit // 8
+    for lo in range(0, limit, width):
+        bucket = [t for p, t in times if lo <= p < lo + width]
+        if bucket:
+            rows.append(dict(context=f"{lo}-{lo + width}", decode_tok_s=1 / statistics.median(bucket)))
+    return rows
+
+
+def prefix(args) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    vocab_probe = engine(args, num_kv_blocks=64)
+    vocab, max_len = vocab_probe.model_config.vocab_size, vocab_probe.max_model_len
+    del vocab_probe
+    prompts = [random_prompt(gen, 256, vocab) for _ in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out: dict = {}
+    for enable in (False, True, False, True):  # interleaved twice: the better of two per setting
+        eng = engine(args, enable_prefix_caching=enable, max_num_seqs=16)
+        start = time.perf_counter()
+        for p in prompts:
+            eng.add_request(p, params)
+        run_all(eng)
+        tok_s = 16 * 32 / (time.perf_counter() - start)
+        key = f"no_reuse_tok_s_cache_{'on' if enable else 'off'}"
+        out[key] = max(out.get(key, 0), tok_s)
+    out["no_reuse_ratio"] = out["no_reuse_tok_s_cache_on"] / out["no_reuse_tok_s_cache_off"]
+
+    shared_len = min(1024, max_len - 64)
+    shared = random_prompt(gen, shared_len, vocab)
+    for enable in (False, True):
+        eng = engine(args, enable_prefix_caching=enable)
+        ttfts = []
+        for i in range(6):
+            req = eng.add_request(shared + random_prompt(gen, 16, vocab), SamplingParams(max_tokens=1))
+            run_all(eng)
+            if i:  # the first request fills the cache
+                ttfts.append(req.first_token_time - req.arrival_time)
+        out[f"shared_{shared_len}_ttft_ms_cache_{'on' if enable else 'off'}"] = statistics.median(ttfts) * 1e3
+    on, off = (out[f"shared_{shared_len}_ttft_ms_cache_{s}"] for s in ("on", "off"))
+    out["shared_prefix_ttft_speedup"] = off / on
+    return out
+
+
+def memory(args) -> dict:
+    eng = engine(args)
+    return dict(
+        kv_capacity_tokens=eng.kv_capacity_tokens,
+        kv_bytes=eng.runner.kv_cache_bytes,
+        kv_bytes_per_token=eng.kv_bytes_per_token,
+        num_blocks=eng.cache_config.num_blocks,
+        block_size=eng.cache_config.block_size,
+    )
+
+
+def table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    fmt = lambda v: (
+        f"{v:,.3f}" if isinstance(v, float) and v < 10 else (f"{v:,.1f}" if isinstance(v, float) else str(v))
+    )
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--only", nargs="+", default=["overhead", "context", "prefix", "memory"])
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    print(
+        f"model={args.model or 'embedded'} dtype={args.dtype} torch {torch.__version__} "
+        f"threads={torch.get_num_threads()} {platform.processor() or platform.machine()}"
+    )
+    results = {}
+    for name in args.only:
+        result = globals()[name](args)
+        results[name] = result
+        print(f"\n## {name}\n")
+        print(table(result) if isinstance(result, list) else table([result]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
