@@ -25,25 +25,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     import time
 
-    from infer.engine.tokenizer import Tokenizer
-    from infer.models.generate import generate
-    from infer.models.loader import EMBEDDED_MODEL, load_model
+    from infer.engine.llm import LLM
+    from infer.sampling_params import SamplingParams
 
-    model, cfg, path = load_model(args.model, args.dtype, args.load_format, args.seed)
-    tokenizer_path = path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
-    tokenizer = Tokenizer.from_pretrained(tokenizer_path)
-    text = args.prompt
+    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed)
+    tokenizer = llm.engine.tokenizer
+    prompt = args.prompt
     if args.chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    prompt_ids = tokenizer.encode(text, add_special_tokens=not args.chat)
-    eos = set() if args.ignore_eos else tokenizer.eos_token_ids
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
+        prompt = tokenizer.encode(text, add_special_tokens=False)  # the template already holds BOS
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, seed=args.seed
+    )
     start = time.perf_counter()
-    out = generate(model, [prompt_ids], args.max_tokens, args.temperature, eos, args.seed)[0]
+    (result,) = llm.generate(prompt, params)
     elapsed = time.perf_counter() - start
-    print(tokenizer.decode([t for t in out if t < tokenizer.vocab_size]))
+    print(result.text)
     print(
-        f"[{len(prompt_ids)} prompt + {len(out)} generated tokens in {elapsed:.2f}s, "
-        f"{cfg.architecture}, {next(model.parameters()).dtype}]",
+        f"[{result.num_prompt_tokens} prompt + {len(result.token_ids)} generated tokens in {elapsed:.2f}s, "
+        f"finish_reason={result.finish_reason}, {llm.engine.model_config.architecture}, "
+        f"{llm.engine.runner.dtype}]",
         file=sys.stderr,
     )
     return 0
