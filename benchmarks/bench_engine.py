@@ -3,7 +3,8 @@
     python benchmarks/bench_engine.py --model llama-50m --load-format dummy
     python benchmarks/bench_engine.py                       # the embedded model
 
-1. overhead: scheduler + bookkeeping time per step as a fraction of the forward, at batch 1 and 32.
+1. overhead: scheduler + bookkeeping time per step as a fraction of the forward, at batch 1, 8, 32,
+   and end-to-end output tokens/s for that many 128-token prompts generating 64 tokens each.
 2. context: decode tokens/s of one stream as its context grows (a growth copy would show as a slope).
 3. prefix: throughput with prefix caching on vs off when nothing is shared (its pure cost), and TTFT
    with a shared 1024-token prefix (its benefit).
@@ -44,13 +45,16 @@ def run_all(eng: LLMEngine) -> list:
 
 def overhead(args) -> list[dict]:
     rows = []
-    for batch in (1, 32):
+    for batch in (1, 8, 32):
         eng = engine(args, max_num_seqs=32, max_num_batched_tokens=max(512, 32 * 128))
         gen = torch.Generator().manual_seed(batch)
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         for _ in range(batch):
             eng.add_request(random_prompt(gen, 128, eng.model_config.vocab_size), params)
-        decode = [t for s, t in run_all(eng) if s.num_prefill_tokens == 0]
+        start = time.perf_counter()
+        steps = run_all(eng)
+        e2e = batch * 64 / (time.perf_counter() - start)
+        decode = [t for s, t in steps if s.num_prefill_tokens == 0]
         fwd = statistics.median(t.forward_s for t in decode)
         book = statistics.median(t.bookkeeping_s for t in decode)
         sched = statistics.median(t.schedule_s + t.update_s for t in decode)
@@ -62,6 +66,7 @@ def overhead(args) -> list[dict]:
                 bookkeeping_ms=book * 1e3,
                 bookkeeping_frac=book / fwd,
                 decode_tok_s=batch / (fwd + book),
+                end_to_end_tok_s=e2e,  # 128-token prompts, 64 output tokens each, prefill included
             )
         )
     return rows

@@ -57,6 +57,13 @@ class AttentionMetadata:
             block_size = self.kv_caches[0][0].shape[1]
             num_blocks = -(-int(self.decode_seq_lens.max()) // block_size)
             self.decode_tables = self.block_tables[self.decode_seqs, :num_blocks]  # [num_decodes, num_blocks]
+            # One stream over consecutive blocks (the usual single-stream case) reads its context as a
+            # view of the cache: no per-step copy that grows with the context.
+            self.decode_span = None
+            if len(self.decode_seqs) == 1:
+                first, last = int(self.decode_tables[0, 0]), int(self.decode_tables[0, -1])
+                if last - first == num_blocks - 1 and bool((self.decode_tables.diff() == 1).all()):
+                    self.decode_span = (first * block_size, int(self.decode_seq_lens[0]))
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         """[num_decodes, 1, 1, padded_len] True where a decode may attend (its context, its window)."""
@@ -107,6 +114,15 @@ def attention(
 
 def _decode(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
     """All decoding sequences at once: q [num_decodes, H, D] over their padded contexts."""
+    if meta.decode_span is not None:
+        start, seq_len = meta.decode_span
+        if sliding_window is not None and seq_len > sliding_window:
+            start, seq_len = start + seq_len - sliding_window, sliding_window
+        span = slice(start, start + seq_len)
+        keys = key_cache.flatten(0, 1)[span].permute(1, 0, 2).unsqueeze(0)  # [1, H_kv, seq_len, D], a view
+        values = value_cache.flatten(0, 1)[span].permute(1, 0, 2).unsqueeze(0)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale, enable_gqa=True)
+        return out.squeeze(2)
     keys = key_cache[meta.decode_tables].flatten(1, 2)  # [num_decodes, padded_len, num_kv_heads, head_dim]
     values = value_cache[meta.decode_tables].flatten(1, 2)
     out = F.scaled_dot_product_attention(

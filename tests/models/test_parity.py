@@ -71,3 +71,14 @@ def test_chunked_prefill_through_scattered_blocks_matches_full_forward(pair):
         got.append(ours.compute_logits(ours(torch.tensor(ids), positions, meta)))
     expected = hf_model(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_single_stream_greedy_matches_transformers(pair):
+    """One stream over consecutive blocks takes the view path of decode attention (no gather)."""
+    hf_model, ours = pair
+    prompt = prompts(ours.config.vocab_size)[2]
+    got = generate(ours, [prompt], max_new_tokens=20)[0]
+    out = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert got == out[0, len(prompt) :].tolist()
