@@ -63,6 +63,8 @@ class Request:
     output_token_ids: list[int] = field(init=False, default_factory=list)
     num_computed_tokens: int = field(init=False, default=0)  # tokens whose KV is in the cache
     num_cached_tokens: int = field(init=False, default=0)  # prefix-cache hit at the first schedule
+    # tokens this request ran through the model as prefill: prompt minus cache hits, plus recomputation
+    num_prefill_tokens_computed: int = field(init=False, default=0)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     stop_reason: int | str | None = field(init=False, default=None)  # the stop token id or stop string
     num_preemptions: int = field(init=False, default=0)

@@ -257,6 +257,7 @@ class Scheduler:
                 num_decode += num_new
             else:
                 num_prefill += num_new
+                req.num_prefill_tokens_computed += num_new
             req.num_computed_tokens = end
         stats = StepStats(
             num_prefill_tokens=num_prefill,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infer.config import EngineConfig
+from infer.core.request import Request
 from infer.engine.llm_engine import LLMEngine
 from infer.sampling_params import SamplingParams
 
@@ -17,6 +18,7 @@ class GenerationResult:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    request: Request | None = None  # the finished request: timestamps, preemptions, prefill computed
 
 
 class LLM:
@@ -45,4 +47,5 @@ class LLM:
                 result.num_cached_tokens = out.num_cached_tokens
                 if out.finished:
                     result.finish_reason = out.finish_reason
+                    result.request = out.request
         return list(results.values())

@@ -41,6 +41,8 @@ class StepOutput:
     num_output_tokens: int  # so far, counting the token that completed a stop string
     num_cached_tokens: int
     logprobs: Any = None  # (sampled token's logprob, [(token_id, logprob)] top-N) when asked for
+    # the finished Request (timestamps, preemptions, prefill tokens computed), on the last output only
+    request: Request | None = None
 
 
 @dataclass
@@ -188,4 +190,5 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             logprobs=logprobs,
+            request=req if reason is not None else None,
         )

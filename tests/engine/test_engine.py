@@ -46,6 +46,9 @@ CONFIGS = {
     "preemption": dict(
         block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, prefill_chunk_size=8, max_num_seqs=8
     ),
+    "preemption_uncached": dict(
+        block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=8, enable_prefix_caching=False
+    ),
     "priority": dict(
         policy="priority", block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=8
     ),
@@ -67,7 +70,10 @@ def test_greedy_output_is_invariant(tiny, name):
     scheduler.check_integrity()
     assert scheduler.kv_cache_manager.num_used_blocks == 0
     if name in ("preemption", "priority"):
+        assert scheduler.num_preemptions == sum(r.request.num_preemptions for r in results) > 0
+    if name == "preemption_uncached":  # recompute with nothing to reuse: prompts and outputs run again
         assert scheduler.num_preemptions > 0
+        assert sum(r.request.num_prefill_tokens_computed for r in results) > sum(map(len, prompts))
 
 
 @pytest.mark.parametrize("enable", [True, False])
@@ -78,9 +84,16 @@ def test_prefix_cache_serves_a_later_request(tiny, enable):
     first = llm.generate(prompts[0], params)[0]
     later = llm.generate(prompts[1:3], params)
     assert first.num_cached_tokens == 0
+    assert first.request.num_prefill_tokens_computed == len(prompts[0])
     # 21 shared tokens = one full 16-token block; the output must not change
     assert [r.num_cached_tokens for r in later] == ([16, 16] if enable else [0, 0])
     assert [r.token_ids for r in later] == expected[1:3]
+    hits = 16 if enable else 0
+    assert [r.request.num_prefill_tokens_computed for r in later] == [len(p) - hits for p in prompts[1:3]]
+    assert all(
+        r.request.first_token_time >= r.request.first_scheduled_time >= r.request.arrival_time for r in later
+    )
+    assert all(len(r.request.token_times) == MAX_TOKENS for r in later)
     stats = llm.engine.scheduler.kv_cache_manager
     assert stats.num_hit_tokens == (32 if enable else 0)
 
