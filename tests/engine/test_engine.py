@@ -163,3 +163,16 @@ def test_bad_requests_are_refused_and_nothing_leaks(tiny):
     with pytest.raises(ValueError):  # 30 + 16 tokens can never fit a 32-token pool
         engine.add_request(prompts[5], SamplingParams(max_tokens=16))
     assert not engine.has_unfinished() and engine.requests == {}
+
+
+def test_stop_strings_cut_the_text_on_the_embedded_model():
+    llm = LLM(num_kv_blocks=64)
+    prompt = "And the LORD spake unto Moses, saying,"
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    stop = full.text[10:16]  # a stop string from the middle of the greedy text, likely split across tokens
+    cut = full.text.index(stop)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["@@never@@", stop])
+    (r,) = llm.generate(prompt, params)
+    assert r.finish_reason == "stop" and r.text == full.text[:cut]
+    assert stop not in r.text and len(r.token_ids) < len(full.token_ids)
+    assert r.request.stop_reason == stop
