@@ -112,8 +112,9 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(_settle, future, exc)
                 else:
                     self._loop.call_soon_threadsafe(_settle, future, None)
-            else:
-                self.engine.abort(payload)
+            else:  # the stream gets its final "abort" output, so a consumer never waits forever
+                for out in self.engine.abort(payload):
+                    self._deliver(out.req_id, out)
 
     def _deliver(self, req_id: str, item) -> None:
         stream = self._streams.get(req_id)

@@ -75,3 +75,26 @@ def test_refused_request_raises_and_closing_early_aborts(model_path):
     assert run(engine, main) is False
     assert engine.num_unfinished == 0
     assert engine.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_abort_from_outside_ends_the_stream(model_path):
+    engine = AsyncEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=64))
+
+    async def main():
+        outs = []
+
+        async def consume():
+            params = SamplingParams(max_tokens=200, ignore_eos=True)
+            async for out in engine.generate([1, 2, 3], params, req_id="r"):
+                outs.append(out)
+
+        task = asyncio.create_task(consume())
+        while not outs:
+            await asyncio.sleep(0.01)
+        engine.abort("r")
+        await asyncio.wait_for(task, 10)
+        return outs[-1]
+
+    last = run(engine, main)
+    assert last.finished and last.finish_reason == "abort"
+    assert engine.engine.scheduler.kv_cache_manager.num_used_blocks == 0
