@@ -60,6 +60,13 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from infer.server.__main__ import main as serve_main
+
+    # Parsed again by the server itself, so that --config FILE.yaml gives the defaults and flags override it.
+    return serve_main(args.argv[args.argv.index("serve") + 1 :], prog="infer serve", positional_model=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)
 
+    from infer.server.args import add_server_args
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible server (flags as python -m infer.server)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_server_args(serve, positional_model=True)
+    serve.set_defaults(func=cmd_serve)
+
     presets = sub.add_parser("presets", help="list the model presets usable with --load-format dummy")
     presets.set_defaults(func=cmd_presets)
     return parser
@@ -80,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return args.func(args)
     except ValueError as exc:  # bad input: say what to do, no traceback

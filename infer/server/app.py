@@ -1,0 +1,162 @@
+"""The FastAPI app: routes, OpenAI-shaped errors for everything (never FastAPI's 422), the API key check.
+
+    GET  /health               200 once the model is loaded; 503 while loading or draining
+    GET  /metrics              Prometheus text (infer.server.metrics)
+    GET  /v1/models            the one served model
+    POST /v1/completions       infer.server.completions
+    POST /v1/chat/completions  infer.server.chat
+
+The model loads in a thread started by the lifespan, so the server listens (and answers 503) meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from infer.server import chat, completions
+from infer.server.args import ServerArgs
+from infer.server.protocol import APIError
+from infer.server.serving import ServerState, check_model
+
+logger = logging.getLogger("infer.server")
+
+
+def create_app(
+    args: ServerArgs,
+    on_ready: Callable[[ServerState], None] | None = None,
+    on_fatal: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """on_ready runs once the engine is up; on_fatal if loading fails (the launcher then exits non-zero)."""
+    state = ServerState(args)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(_load(state, on_ready, on_fatal))
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await asyncio.to_thread(state.shutdown)
+
+    app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    _add_error_handlers(app)
+    if args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining:
+            return APIError(503, "draining: the server is shutting down", "service_unavailable").response()
+        if not state.ready:
+            return APIError(503, "the model is still loading", "service_unavailable").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if not state.ready:
+            return PlainTextResponse("", media_type="text/plain; version=0.0.4")
+        text = state.metrics.render(state.llm, args.model_name)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict:
+        card = {"id": args.model_name, "object": "model", "created": created, "owned_by": "infer",
+                "root": args.engine.model or "embedded", "parent": None}  # fmt: skip
+        if state.ready:
+            card["max_model_len"] = state.llm.max_model_len
+        return card
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        check_model(state, model)
+        return JSONResponse(model_card())
+
+    return app
+
+
+async def _load(state: ServerState, on_ready, on_fatal) -> None:
+    try:
+        await state.load()
+    except Exception as exc:
+        logger.error("could not load the model: %s: %s", type(exc).__name__, exc)
+        if on_fatal is not None:
+            on_fatal(exc)
+        return
+    if on_ready is not None:
+        on_ready(state)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(
+            exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind
+        ).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+
+
+def validation_error(errors) -> APIError:
+    """pydantic's error list as one readable 400: 'messages.0.role: Field required; ...'."""
+    parts, param = [], None
+    for err in errors[:5]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
+        where = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return APIError(400, "; ".join(parts) or "invalid request", param=param)
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer KEY` on every /v1 route (a pure ASGI middleware: streaming untouched)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            auth = dict(scope["headers"]).get(b"authorization")
+            if auth is None or not hmac.compare_digest(auth, self.expected):
+                message = "missing API key" if auth is None else "incorrect API key provided"
+                error = APIError(
+                    401,
+                    f"{message}: send `Authorization: Bearer KEY` with the server's --api-key",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

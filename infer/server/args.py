@@ -1,0 +1,262 @@
+"""Server flags: the seeds' names (vLLM's where they exist), an optional YAML file with the same keys, and
+their mapping onto `EngineConfig`.
+
+    python -m infer.server --model MODEL --max-batch-size 8 --num-gpu-blocks 2048 --prefix-caching
+    infer serve MODEL --config serve.yaml --port 8001        # flags override the file
+
+In the YAML file a key is a flag's long name, with dashes or underscores (`max-batch-size: 8`,
+`prefix_caching: false`). Defaults are the best configuration: continuous batching over a paged cache with
+chunked prefill and prefix caching.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from infer.config import (
+    BATCHING_MODES,
+    KV_CACHE_BACKENDS,
+    POLICIES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
+
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """What the server needs beyond the engine's configuration."""
+
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the --model string, or "embedded"
+    api_key: str | None = None
+    max_queued_requests: int = 1024
+    drain_timeout: float = 30.0
+    cuda_graphs: bool = False
+    log_level: str = "info"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model or "embedded"
+
+
+def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    """Add every server flag to `parser` (used by `python -m infer.server` and `infer serve`)."""
+    d = _ENGINE_DEFAULTS
+    bool_flag = argparse.BooleanOptionalAction
+    if positional_model:
+        parser.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as --model")
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file with the same keys as the flags")
+    parser.add_argument("--model", default=None, help="model folder, hub id or preset; default: embedded")
+    parser.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="waiting requests beyond this get 429 with Retry-After",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let running requests finish before aborting them",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="debug logs every request",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=d["dtype"],
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV cache",
+    )
+    parser.add_argument(
+        "--load-format",
+        default=d["load_format"],
+        choices=["auto", "safetensors", "dummy"],
+        help="dummy: random weights in the model's shape",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=d["seed"], help="engine seed (dummy weights, unseeded sampling)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d["max_model_len"],
+        help="prompt + output tokens of one request; default: the model's context",
+    )
+    parser.add_argument("--block-size", type=int, default=d["block_size"], help="tokens per KV block")
+    parser.add_argument(
+        "--num-gpu-blocks",
+        "--num-kv-blocks",
+        dest="num_kv_blocks",
+        type=int,
+        default=d["num_kv_blocks"],
+        help="KV pool size in blocks; default: from --kv-cache-memory-gb",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=d["kv_cache_memory_gb"],
+        help="KV pool size when no block count is given",
+    )
+    parser.add_argument(
+        "--kv-cache-backend",
+        default=d["kv_cache_backend"],
+        choices=KV_CACHE_BACKENDS,
+        help="contiguous: the baseline",
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action=bool_flag,
+        default=d["enable_prefix_caching"],
+        dest="enable_prefix_caching",
+        help="share the KV blocks of identical prompt prefixes",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        "--max-batch-size",
+        dest="max_num_seqs",
+        type=int,
+        default=d["max_num_seqs"],
+        help="running requests at most",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d["max_num_batched_tokens"],
+        help="token budget of one engine step",
+    )
+    parser.add_argument(
+        "--chunked-prefill",
+        action=bool_flag,
+        default=d["enable_chunked_prefill"],
+        dest="enable_chunked_prefill",
+        help="split long prompts into chunks interleaved with decodes",
+    )
+    parser.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=d["prefill_chunk_size"],
+        help="default: --max-num-batched-tokens",
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        dest="policy",
+        default=d["policy"],
+        choices=POLICIES,
+        help="priority: lower first",
+    )
+    parser.add_argument(
+        "--batching-mode", default=d["batching_mode"], choices=BATCHING_MODES, help="static: for benchmarks"
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action=bool_flag,
+        default=False,
+        help="capture decode steps in CUDA graphs (needs a CUDA GPU)",
+    )
+
+
+def parse_server_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> ServerArgs:
+    """Parse argv, with the defaults taken from --config first so that flags override the file.
+    Raises ValueError for a bad file, a bad value or an impossible combination."""
+    args = parser.parse_args(argv)
+    if args.config:
+        parser.set_defaults(**read_config_file(Path(args.config), parser))
+        args = parser.parse_args(argv)
+    return to_server_args(args)
+
+
+def read_config_file(path: Path, parser: argparse.ArgumentParser) -> dict:
+    """The YAML file's keys as argparse destinations. Unknown keys are an error, not silently ignored."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ValueError(f"cannot read --config {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must hold a mapping of flag names to values")
+    by_flag = {}
+    for action in parser._actions:
+        for opt in action.option_strings:
+            if opt.startswith("--") and not opt.startswith("--no-"):
+                by_flag[opt[2:].replace("-", "_")] = action
+    values = {}
+    for key, value in data.items():
+        action = by_flag.get(str(key).replace("-", "_"))
+        if action is None or action.dest in ("config", "help"):
+            raise ValueError(f"--config {path}: unknown key {key!r}; keys are the flags' long names")
+        if action.type is not None and value is not None and not isinstance(value, bool):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"--config {path}: {key}: {exc}") from exc
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"--config {path}: {key} must be one of {list(action.choices)}, got {value!r}")
+        values[action.dest] = value
+    return values
+
+
+def to_server_args(args: argparse.Namespace) -> ServerArgs:
+    fields = {k: getattr(args, k) for k in _ENGINE_DEFAULTS if hasattr(args, k)}
+    model = getattr(args, "model_arg", None) or args.model
+    engine = EngineConfig(**{**fields, "model": model})
+    SchedulerConfig(  # fail on an impossible combination now, not after loading the model
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        enable_chunked_prefill=engine.enable_chunked_prefill,
+        prefill_chunk_size=engine.prefill_chunk_size,
+        policy=engine.policy,
+        batching_mode=engine.batching_mode,
+        max_model_len=engine.max_model_len or 1,
+    )
+    CacheConfig(
+        num_blocks=engine.num_kv_blocks or 1,
+        block_size=engine.block_size,
+        enable_prefix_caching=engine.enable_prefix_caching,
+        kv_cache_backend=engine.kv_cache_backend,
+    )
+    if args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if not 1 <= args.port <= 65535 and args.port != 0:
+        raise ValueError(f"--port must be in [1, 65535] (or 0 for any free port), got {args.port}")
+    if args.cuda_graphs:
+        check_cuda_graphs()
+    return ServerArgs(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        drain_timeout=args.drain_timeout,
+        cuda_graphs=args.cuda_graphs,
+        log_level=args.log_level,
+    )
+
+
+def check_cuda_graphs() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "--cuda-graphs needs a CUDA GPU, and torch.cuda.is_available() is False on this machine "
+            "(the engine runs on the CPU); drop the flag or pass --no-cuda-graphs"
+        )

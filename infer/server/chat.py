@@ -1,0 +1,182 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> token ids -> n choices.
+
+The rendered prompt already holds its special tokens (BOS), so it is encoded with add_special_tokens=False.
+Without max_tokens / max_completion_tokens a reply may use the rest of the context, as in vLLM: the
+longest that the context, the KV pool and (without chunked prefill) the step budget accept.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from infer.server.protocol import ChatCompletionRequest, bad_request, usage
+from infer.server.serving import (
+    SSE_DONE,
+    Fanout,
+    FanoutStream,
+    Job,
+    ServerState,
+    cancel_on_disconnect,
+    check_model,
+    check_priority,
+    choice_params,
+    engine_error,
+    floor_logprob,
+    sampling_params,
+    sse,
+    start_stream,
+    token_text,
+)
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    arrival = time.monotonic()
+    state: ServerState = request.app.state.server
+    check_model(state, body.model)
+    state.check_open()
+    check_priority(state, body.priority)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+    prompt_ids = _render(state, body)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, state.max_request_len - len(prompt_ids))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens, logprobs)
+    jobs = [Job(prompt_ids, choice_params(params, j), body.priority) for j in range(body.n)]
+    state.admit(len(jobs))
+    chat_id = state.new_id("chatcmpl")
+    fanout = Fanout(state, jobs, chat_id, arrival)
+    chat = _Chat(state, body, chat_id, len(prompt_ids))
+    if body.stream:
+        if not await start_stream(request, fanout, "messages"):
+            return Response(status_code=499)  # the client is gone (its requests were aborted)
+        return FanoutStream(chat.stream(fanout), fanout)
+    try:
+        result = await cancel_on_disconnect(request, chat.collect(fanout))
+    finally:
+        fanout.close()  # also when the collecting task was cancelled before it started
+    return JSONResponse(result) if result is not None else Response(status_code=499)
+
+
+def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for i, message in enumerate(body.messages):
+        m = message.model_dump(exclude_none=True)
+        if isinstance(m.get("content"), list):  # content parts: text only (no multimodal models here)
+            parts = m["content"]
+            if any(not isinstance(p, dict) or p.get("type") != "text" for p in parts):
+                raise bad_request(
+                    f"messages[{i}].content: only parts of type 'text' are supported", param="messages"
+                )
+            m["content"] = "\n".join(str(p.get("text", "")) for p in parts)
+        messages.append(m)
+    tokenizer = state.llm.tokenizer
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            tools=body.tools,
+            **(body.chat_template_kwargs or {}),
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), param="messages") from exc
+    except TypeError as exc:  # e.g. a chat_template_kwargs key that clashes with an argument
+        raise bad_request(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from exc
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    if not prompt_ids:
+        raise bad_request("the rendered chat prompt is empty", param="messages")
+    return prompt_ids
+
+
+class _Chat:
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, chat_id: str, num_prompt: int):
+        self.state, self.body, self.id, self.num_prompt = state, body, chat_id, num_prompt
+        self.created = int(time.time())
+
+    def _usage(self, last: dict) -> dict:
+        num_cached = last[0].num_cached_tokens if 0 in last else 0
+        return usage(self.num_prompt, sum(o.num_output_tokens for o in last.values()), num_cached)
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = token_text(self.state, token_id)
+        return {"token": text, "logprob": floor_logprob(logprob), "bytes": list(text.encode())}
+
+    def _logprobs(self, outs) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        content = []
+        for out in outs:
+            if out.logprobs is None or not out.token_ids:
+                continue
+            sampled, top = out.logprobs
+            entry = self._entry(out.token_ids[-1], sampled)
+            entry["top_logprobs"] = [self._entry(t, v) for t, v in top[: self.body.top_logprobs or 0]]
+            content.append(entry)
+        return {"content": content, "refusal": None}
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.state.args.model_name}
+
+    async def collect(self, fanout: Fanout) -> dict:
+        outputs: dict[int, list] = {i: [] for i in range(len(fanout.tasks))}
+        try:
+            async for index, out in fanout.outputs():
+                outputs[index].append(out)
+        except (ValueError, RuntimeError) as exc:
+            raise engine_error(exc, "messages") from exc
+        choices = [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
+                "logprobs": self._logprobs(outs),
+                "finish_reason": outs[-1].finish_reason,
+            }
+            for index, outs in outputs.items()
+        ]
+        last = {index: outs[-1] for index, outs in outputs.items()}
+        return {**self._head("chat.completion"), "choices": choices, "usage": self._usage(last)}
+
+    async def stream(self, fanout: Fanout) -> AsyncIterator[str]:
+        opts = self.body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        head = self._head("chat.completion.chunk")
+        extra = {"usage": None} if include_usage else {}
+        for index in range(len(fanout.tasks)):  # the role comes first, as OpenAI sends it
+            delta = {"role": "assistant", "content": ""}
+            yield sse(
+                {
+                    **head,
+                    "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
+                    **extra,
+                }
+            )
+        last = {}
+        try:
+            async for index, out in fanout.outputs():
+                last[index] = out
+                if not (out.text or out.finished or (self.body.logprobs and out.token_ids)):
+                    continue  # text held back (it may begin a stop string): nothing to send yet
+                delta = {"content": out.text} if out.text else {}
+                choice = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": self._logprobs([out]),
+                    "finish_reason": out.finish_reason,
+                }
+                yield sse({**head, "choices": [choice], **extra})
+        except (ValueError, RuntimeError) as exc:
+            yield sse(engine_error(exc, "messages").body())
+        else:
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": self._usage(last)})
+        yield SSE_DONE

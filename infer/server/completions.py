@@ -1,0 +1,185 @@
+"""POST /v1/completions: a prompt (text or token ids, or a batch of either) x n choices.
+
+Choice i*n + j is the j-th sample of prompt i, as OpenAI numbers them. usage counts each prompt once and
+every choice's generated tokens; cached_tokens is each prompt's prefix-cache hit (its first choice's).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from infer.server.protocol import CompletionRequest, bad_request, usage
+from infer.server.serving import (
+    SSE_DONE,
+    Fanout,
+    FanoutStream,
+    Job,
+    ServerState,
+    cancel_on_disconnect,
+    check_model,
+    check_priority,
+    choice_params,
+    engine_error,
+    floor_logprob,
+    sampling_params,
+    sse,
+    start_stream,
+    token_text,
+)
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request):
+    arrival = time.monotonic()
+    state: ServerState = request.app.state.server
+    check_model(state, body.model)
+    state.check_open()
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if body.best_of not in (None, 1, body.n):
+        raise bad_request(
+            "best_of must equal n (or be omitted): best-of selection is not supported", param="best_of"
+        )
+    if body.echo and body.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs would need prompt logprobs, which this server does not compute; "
+            "drop one of them",
+            param="echo",
+        )
+    check_priority(state, body.priority)
+    prompts = _prompt_ids(state, body.prompt)
+    params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+    jobs = [Job(ids, choice_params(params, j), body.priority) for ids in prompts for j in range(body.n)]
+    state.admit(len(jobs))
+    cmpl_id = state.new_id("cmpl")
+    fanout = Fanout(state, jobs, cmpl_id, arrival)
+    completion = _Completion(state, body, cmpl_id, prompts)
+    if body.stream:
+        if not await start_stream(request, fanout, "prompt"):
+            return Response(status_code=499)  # the client is gone (its requests were aborted)
+        return FanoutStream(completion.stream(fanout), fanout)
+    try:
+        result = await cancel_on_disconnect(request, completion.collect(fanout))
+    finally:
+        fanout.close()  # also when the collecting task was cancelled before it started
+    return JSONResponse(result) if result is not None else Response(status_code=499)
+
+
+def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
+    """The batch of prompts as token id lists (text is encoded here, with the tokenizer's BOS)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request(
+            "prompt is empty: send a string, a list of token ids, or a batch of either", param="prompt"
+        )
+    tokenizer = state.llm.tokenizer
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    if any(not p for p in prompts):
+        raise bad_request("a prompt is empty: each prompt needs at least one token", param="prompt")
+    vocab = state.llm.model_config.vocab_size
+    bad = [t for p in prompts for t in p if not 0 <= t < vocab]
+    if bad:  # the engine would refuse them too; checked here so that echo never decodes them
+        raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
+    return prompts
+
+
+class _Completion:
+    def __init__(self, state: ServerState, body: CompletionRequest, cmpl_id: str, prompts: list[list[int]]):
+        self.state, self.body, self.id, self.prompts = state, body, cmpl_id, prompts
+        self.created = int(time.time())
+        self.n = body.n
+        self.echo_text = [state.llm.tokenizer.decode(p) if body.echo else "" for p in prompts]
+
+    def _usage(self, last: dict) -> dict:
+        num_prompt = sum(len(p) for p in self.prompts)
+        num_cached = sum(
+            last[i * self.n].num_cached_tokens for i in range(len(self.prompts)) if i * self.n in last
+        )
+        return usage(num_prompt, sum(o.num_output_tokens for o in last.values()), num_cached)
+
+    def _logprobs(self, outs, offset: int) -> dict | None:
+        """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
+        if self.body.logprobs is None:
+            return None
+        lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for out in outs:
+            if out.logprobs is None or not out.token_ids:
+                continue
+            sampled, top = out.logprobs
+            text = token_text(self.state, out.token_ids[-1])
+            lp["tokens"].append(text)
+            lp["token_logprobs"].append(floor_logprob(sampled))
+            lp["top_logprobs"].append(
+                {token_text(self.state, t): floor_logprob(v) for t, v in top[: self.body.logprobs]}
+            )
+            lp["text_offset"].append(offset)
+            offset += len(text)
+        return lp
+
+    def _head(self) -> dict:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.args.model_name,
+        }
+
+    async def collect(self, fanout: Fanout) -> dict:
+        outputs: dict[int, list] = {i: [] for i in range(len(fanout.tasks))}
+        try:
+            async for index, out in fanout.outputs():
+                outputs[index].append(out)
+        except (ValueError, RuntimeError) as exc:
+            raise engine_error(exc, "prompt") from exc
+        choices, last = [], {}
+        for index, outs in outputs.items():
+            last[index] = outs[-1]
+            echo = self.echo_text[index // self.n]
+            choices.append(
+                {
+                    "index": index,
+                    "text": echo + "".join(o.text for o in outs),
+                    "logprobs": self._logprobs(outs, len(echo)),
+                    "finish_reason": outs[-1].finish_reason,
+                }
+            )
+        return {**self._head(), "choices": choices, "usage": self._usage(last)}
+
+    async def stream(self, fanout: Fanout) -> AsyncIterator[str]:
+        opts = self.body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        offsets = dict.fromkeys(range(len(fanout.tasks)), 0)  # text sent so far (echo excludes logprobs)
+        echoed, last = set(), {}
+        try:
+            async for index, out in fanout.outputs():
+                last[index] = out
+                text = out.text
+                if index not in echoed:
+                    echoed.add(index)
+                    text = self.echo_text[index // self.n] + text
+                if not (text or out.finished or (self.body.logprobs is not None and out.token_ids)):
+                    continue  # text held back (it may begin a stop string): nothing to send yet
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": self._logprobs([out], offsets[index]),
+                    "finish_reason": out.finish_reason,
+                }
+                offsets[index] += len(text)
+                chunk = {**self._head(), "choices": [choice]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        except (ValueError, RuntimeError) as exc:
+            yield sse(engine_error(exc, "prompt").body())
+        else:
+            if include_usage:
+                yield sse({**self._head(), "choices": [], "usage": self._usage(last)})
+        yield SSE_DONE

@@ -1,0 +1,122 @@
+"""Run the server under uvicorn, with a graceful drain on SIGTERM / SIGINT.
+
+SIGTERM -> draining: /health and new requests answer 503, the listener stays open so clients get a
+           clear answer instead of a refused connection; running requests go on
+        -> every request finished, or --drain-timeout passed (the rest end with finish_reason
+           "abort", then a short grace to flush their last chunks)
+        -> uvicorn shuts down, the engine thread stops, exit 0
+a second signal forces uvicorn's immediate exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import sys
+import time
+
+import uvicorn
+
+from infer.server.app import create_app
+from infer.server.args import ServerArgs
+from infer.server.serving import ServerState
+
+logger = logging.getLogger("infer.server")
+ABORT_GRACE_S = 2.0  # after aborting on drain timeout: time for the streams to send their last chunk
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float):
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self.drain_deadline: float | None = None
+        self.abort_deadline: float | None = None
+        self.exit_code = 0
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """Runs in the signal handler: only flags here; on_tick does the work on the event loop."""
+        if self.drain_deadline is not None or not self.state.ready:
+            super().handle_exit(sig, frame)  # second signal, or nothing to drain: exit now
+            self._captured_signals.clear()  # exit 0, not by re-raising the signal
+            return
+        self.state.draining = True
+        self.drain_deadline = time.monotonic() + self.drain_timeout
+        logger.info(
+            "%s: draining %d request(s), up to %gs; new requests get 503",
+            signal.Signals(sig).name,
+            self.state.num_in_flight,
+            self.drain_timeout,
+        )
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit:
+            now = time.monotonic()
+            if self.state.num_in_flight == 0:
+                logger.info("drained: no request in flight, shutting down")
+                self.should_exit = True
+            elif self.abort_deadline is None and now >= self.drain_deadline:
+                logger.warning("drain timeout: aborting %d request(s)", self.state.num_in_flight)
+                self.state.abort_all()
+                self.abort_deadline = now + ABORT_GRACE_S
+            elif self.abort_deadline is not None and now >= self.abort_deadline:
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+    def fatal(self, exc: BaseException) -> None:
+        self.exit_code = 1
+        self.should_exit = True
+
+
+def log_config(args: ServerArgs, state: ServerState) -> None:
+    llm = state.llm
+    shown = {k: v for k, v in dataclasses.asdict(args).items() if k != "engine"}
+    if shown.get("api_key"):
+        shown["api_key"] = "***"
+    logger.info("engine config: %s", dataclasses.asdict(llm.config))
+    logger.info("server config: %s", shown)
+    cache = llm.cache_config
+    logger.info(
+        "model %s (%s, %s): max_model_len %d, KV cache %s: %d blocks x %d tokens = %d tokens "
+        "(%.1f MiB), prefix caching %s; scheduler: %s",
+        args.model_name,
+        llm.model_config.architecture,
+        llm.runner.dtype,
+        llm.max_model_len,
+        cache.kv_cache_backend,
+        cache.num_blocks,
+        cache.block_size,
+        llm.kv_capacity_tokens,
+        llm.kv_capacity_tokens * llm.kv_bytes_per_token / 2**20,
+        "on" if cache.prefix_caching else "off",
+        llm.scheduler_config,
+    )
+    if args.cuda_graphs:
+        logger.warning("--cuda-graphs: the engine has no GPU path yet; the flag has no effect")
+    logger.info("ready on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
+
+
+def run(args: ServerArgs) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    server: DrainingServer | None = None
+
+    def on_fatal(exc: BaseException) -> None:
+        server.fatal(exc)
+
+    app = create_app(args, on_ready=lambda state: log_config(args, state), on_fatal=on_fatal)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        access_log=args.log_level == "debug",
+    )
+    server = DrainingServer(config, app.state.server, args.drain_timeout)
+    server.run()
+    return server.exit_code

@@ -1,0 +1,358 @@
+"""What completions and chat share: the server's state, admission (503 / 429), running the engine requests
+of one HTTP request together, disconnect watching, sampling parameters and logprobs.
+
+Lifetime of one HTTP request:
+
+    admit(k)                 503 while loading or draining; 429 when the queue would exceed its bound
+    Fanout(k jobs)           one asyncio task per engine request ("choice"), outputs merged into a queue
+    first_outputs()          wait until every choice has produced once: an engine refusal is still a 400
+    stream / collect         SSE chunks, or the whole response; a disconnect cancels the tasks, and the
+                             engine generator closing aborts the request (its blocks go back to the pool)
+    done                     each task's done-callback (which runs even for a task cancelled before it
+                             started): the request no longer counts as in flight
+
+Only this module touches `num_in_flight`, so the drain on SIGTERM can wait for it to reach 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from infer.engine.async_engine import AsyncEngine
+from infer.engine.llm_engine import StepOutput
+from infer.sampling_params import SamplingParams
+from infer.server.args import ServerArgs
+from infer.server.metrics import MeteredEngine, Metrics
+from infer.server.protocol import APIError, bad_request
+
+logger = logging.getLogger("infer.server")
+RETRY_AFTER_S = 1
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+class ServerState:
+    """The engine plus the HTTP side's own counters. Lives on the event loop; never mutates the engine."""
+
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.metrics = Metrics()
+        self.engine: AsyncEngine | None = None
+        self.ready = False
+        self.draining = False
+        self.num_in_flight = 0  # engine requests admitted and not yet finished
+        self.fanouts: set[Fanout] = set()
+        self._ids = itertools.count()
+
+    async def load(self) -> None:
+        """Load the model off the event loop (so /health can answer 503 meanwhile), then start the engine."""
+        engine = await asyncio.to_thread(MeteredEngine, self.args.engine, self.metrics)
+        self.engine = AsyncEngine(engine=engine)
+        self.engine.start()
+        self.ready = True
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    @property
+    def llm(self) -> MeteredEngine:
+        return self.engine.engine
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 10**8}"
+
+    @property
+    def max_request_len(self) -> int:
+        """Prompt + max_tokens that the engine will accept: the context, the KV pool, and with chunked
+        prefill off the step budget (a preempted request recomputes all of it in one step)."""
+        llm = self.llm
+        limit = min(llm.max_model_len, llm.scheduler.kv_cache_manager.max_request_tokens + 1)
+        if not llm.scheduler_config.enable_chunked_prefill:
+            limit = min(limit, llm.scheduler_config.max_num_batched_tokens + 1)
+        return limit
+
+    def check_open(self) -> None:
+        """503 while the model loads or the server drains."""
+        if self.draining:
+            raise APIError(
+                503, "the server is shutting down and admits no new requests", "service_unavailable"
+            )
+        if not self.ready:
+            raise APIError(
+                503, "the model is still loading; retry when GET /health answers 200", "service_unavailable"
+            )
+
+    def admit(self, num_requests: int) -> None:
+        """Count num_requests engine requests as in flight, or refuse them all (429).
+
+        Waiting = in flight beyond the max_num_seqs batch slots, counted here rather than read from the
+        scheduler, so that it is exact at once (the engine takes new requests only between steps). When
+        the KV pool rather than the slots limits the batch, the engine's queue can be longer by up to
+        max_num_seqs - num_running."""
+        self.check_open()
+        max_num_seqs, max_queued = self.llm.scheduler_config.max_num_seqs, self.args.max_queued_requests
+        if num_requests > max_num_seqs + max_queued:  # a retry could never succeed: not a 429
+            raise bad_request(
+                f"this request needs {num_requests} sequences (prompts x n) but the server admits at most "
+                f"{max_num_seqs + max_queued} at once (--max-num-seqs {max_num_seqs} + --max-queued-requests "
+                f"{max_queued}); send fewer prompts or a smaller n",
+                param="n",
+            )
+        num_waiting = self.num_in_flight + num_requests - max_num_seqs
+        if num_waiting > max_queued:
+            raise APIError(
+                429,
+                f"server overloaded: {self.num_in_flight} requests in flight and this one would make "
+                f"{num_waiting} wait, beyond --max-queued-requests {max_queued}; "
+                f"retry after {RETRY_AFTER_S}s",
+                "rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.num_in_flight += num_requests
+
+    def abort_all(self) -> None:
+        """End every running choice with finish_reason "abort" (the drain timed out)."""
+        for fanout in list(self.fanouts):
+            fanout.close()
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.args.model_name:
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist; this server serves "
+            f"`{state.args.model_name}` (see GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The n choices of one prompt: with a seed, choice j samples with seed + j (as vLLM), so the choices
+    differ and the whole response is still reproducible."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
+
+
+_ABORTED = object()
+
+
+class Fanout:
+    """The engine requests of one HTTP request (prompts x n), run as concurrent tasks whose outputs are
+    merged in arrival order, tagged with the job's index. `close()` cancels the tasks: each engine
+    generator then closes, which aborts its request; the choice ends with finish_reason "abort"."""
+
+    def __init__(self, state: ServerState, jobs: list[Job], prefix: str, arrival: float):
+        self.state = state
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.pending: list[tuple[int, object]] = []  # taken by first_outputs, to be yielded first
+        self.num_open = len(jobs)
+        self.last: dict[int, StepOutput] = {}
+        self.req_ids = [f"{prefix}-{i}" for i in range(len(jobs))]
+        for req_id in self.req_ids:
+            state.metrics.note_arrival(req_id, arrival)
+        self.tasks = []
+        for index, job in enumerate(jobs):
+            task = asyncio.create_task(self._pump(index, job))
+            task.add_done_callback(functools.partial(self._done, index))  # runs even if never started
+            self.tasks.append(task)
+        state.fanouts.add(self)
+
+    async def _pump(self, index: int, job: Job) -> None:
+        gen = self.state.engine.generate(job.prompt_ids, job.params, self.req_ids[index], job.priority)
+        try:
+            async with aclosing(gen):
+                async for out in gen:
+                    self.queue.put_nowait((index, out))
+        except Exception as exc:  # ValueError: refused by the engine; RuntimeError: a failed step
+            self.queue.put_nowait((index, exc))
+
+    def _done(self, index: int, task: asyncio.Task) -> None:
+        self.state.num_in_flight -= 1
+        self.state.metrics.forget(self.req_ids[index])
+        if task.cancelled():
+            self.queue.put_nowait((index, _ABORTED))
+
+    async def _next(self) -> tuple[int, StepOutput]:
+        index, out = self.pending.pop(0) if self.pending else await self.queue.get()
+        if out is _ABORTED:
+            last = self.last.get(index)
+            out = StepOutput(
+                req_id=self.req_ids[index],
+                text="",
+                token_ids=[],
+                finished=True,
+                finish_reason="abort",
+                num_prompt_tokens=last.num_prompt_tokens if last else 0,
+                num_output_tokens=last.num_output_tokens if last else 0,
+                num_cached_tokens=last.num_cached_tokens if last else 0,
+            )
+        elif isinstance(out, Exception):
+            self.close()
+            raise out
+        return index, out
+
+    async def first_outputs(self) -> bool:
+        """Wait for one output from every job, so that a refusal is known before a stream's 200."""
+        seen, taken = set(), []
+        while len(seen) < len(self.tasks):
+            index, out = await self._next()
+            seen.add(index)
+            taken.append((index, out))
+        self.pending = taken
+        return True
+
+    async def outputs(self) -> AsyncIterator[tuple[int, StepOutput]]:
+        """(index, output) until every job finished; raises the first job's error (ValueError = 400)."""
+        done: set[int] = set()
+        try:
+            while self.num_open:
+                index, out = await self._next()
+                if index in done:  # an abort marker that raced with the job's own last output
+                    continue
+                self.last[index] = out
+                if out.finished:
+                    done.add(index)
+                    self.num_open -= 1
+                yield index, out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel the jobs still running (synchronous: safe inside an already cancelled scope)."""
+        for task in self.tasks:
+            if not task.done():
+                task.cancel()
+        self.state.fanouts.discard(self)
+
+
+class FanoutStream(StreamingResponse):
+    """An SSE response that closes its Fanout however it ends: also when the client left before the body
+    iterator even started (an unstarted generator runs no `finally`), so nothing generates for nobody."""
+
+    def __init__(self, body: AsyncIterator[str], fanout: Fanout):
+        super().__init__(body, media_type="text/event-stream")
+        self.fanout = fanout
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.fanout.close()
+
+
+async def cancel_on_disconnect(request: Request, coro):
+    """Run coro; if the client disconnects first, cancel it (aborting its engine requests) and return None.
+
+    The request body has been read, so the next ASGI message can only be `http.disconnect`."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            logger.info("client disconnected: request aborted")
+    return work.result() if not work.cancelled() else None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def start_stream(request: Request, fanout: Fanout, param: str) -> bool:
+    """Wait for every choice's first output; False if the client left meanwhile. Refusals raise 400."""
+    try:
+        started = await cancel_on_disconnect(request, fanout.first_outputs())
+    except BaseException as exc:
+        fanout.close()
+        if isinstance(exc, ValueError | RuntimeError):
+            raise engine_error(exc, param) from exc
+        raise
+    if started is None:
+        fanout.close()
+    return bool(started)
+
+
+def engine_error(exc: Exception, param: str) -> APIError:
+    """A refusal (ValueError, with the numbers) is the client's 400; a failed step is our 500."""
+    if isinstance(exc, ValueError):
+        message = str(exc)
+        code = "context_length_exceeded" if "max_model_len" in message or "KV" in message else None
+        return bad_request(message, param=param, code=code)
+    logger.error("engine failure: %s", exc)
+    return APIError(500, str(exc), "server_error")
+
+
+def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """SamplingParams from the fields shared by both endpoints; its ValueError becomes a 400."""
+    if body.presence_penalty or body.frequency_penalty:
+        raise bad_request(
+            "presence_penalty and frequency_penalty are not supported; leave them at 0",
+            param="presence_penalty",
+        )
+    try:
+        return SamplingParams(
+            temperature=body.temperature,
+            top_k=body.top_k,
+            top_p=body.top_p,
+            min_p=body.min_p,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos,
+            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+            stop_token_ids=list(body.stop_token_ids or []),
+            logprobs=logprobs,
+        )
+    except ValueError as exc:  # its messages start with the field's name
+        field = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), param=field if field in type(body).model_fields else None) from exc
+
+
+def check_priority(state: ServerState, priority: int) -> None:
+    if priority != 0 and state.llm.scheduler_config.policy != "priority":
+        raise bad_request(
+            f"priority {priority} needs --scheduling-policy priority (this server runs "
+            f"{state.llm.scheduler_config.policy!r}); send priority 0",
+            param="priority",
+        )
+
+
+def floor_logprob(value: float) -> float:
+    return value if value == value and value > LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN and -inf too
+
+
+def token_text(state: ServerState, token_id: int) -> str:
+    return state.llm.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

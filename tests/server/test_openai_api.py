@@ -1,0 +1,300 @@
+"""The OpenAI API through the official client: completions and chat, streamed and not, exact usage, stop
+strings, seeds, n, logprobs, echo, prefix-cache usage, priority, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY, metric
+
+IGNORE_EOS = {"ignore_eos": True}
+MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
+
+
+def test_models_and_health(server, client, model):
+    assert model == "embedded"
+    card = client.models.list().data[0]
+    assert card.owned_by == "infer" and card.max_model_len >= 256
+    assert set(server.health_statuses) <= {200, 503} and server.health_statuses[-1] == 200
+    assert client.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("not-this-one")
+
+
+def test_completion_usage_is_exact(client, model):
+    prompt = [5, 17, 42, 99, 7, 3, 64]
+    resp = client.completions.create(
+        model=model, prompt=prompt, max_tokens=12, temperature=0, extra_body=IGNORE_EOS
+    )
+    (choice,) = resp.choices
+    assert choice.finish_reason == "length" and choice.index == 0
+    assert resp.object == "text_completion" and resp.model == model
+    assert resp.usage.prompt_tokens == len(prompt)
+    assert resp.usage.completion_tokens == 12
+    assert resp.usage.total_tokens == len(prompt) + 12
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completion_default_max_tokens_is_16(client, model):
+    resp = client.completions.create(model=model, prompt="Once upon a time", extra_body=IGNORE_EOS)
+    assert resp.usage.completion_tokens == 16
+
+
+def test_batch_of_prompts_times_n(client, model):
+    prompts = ["The cat sat", "A long time ago"]
+    single = [
+        client.completions.create(model=model, prompt=p, max_tokens=1).usage.prompt_tokens for p in prompts
+    ]
+    resp = client.completions.create(model=model, prompt=prompts, n=2, max_tokens=5, extra_body=IGNORE_EOS)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in resp.choices)
+    assert resp.usage.prompt_tokens == sum(single)
+    assert resp.usage.completion_tokens == 4 * 5
+    ids = client.completions.create(
+        model=model, prompt=[[1, 2, 3], [4, 5]], max_tokens=2, extra_body=IGNORE_EOS
+    )
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+def _stream_text(stream) -> tuple[dict[int, str], dict[int, str], object]:
+    texts, reasons, usage = {}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == []  # the usage chunk comes alone, last
+            usage = chunk.usage
+        for c in chunk.choices:
+            piece = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + piece
+            if c.finish_reason is not None:
+                assert c.index not in reasons, "finish_reason sent twice"
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+def _counts(usage) -> tuple[int, int, int]:
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
+def test_completion_stream_equals_non_stream(client, model):
+    kwargs = dict(
+        model=model, prompt="The meaning of life is", max_tokens=24, temperature=0, extra_body=IGNORE_EOS
+    )
+    full = client.completions.create(**kwargs)
+    texts, reasons, usage = _stream_text(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert texts == {0: full.choices[0].text} and reasons == {0: "length"}
+    assert _counts(usage) == _counts(full.usage)  # cached_tokens differ: the second run hits the cache
+
+
+def test_chat_stream_equals_non_stream(client, model):
+    kwargs = dict(model=model, messages=MESSAGES, max_tokens=20, temperature=0, extra_body=IGNORE_EOS)
+    full = client.chat.completions.create(**kwargs)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 20 and full.choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    texts, reasons, usage = _stream_text(chunks)
+    assert texts == {0: full.choices[0].message.content} and reasons == {0: "length"}
+    assert _counts(usage) == _counts(full.usage)  # cached_tokens differ: the second run hits the cache
+
+
+def test_sse_framing_ends_with_done(server):
+    body = {"prompt": "Hello", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
+
+
+def test_chat_max_completion_tokens_and_default(client, model):
+    resp = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_completion_tokens=5, extra_body=IGNORE_EOS
+    )
+    assert resp.usage.completion_tokens == 5 and resp.choices[0].finish_reason == "length"
+    # No max_tokens: the reply may use the rest of the context (vLLM's default), and no more.
+    resp = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0)
+    max_len = client.models.list().data[0].max_model_len
+    if resp.choices[0].finish_reason == "length":
+        assert resp.usage.total_tokens == max_len
+    else:
+        assert resp.choices[0].finish_reason == "stop" and resp.usage.total_tokens < max_len
+
+
+def _clean_window(text: str) -> int | None:
+    """Index of a 2-character stop string without replacement characters (undecodable bytes)."""
+    for i in range(len(text) - 1):
+        if "\ufffd" not in text[i : i + 2] and text[i : i + 2].strip():
+            return i
+    return None
+
+
+def test_stop_strings(client, model):
+    kwargs = dict(model=model, prompt="In the morning the", max_tokens=24, temperature=0)
+    base = client.completions.create(**kwargs, extra_body=IGNORE_EOS).choices[0].text
+    start = max(1, len(base) // 3)  # some text must come before the stop string
+    i = _clean_window(base[start:])
+    if i is None:
+        pytest.skip(f"no usable stop string in {base!r}")
+    stop = base[start + i : start + i + 2]
+    expected = base[: base.index(stop)]
+    resp = client.completions.create(**kwargs, stop=[stop, "\x00never"], extra_body=IGNORE_EOS)
+    assert resp.choices[0].text == expected and resp.choices[0].finish_reason == "stop"
+    texts, reasons, _ = _stream_text(
+        client.completions.create(**kwargs, stop=stop, stream=True, extra_body=IGNORE_EOS)
+    )
+    assert texts == {0: expected} and reasons == {0: "stop"}
+
+
+def test_seed_reproduces_and_n_offsets_it(client, model):
+    kwargs = dict(
+        model=model, prompt="Once upon a time", max_tokens=16, temperature=1.0, extra_body=IGNORE_EOS
+    )
+    a = client.completions.create(**kwargs, seed=1234).choices[0].text
+    b = client.completions.create(**kwargs, seed=1234).choices[0].text
+    assert a == b
+    both = client.completions.create(**kwargs, seed=1234, n=2)
+    assert both.choices[0].text == a  # choice j samples with seed + j
+    assert both.choices[1].text == client.completions.create(**kwargs, seed=1235).choices[0].text
+    others = {client.completions.create(**kwargs, seed=s).choices[0].text for s in (1, 2, 3, 4)}
+    assert len(others) >= 2
+
+
+def test_chat_n(client, model):
+    resp = client.chat.completions.create(
+        model=model, messages=MESSAGES, n=3, max_tokens=4, seed=7, extra_body=IGNORE_EOS
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert resp.usage.completion_tokens == 12
+
+
+def test_min_tokens(client, model):
+    resp = client.completions.create(
+        model=model, prompt="Hi", max_tokens=10, temperature=0, extra_body={"min_tokens": 10}
+    )
+    assert resp.usage.completion_tokens == 10
+
+
+def test_completion_logprobs(client, model):
+    resp = client.completions.create(
+        model=model, prompt="The sky is", max_tokens=5, temperature=0, logprobs=3, extra_body=IGNORE_EOS
+    )
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert logprob <= 0 and 1 <= len(top) <= 3
+        # greedy: the sampled token is the most likely (top keys are token texts, which may collide)
+        assert logprob >= max(top.values()) - 1e-4
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs(client, model):
+    resp = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=IGNORE_EOS,
+    )
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-4)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+        extra_body=IGNORE_EOS,
+    )
+    streamed = [e for chunk in stream for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
+def test_echo(client, model):
+    prompt = "Hello world"
+    resp = client.completions.create(
+        model=model, prompt=prompt, max_tokens=3, echo=True, extra_body=IGNORE_EOS
+    )
+    assert resp.choices[0].text.startswith(prompt)
+    texts, _, _ = _stream_text(
+        client.completions.create(
+            model=model, prompt=prompt, max_tokens=3, echo=True, stream=True, extra_body=IGNORE_EOS
+        )
+    )
+    assert texts[0].startswith(prompt)
+
+
+def test_prefix_cache_hit_shows_in_usage(client, model):
+    prompt = random.Random("prefix").sample(range(10, 250), 64)  # a prompt no other test sends
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body=IGNORE_EOS)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body=IGNORE_EOS)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 48 <= cached < 64 and cached % 16 == 0  # whole blocks, never the last token
+
+
+def test_priority_serves_urgent_request_first(server, aclient, model):
+    """8 running + 8 waiting low-priority requests; an urgent one (lower value) preempts and finishes
+    before any of them. Under fcfs it would wait for a whole wave of 8 to finish."""
+    finished: list[str] = []
+
+    async def one(name: str, priority: int, max_tokens: int):
+        await aclient.completions.create(
+            model=model,
+            prompt=f"Request {name}",
+            max_tokens=max_tokens,
+            extra_body={"priority": priority, **IGNORE_EOS},
+        )
+        finished.append(name)
+
+    async def main():
+        low = [asyncio.create_task(one(f"low{i}", 5, 64)) for i in range(16)]
+        for _ in range(600):  # until the engine holds all of them (no timing is asserted)
+            text = await asyncio.to_thread(server.metrics)
+            if metric(text, "num_requests_running") + metric(text, "num_requests_waiting") >= 16:
+                break
+            await asyncio.sleep(0.02)
+        await one("urgent", -5, 4)
+        num_low_done = len(finished) - 1
+        await asyncio.gather(*low)
+        return num_low_done
+
+    assert asyncio.run(main()) < 8
+    assert len(finished) == 17
+
+
+def test_metrics_exposition(server, client, model):
+    client.completions.create(model=model, prompt="metrics", max_tokens=4, extra_body=IGNORE_EOS)
+    text = server.metrics()
+    for name in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
+        assert f"# TYPE infer:{name} histogram" in text
+        assert metric(text, f"{name}_count") > 0
+        assert f'infer:{name}_bucket{{model_name="embedded",le="+Inf"}}' in text
+    assert metric(text, "generation_tokens_total") >= 4
+    assert metric(text, "prompt_tokens_total") > 0
+    assert metric(text, "request_success_total", finished_reason="length") >= 1
+    assert metric(text, "prefix_cache_queries_total") >= metric(text, "prefix_cache_hits_total") > 0
+    assert 0.0 <= metric(text, "kv_cache_usage_perc") <= 1.0
+    for name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total"):
+        assert metric(text, name) >= 0
