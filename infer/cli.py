@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve, positional_model=True)
     serve.set_defaults(func=cmd_serve)
 
+    from infer.bench.cli import add_bench_parsers
+
+    add_bench_parsers(sub)
+
     presets = sub.add_parser("presets", help="list the model presets usable with --load-format dummy")
     presets.set_defaults(func=cmd_presets)
     return parser

@@ -1,0 +1,1 @@
+"""Benchmarks of the engine: in-process micro-benchmarks (`infer.bench.micro`) and serving benchmarks."""

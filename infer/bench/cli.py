@@ -1,0 +1,77 @@
+"""`infer bench ...`: the benchmark subcommands, registered by `infer.cli` through `add_bench_parsers`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+
+def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
+    """Add `bench` (with `serve`, and `micro` when present) to the top-level subparsers of `infer`."""
+    bench = subparsers.add_parser("bench", help="benchmarks: serving workloads, micro-benchmarks")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+
+    from infer.bench import serving
+    from infer.bench import traffic as traffic_module
+
+    serve = sub.add_parser(
+        "serve", help="seed 002's five serving workloads against a server", description=serving.__doc__
+    )
+    serving.add_arguments(serve)
+    serve.set_defaults(func=serving.cmd_serve)
+    traffic = sub.add_parser(
+        "traffic",
+        help="seed 004's mixed traffic: classes, SLO goodput, plots, tradeoff matrix",
+        description=traffic_module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    traffic.add_argument("--config", required=True, type=Path, help="YAML file: defaults + experiments")
+    traffic.add_argument(
+        "--out", type=Path, default=None, help="output folder (default benchmarks/reports/traffic-TIME)"
+    )
+    traffic.add_argument("--only", default=None, help="comma-separated experiment names to run")
+    traffic.set_defaults(func=cmd_traffic)
+    from infer.bench import client_tests
+
+    client = sub.add_parser(
+        "client",
+        help="seed 003: cold/warm prefix-cache TTFT; sequential vs concurrent batches",
+        description=client_tests.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    client_tests.add_arguments(client)
+    client.set_defaults(func=client_tests.cmd_client)
+    from infer.bench import roofline
+
+    roof = sub.add_parser(
+        "roofline",
+        help="seed 004: a model's decode/prefill ceilings on this machine",
+        description=roofline.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    roofline.add_arguments(roof)
+    roof.set_defaults(func=roofline.cmd_roofline)
+    try:
+        from infer.bench.micro import add_micro_parser
+    except ImportError:  # the micro-benchmarks live beside us and may be absent
+        pass
+    else:
+        add_micro_parser(sub)
+    return bench
+
+
+def cmd_traffic(args: argparse.Namespace) -> int:
+    from infer.bench.client import BenchError
+    from infer.bench.traffic import run_config
+
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    out = args.out or Path("benchmarks/reports") / f"traffic-{stamp}"
+    only = [n.strip() for n in args.only.split(",")] if args.only else None
+    try:
+        run_config(args.config, out, only)
+    except (BenchError, RuntimeError) as exc:
+        print(f"bench traffic: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

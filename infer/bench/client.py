@@ -1,0 +1,213 @@
+"""An async streaming client for any OpenAI-compatible server, and the loop that drives it with arrivals.
+
+One request = one POST /v1/completions with `stream: true` and `stream_options: {include_usage: true}`. The
+client stamps, on one monotonic clock relative to the run's start: the intended send, the actual send,
+every chunk that carries text (the first is the first token), and the end. Token counts are read from the
+final `usage` chunk; a server that sends none leaves them None (they are never guessed from chunks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from infer.bench.arrivals import Arrivals
+from infer.bench.metrics import RequestRecord
+
+
+class BenchError(RuntimeError):
+    """A problem the user must fix before a benchmark can run (server unreachable, unknown model)."""
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a workload: the text to send and how many tokens to ask for."""
+
+    prompt: str
+    max_tokens: int
+    req_class: str = "default"
+    target_prompt_tokens: int | None = None
+
+
+def _headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def check_server(base_url: str, model: str, api_key: str | None = None, timeout: float = 10.0) -> dict:
+    """GET /v1/models; return the model's card, or raise BenchError saying what is wrong."""
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        resp = httpx.get(url, headers=_headers(api_key), timeout=timeout)
+    except httpx.TransportError as exc:
+        raise BenchError(
+            f"cannot reach the server at {base_url} ({type(exc).__name__}: {exc}); is it running, "
+            f"and is the URL right (e.g. http://127.0.0.1:8000)?"
+        ) from exc
+    if resp.status_code in (401, 403):
+        raise BenchError(f"{url} answered {resp.status_code}: pass the server's key with --api-key")
+    if resp.status_code != 200:
+        raise BenchError(f"{url} answered {resp.status_code}: {resp.text[:300]}")
+    cards = resp.json().get("data", [])
+    for card in cards:
+        if card.get("id") == model:
+            return card
+    served = ", ".join(repr(c.get("id")) for c in cards) or "none"
+    raise BenchError(f"the server at {base_url} does not serve model {model!r}; it serves: {served}")
+
+
+class StreamingClient:
+    """Sends streaming completions and records what it saw. Use as `async with StreamingClient(...)`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        ignore_eos: bool = True,
+        temperature: float = 0.0,
+    ):
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.model = model
+        self.headers = _headers(api_key)
+        self.timeout = timeout
+        self.ignore_eos = ignore_eos  # fixed output lengths; vLLM and ours honour it, others ignore it
+        self.temperature = temperature
+        self._http: httpx.AsyncClient | None = None
+        self.t0 = time.perf_counter()
+
+    async def __aenter__(self) -> StreamingClient:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self._http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.timeout, connect=10.0))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._http.aclose()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def body(self, spec: RequestSpec) -> dict:
+        body = {
+            "model": self.model,
+            "prompt": spec.prompt,
+            "max_tokens": spec.max_tokens,
+            "temperature": self.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    async def send(self, req_id: int, spec: RequestSpec, intended_send: float) -> RequestRecord:
+        """Send one request now; `intended_send` is when the arrival process wanted it sent."""
+        rec = RequestRecord(
+            req_id=req_id,
+            intended_send=intended_send,
+            req_class=spec.req_class,
+            target_prompt_tokens=spec.target_prompt_tokens,
+            max_tokens=spec.max_tokens,
+        )
+        rec.sent = self.now()
+        try:
+            async with asyncio.timeout(self.timeout):  # the whole request, not one read
+                await self._post(spec, rec)
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            rec.status = "timeout"
+            rec.error = f"{type(exc).__name__}: no complete answer within {self.timeout}s"
+        except httpx.HTTPError as exc:
+            rec.status, rec.error = "error", f"{type(exc).__name__}: {exc}"
+        except asyncio.CancelledError:
+            rec.status, rec.error = "aborted", "cancelled by the client"
+        rec.end = self.now()
+        return rec
+
+    async def _post(self, spec: RequestSpec, rec: RequestRecord) -> None:
+        body, headers = self.body(spec), self.headers
+        async with self._http.stream("POST", self.url, json=body, headers=headers) as resp:
+            rec.http_status = resp.status_code
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                rec.status, rec.error = "error", _error_message(text)
+            else:
+                await self._read_stream(resp, rec)
+
+    async def _read_stream(self, resp: httpx.Response, rec: RequestRecord) -> None:
+        done = False
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            t = self.now()
+            event = json.loads(data)
+            if "error" in event:  # an error after the stream started
+                rec.status, rec.error = "error", _error_message(data)
+                return
+            if any(c.get("text") for c in event.get("choices") or []):
+                rec.chunk_times.append(t)
+                if rec.first_token is None:
+                    rec.first_token = t
+            if usage := event.get("usage"):
+                rec.num_prompt_tokens = usage.get("prompt_tokens")
+                rec.num_completion_tokens = usage.get("completion_tokens")
+                details = usage.get("prompt_tokens_details") or {}
+                rec.num_cached_tokens = details.get("cached_tokens")
+        if not done:
+            rec.status, rec.error = "error", "the stream ended without [DONE]"
+
+
+def _error_message(text: str) -> str:
+    try:
+        err = json.loads(text).get("error", {})
+        return err.get("message", text) if isinstance(err, dict) else str(err)
+    except (json.JSONDecodeError, AttributeError):
+        return text[:500]
+
+
+async def run_requests(
+    client: StreamingClient,
+    specs: Sequence[RequestSpec],
+    arrivals: Arrivals,
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> list[RequestRecord]:
+    """Send every spec following `arrivals`; return one record per spec, in spec order.
+
+    Open loop: request i is intended at run start + schedule[i]; with `max_concurrency` it may leave later
+    (its dispatch delay). Closed loop: workers take the next spec as soon as they are free."""
+    records: list[RequestRecord | None] = [None] * len(specs)
+    start = client.now()
+
+    def finish(i: int, rec: RequestRecord) -> None:
+        records[i] = rec
+        if on_done is not None:
+            on_done(rec)
+
+    if arrivals.closed_loop:
+        queue = list(range(len(specs)))[::-1]
+
+        async def worker() -> None:
+            while queue:
+                i = queue.pop()
+                finish(i, await client.send(i, specs[i], client.now()))
+
+        await asyncio.gather(*(worker() for _ in range(arrivals.num_workers)))
+    else:
+        cap = asyncio.Semaphore(arrivals.max_concurrency or len(specs) or 1)
+
+        async def one(i: int, offset: float) -> None:
+            intended = start + offset
+            await asyncio.sleep(max(0.0, intended - client.now()))
+            async with cap:
+                finish(i, await client.send(i, specs[i], intended))
+
+        await asyncio.gather(*(one(i, t) for i, t in enumerate(arrivals.schedule(len(specs)))))
+    return records

@@ -1,0 +1,52 @@
+"""Prompts of real English text cut from a corpus shipped with the project (KJV Genesis, public domain).
+
+Lengths are asked for in tokens and met approximately at ~4 characters per token; the actual counts are the
+server's (`usage.prompt_tokens`). Each prompt starts at a random word of the corpus, so two prompts share a
+cached prefix only when a workload means them to (`shared_prefix`).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from functools import lru_cache
+from pathlib import Path
+
+CORPUS = Path(__file__).resolve().parents[1] / "assets" / "toy" / "genesis.txt"
+CHARS_PER_TOKEN = 4
+
+
+@lru_cache(maxsize=4)
+def load_corpus(path: Path = CORPUS) -> str:
+    text = " ".join(Path(path).read_text(encoding="utf-8").split())  # one line of single-spaced words
+    if len(text) < 10_000:
+        raise ValueError(f"corpus {path} is too small ({len(text)} chars) to cut prompts from")
+    return text
+
+
+class PromptFactory:
+    """Seeded source of prompt text: the same seed gives the same prompts."""
+
+    def __init__(self, seed: int, corpus: str | None = None):
+        self.rng = random.Random(seed)
+        self.corpus = corpus if corpus is not None else load_corpus()
+        self.word_starts = [0] + [m.end() for m in re.finditer(" ", self.corpus)]
+
+    def text(self, num_tokens: int) -> str:
+        """About `num_tokens` tokens of consecutive corpus text, starting at a random word."""
+        if num_tokens < 1:
+            raise ValueError(f"a prompt needs at least 1 token, got {num_tokens}")
+        num_chars = num_tokens * CHARS_PER_TOKEN
+        if num_chars >= len(self.corpus):
+            raise ValueError(f"{num_tokens} tokens is more text than the corpus holds")
+        limit = len(self.corpus) - num_chars
+        start = self.word_starts[self.rng.randrange(len(self.word_starts))]
+        while start > limit:  # too near the end for this length: draw again
+            start = self.word_starts[self.rng.randrange(len(self.word_starts))]
+        piece = self.corpus[start : start + num_chars]
+        cut = piece.rfind(" ")
+        return piece[:cut] if cut > num_chars // 2 else piece
+
+    def shared_prefix(self, num_tokens: int) -> str:
+        """A prefix to put in front of many prompts (a 'system prompt'), ending with a blank line."""
+        return self.text(num_tokens) + "\n\n"

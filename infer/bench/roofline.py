@@ -1,0 +1,145 @@
+"""Seed 004's roofline: what this machine should do with a model, before any serving overhead.
+
+    infer bench roofline [--model M] [--dtype bfloat16] [--memory-gb 16]
+
+From the model's shape (built on the meta device: no weights loaded, presets need no download):
+parameters, weight bytes, KV bytes per token, KV capacity for a memory budget. From this machine: memory
+bandwidth (a large tensor copy) and matmul throughput (a square matmul), both measured with torch. Then:
+
+- single-stream decode ceiling = bandwidth / weight bytes (every token streams all weights; KV reads,
+  attention and launch overheads come on top, so real decode is slower),
+- prefill ceiling = matmul FLOP/s / (2 x parameters) tokens/s,
+- the decode batch where compute catches up with memory: B* = (FLOP/s / bandwidth) x weight bytes /
+  (2 x parameters); below it, batching more requests is nearly free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from infer.bench.report import machine_info, render_table
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_shape(model: str | None, dtype: str) -> dict:
+    """Parameters, weight bytes and KV bytes per token of `model` (a folder, hub id, preset or embedded)."""
+    from infer.models.config import ModelConfig
+    from infer.models.loader import read_config, resolve_model_path
+    from infer.models.registry import model_class
+
+    path = resolve_model_path(model, load_format="dummy")
+    cfg = ModelConfig.from_hf(read_config(path))
+    with torch.device("meta"):
+        net = model_class(cfg.architecture)(cfg)
+    if hasattr(net, "tie_weights"):
+        net.tie_weights()
+    num_params = sum(p.numel() for p in net.parameters())  # shared (tied) parameters counted once
+    nbytes = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * nbytes
+    return {
+        "model": model or "embedded",
+        "architecture": cfg.architecture,
+        "dtype": dtype,
+        "num_params": num_params,
+        "weight_bytes": num_params * nbytes,
+        "kv_bytes_per_token": kv_per_token,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a large copy (read + write), best of `repeats`."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / _best_time(lambda: dst.copy_(src), repeats)
+
+
+def measure_matmul(dtype: str, n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of an n x n matmul in `dtype`, best of `repeats`."""
+    a = torch.randn(n, n).to(DTYPES[dtype])
+    b = torch.randn(n, n).to(DTYPES[dtype])
+    return 2 * n**3 / _best_time(lambda: torch.mm(a, b), repeats)
+
+
+def total_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def roofline(shape: dict, bandwidth: float, flops: float, memory_bytes: int | None) -> dict:
+    """The ceilings implied by a model's shape and a machine's measured speeds (pure arithmetic)."""
+    params, wbytes = shape["num_params"], shape["weight_bytes"]
+    kv_capacity = None
+    if memory_bytes is not None:
+        kv_capacity = max(0, (memory_bytes - wbytes) // shape["kv_bytes_per_token"])
+    return {
+        "bandwidth_bytes_per_s": bandwidth,
+        "matmul_flops_per_s": flops,
+        "memory_budget_bytes": memory_bytes,
+        "kv_capacity_tokens": kv_capacity,
+        "decode_ceiling_tokens_per_s": bandwidth / wbytes,
+        "prefill_ceiling_tokens_per_s": flops / (2 * params),
+        "compute_bound_batch": (flops / bandwidth) * wbytes / (2 * params),
+    }
+
+
+def rows(shape: dict, roof: dict) -> list[tuple[str, str]]:
+    gb = 1e9
+    cap = roof["kv_capacity_tokens"]
+    budget = roof["memory_budget_bytes"]
+    return [
+        ("model", f"{shape['model']} ({shape['architecture']}, {shape['dtype']})"),
+        ("parameters", f"{shape['num_params'] / 1e6:,.1f} M"),
+        ("weight bytes", f"{shape['weight_bytes'] / gb:,.3f} GB"),
+        ("KV bytes per token", f"{shape['kv_bytes_per_token'] / 1024:,.1f} KiB"),
+        ("KV capacity", "-" if cap is None else f"{cap:,} tokens in {budget / gb:,.1f} GB"),
+        ("memory bandwidth (measured)", f"{roof['bandwidth_bytes_per_s'] / gb:,.1f} GB/s"),
+        ("matmul throughput (measured)", f"{roof['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s"),
+        ("decode ceiling, 1 stream", f"{roof['decode_ceiling_tokens_per_s']:,.1f} tok/s"),
+        ("prefill ceiling", f"{roof['prefill_ceiling_tokens_per_s']:,.1f} tok/s"),
+        ("decode turns compute-bound at batch", f"{roof['compute_bound_batch']:,.1f}"),
+    ]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder, hub id or preset; default: embedded")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weights / KV / matmul dtype")
+    p.add_argument("--memory-gb", type=float, default=None, help="memory budget; default: this machine's RAM")
+    p.add_argument("--matmul-size", type=int, default=1024)
+    p.add_argument("--json", type=Path, default=None, help="also write the numbers to this JSON file")
+
+
+def cmd_roofline(args: argparse.Namespace, out=None) -> int:
+    out = sys.stdout if out is None else out
+    shape = model_shape(args.model, args.dtype)
+    memory = int(args.memory_gb * 1e9) if args.memory_gb is not None else total_memory_bytes()
+    roof = roofline(shape, measure_bandwidth(), measure_matmul(args.dtype, args.matmul_size), memory)
+    print(
+        render_table(["Roofline", "Value"], rows(shape, roof), "== roofline (ceilings before overheads)"),
+        file=out,
+    )
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({"shape": shape, "roofline": roof, "machine": machine_info()}, indent=1)
+        )
+    return 0

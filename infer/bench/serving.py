@@ -1,0 +1,285 @@
+r"""Seed 002's serving benchmark: the five workloads against any OpenAI-compatible server.
+
+    python benchmarks/bench_serving.py --server http://127.0.0.1:8000 --model embedded --workload all \
+        --seed 42 --scale small [--no-save]
+    infer bench serve ...                   # the same flags
+
+Per workload: two warm-up requests (not counted), then the workload's requests with its arrival pattern;
+throughput (output tok/s, from the server's `usage`), TTFT P50/P95/P99, ITL P50/P95/P99, latency P50/P99
+(both from the intended send time), errors; then a cross-workload table and a JSON report in
+`benchmarks/reports/` holding every request's timestamps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import secrets
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from infer.bench.client import BenchError, StreamingClient, check_server, run_requests
+from infer.bench.metrics import summarize
+from infer.bench.report import (
+    machine_info,
+    metrics_delta,
+    progress_bar,
+    render_table,
+    scrape_metrics,
+    server_info,
+)
+from infer.bench.workloads import SCALES, WORKLOADS, Workload, get_workloads
+
+DEFAULT_REPORT_DIR = Path("benchmarks/reports")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default="http://127.0.0.1:8000", help="base URL of the server")
+    p.add_argument("--model", default=None, help="model name to send; default: the server's only model")
+    p.add_argument(
+        "--workload", default="all", help=f"'all' or a comma-separated list of: {', '.join(WORKLOADS)}"
+    )
+    p.add_argument("--seed", type=int, default=42, help="seeds prompts, lengths and Poisson arrivals")
+    p.add_argument(
+        "--scale", default="full", choices=list(SCALES), help="shrink the workloads (small: 2-core CPU)"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per workload (not counted)")
+    p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    p.add_argument("--timeout", type=float, default=600.0, help="client timeout per request, seconds")
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not ask the server to ignore EOS")
+    p.add_argument(
+        "--server-flags", default=None, help="the flags the server was started with, for the report"
+    )
+    p.add_argument("--no-save", action="store_true", help="do not write the JSON report")
+    p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORT_DIR, help="where JSON reports go")
+    p.add_argument(
+        "--no-cache-buster", action="store_true", help="no per-run nonce in prompts (repeats hit the cache)"
+    )
+    p.add_argument(
+        "--roofline",
+        default=None,
+        metavar="DTYPE",
+        choices=["float32", "bfloat16", "float16"],
+        help="state throughput as a fraction of this machine's decode ceiling for the model in DTYPE "
+        "(the server must run on this machine; the model from --roofline-model or the server's card)",
+    )
+    p.add_argument("--roofline-model", default=None, help="model folder / preset for --roofline")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+async def run_workload(
+    workload: Workload,
+    base_url: str,
+    model: str,
+    seed: int,
+    max_model_len: int | None = None,
+    num_warmup: int = 2,
+    api_key: str | None = None,
+    timeout: float = 600.0,
+    ignore_eos: bool = True,
+    progress: bool = False,
+    cache_buster: bool = True,
+) -> dict:
+    """Run one workload: warm-up, then every request; return its config, summary and per-request records."""
+    nonce = secrets.token_hex(4) if cache_buster else ""
+    specs = workload.build(seed, max_model_len, nonce)
+    warmup_specs = workload.build(seed + 1, max_model_len, nonce + "w" if nonce else "")[:num_warmup]
+    arrivals = workload.arrivals(seed)
+    async with StreamingClient(base_url, model, api_key, timeout, ignore_eos) as client:
+        warm = [await client.send(-1 - i, s, client.now()) for i, s in enumerate(warmup_specs)]
+        before = await asyncio.to_thread(scrape_metrics, base_url)
+        bar = progress_bar(len(specs), workload.name, progress)
+        client.t0 = time.perf_counter()  # the run's clock starts after the warm-up
+        records = await run_requests(client, specs, arrivals, on_done=lambda _: bar.update())
+        bar.close()
+        after = await asyncio.to_thread(scrape_metrics, base_url)
+    return {
+        "name": workload.name,
+        "measures": workload.measures,
+        "workload": {
+            "num_requests": workload.num_requests,
+            "prompt_tokens": [list(x) for x in workload.prompt_tokens],
+            "max_tokens": list(workload.max_tokens),
+            "arrival": arrivals.describe(),
+            "shared_prefix_tokens": workload.shared_prefix_tokens,
+            "cache_buster": nonce or None,
+        },
+        "warmup": {"num_requests": len(warm), "num_ok": sum(r.ok for r in warm)},
+        "summary": summarize(records),
+        "server_metrics_delta": metrics_delta(before, after),
+        "requests": [r.to_dict() for r in records],
+    }
+
+
+# ---- tables ------------------------------------------------------------------------------------------
+
+
+def _s(ms):
+    return None if ms is None else ms / 1000
+
+
+def detail_rows(summary: dict) -> list[tuple[str, object]]:
+    t, ttft, itl, lat = summary["throughput"], summary["ttft_ms"], summary["itl_ms"], summary["latency_ms"]
+    return [
+        ("Requests (ok / all)", f"{summary['num_ok']} / {summary['num_requests']}"),
+        ("Throughput (tok/s)", t["output_tokens_per_s"]),
+        ("TTFT P50 (ms)", ttft["p50"]),
+        ("TTFT P95 (ms)", ttft["p95"]),
+        ("TTFT P99 (ms)", ttft["p99"]),
+        ("ITL P50 (ms)", itl["p50"]),
+        ("ITL P95 (ms)", itl["p95"]),
+        ("ITL P99 (ms)", itl["p99"]),
+        ("Latency P50 (s)", _s(lat["p50"])),
+        ("Latency P99 (s)", _s(lat["p99"])),
+        ("Dispatch delay P99 (ms)", summary["dispatch_delay_ms"]["p99"]),
+        ("Prefix cache hits (%)", None if (h := summary["prefix_cache_hit_rate"]) is None else 100 * h),
+        ("Errors", summary["num_errors"]),
+    ]
+
+
+def detail_table(result: dict) -> str:
+    w = result["workload"]
+    title = f"== {result['name']}: {w['num_requests']} requests, {w['arrival']} ({result['measures']})"
+    rows = [
+        (k, f"{v:,.3f}" if "(s)" in k and v is not None else v) for k, v in detail_rows(result["summary"])
+    ]
+    return render_table(["Metric", "Value"], rows, title)
+
+
+def comparison_table(results: list[dict]) -> str:
+    headers = [
+        "Workload",
+        "Reqs",
+        "Tok/s",
+        "TTFT P50",
+        "TTFT P99",
+        "ITL P50",
+        "ITL P99",
+        "Lat P50 s",
+        "Errors",
+    ]
+    rows = []
+    for r in results:
+        s = r["summary"]
+        lat = _s(s["latency_ms"]["p50"])
+        rows.append([
+            r["name"], s["num_requests"], s["throughput"]["output_tokens_per_s"], s["ttft_ms"]["p50"],
+            s["ttft_ms"]["p99"], s["itl_ms"]["p50"], s["itl_ms"]["p99"],
+            "-" if lat is None else f"{lat:.3f}", s["num_errors"],
+        ])  # fmt: skip
+    return render_table(headers, rows, "== cross-workload comparison (times in ms unless noted)")
+
+
+# ---- the command -------------------------------------------------------------------------------------
+
+
+def decode_ceiling(model: str, dtype: str) -> dict:
+    """The model's shape and this machine's single-stream decode ceiling (bandwidth / weight bytes)."""
+    from infer.bench.roofline import measure_bandwidth, model_shape
+
+    shape = model_shape(model, dtype)
+    bandwidth = measure_bandwidth()
+    return {
+        **shape,
+        "bandwidth_bytes_per_s": bandwidth,
+        "decode_ceiling_tokens_per_s": bandwidth / shape["weight_bytes"],
+    }
+
+
+def resolve_model(base_url: str, model: str | None, api_key: str | None) -> tuple[str, dict]:
+    """The model to benchmark and its card; with no --model the server must serve exactly one."""
+    if model is not None:
+        return model, check_server(base_url, model, api_key)
+    import httpx
+
+    try:
+        cards = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10).json().get("data", [])
+    except (httpx.HTTPError, ValueError):
+        cards = []
+    if len(cards) != 1:
+        check_server(base_url, "", api_key)  # raises the clear error (unreachable, or lists the models)
+    return cards[0]["id"], check_server(base_url, cards[0]["id"], api_key)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> dict:
+    """Run the benchmark described by parsed `args`; print tables to `out` (stdout); return the report."""
+    out = sys.stdout if out is None else out
+    workloads = get_workloads(args.workload, args.scale)
+    model, card = resolve_model(args.server, args.model, args.api_key)
+    max_model_len = card.get("max_model_len")
+    started = datetime.datetime.now(datetime.UTC)
+    print(
+        f"infer bench serve: {args.server} model={model} workloads={','.join(w.name for w in workloads)} "
+        f"scale={args.scale} seed={args.seed}",
+        file=out,
+    )
+    results = []
+    for w in workloads:
+        result = asyncio.run(
+            run_workload(
+                w, args.server, model, args.seed, max_model_len, args.warmup, args.api_key, args.timeout,
+                not args.no_ignore_eos, progress=not args.no_progress, cache_buster=not args.no_cache_buster,
+            )
+        )  # fmt: skip
+        results.append(result)
+        print("\n" + detail_table(result), file=out, flush=True)
+    print("\n" + comparison_table(results), file=out)
+    ceiling = None
+    if args.roofline:
+        ceiling = decode_ceiling(args.roofline_model or card.get("root") or model, args.roofline)
+        for r in results:
+            tps = r["summary"]["throughput"]["output_tokens_per_s"]
+            r["summary"]["fraction_of_decode_ceiling"] = tps / ceiling["decode_ceiling_tokens_per_s"]
+        print(
+            f"\nroofline ({ceiling['model']}, {args.roofline}): single-stream decode ceiling "
+            f"{ceiling['decode_ceiling_tokens_per_s']:,.1f} tok/s; measured / ceiling: "
+            + ", ".join(f"{r['name']} {r['summary']['fraction_of_decode_ceiling']:.2f}" for r in results),
+            file=out,
+        )
+    argv = sys.argv[1:] if argv is None else argv
+    report = {
+        "kind": "serving",
+        "started": started.isoformat(),
+        "command": shlex.join([Path(sys.argv[0]).name, *argv]),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"},
+        "server": server_info(args.server, card, args.server_flags),
+        "machine": machine_info(),
+        "roofline": ceiling,
+        "workloads": results,
+    }
+    if not args.no_save:
+        args.report_dir.mkdir(parents=True, exist_ok=True)
+        stamp = started.strftime("%Y%m%d-%H%M%S")
+        path = (
+            args.report_dir
+            / f"serving-{model.replace('/', '_')}-{args.workload.replace(',', '+')}-{stamp}.json"
+        )
+        path.write_text(json.dumps(report, indent=1))
+        report["path"] = str(path)
+        print(f"\nreport: {path}", file=out)
+    return report
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        run(args, getattr(args, "argv", None))
+    except BenchError as exc:
+        print(f"bench serve: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_serving.py", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return cmd_serve(args)
+    except ValueError as exc:
+        print(f"bench serve: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,239 @@
+"""Seed 004's mixed-traffic harness: request classes, arrivals, per-class SLO goodput, one YAML file.
+
+    infer bench traffic --config traffic.yaml [--out DIR] [--only NAME,...]
+
+The file has a `defaults` block and named `experiments` whose keys override it (dicts merge, the rest
+replaces). An experiment points at a running server (`server: {url, model}`) or starts ours
+(`launch: [flags...]`, stopped afterwards), and may `sweep` one parameter:
+
+    defaults:
+      server: {url: http://127.0.0.1:8000}
+      num_requests: 200
+      arrival: {mode: poisson, rate: 8, max_concurrency: 32}   # or synchronous / concurrent / constant
+      timeout_s: 60
+      window: {warmup_s: 2, cooldown_s: 2}
+      classes:
+        siso: {share: 0.4, prompt_tokens: [32, 128], output_tokens: [16, 64], slo: {ttft_ms: 5000}}
+        lilo: {share: 0.1, prompt_tokens: [512, 768], output_tokens: [128, 256], slo: {itl_p95_ms: 250}}
+    experiments:
+      baseline: {launch: [--no-prefix-caching]}
+      prefix: {launch: [--prefix-caching], shared_prefix_tokens: 256}
+      rates: {sweep: {param: arrival.rate, values: [2, 4, 8]}}
+
+Per experiment, under OUT/NAME/: requests.jsonl (every request, whatever its fate), summary.json and PNG
+plots; across experiments OUT/tradeoff.{json,md,png}: SLO compliance per class x experiment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from infer.bench.client import RequestSpec, StreamingClient, check_server, run_requests
+from infer.bench.metrics import goodput, stable_window, summarize
+from infer.bench.report import machine_info, progress_bar, render_table, scrape_metrics
+from infer.bench.traffic_config import arrivals_of, build_requests, load_experiments, request_classes
+
+
+class LaunchedServer:
+    """`python -m infer.server FLAGS --port P` for one experiment; stopped on exit."""
+
+    def __init__(self, flags: list[str], log_path: Path, timeout: float = 120.0):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.flags = [str(f) for f in flags]
+        self.log_path, self.timeout = log_path, timeout
+
+    def __enter__(self) -> LaunchedServer:
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in __exit__)
+        cmd = [sys.executable, "-m", "infer.server", *self.flags, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.close()
+                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.__exit__()
+        raise RuntimeError(f"the server was not healthy after {self.timeout}s; see {self.log_path}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+async def _poll(url: str, every: float, t0: float, timeline: list[dict], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        sample = await asyncio.to_thread(scrape_metrics, url, 2.0)
+        if sample is not None:
+            timeline.append({"t": time.perf_counter() - t0, **sample})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)
+
+
+async def _run(cfg: dict, url: str, model: str, specs: list[RequestSpec]) -> tuple[list, list[dict]]:
+    s = cfg["server"]
+    timeline: list[dict] = []
+    async with StreamingClient(url, model, s.get("api_key"), cfg["timeout_s"], cfg["ignore_eos"]) as client:
+        stop = asyncio.Event()
+        poller = asyncio.create_task(_poll(url, cfg["metrics_poll_s"], client.t0, timeline, stop))
+        bar = progress_bar(len(specs), "requests")
+        records = await run_requests(client, specs, arrivals_of(cfg), on_done=lambda _: bar.update())
+        bar.close()
+        stop.set()
+        await poller
+    return records, timeline
+
+
+def analyze(cfg: dict, records: list) -> dict:
+    """summary.json's numbers: all requests, the stable window, goodput and per-class breakdowns."""
+    classes = request_classes(cfg)
+    window = stable_window(records, cfg["window"]["warmup_s"], cfg["window"]["cooldown_s"])
+    kept = window.records
+    slos = {c.name: c.slo for c in classes}
+    per_class = {}
+    for c in classes:
+        recs = [r for r in kept if r.req_class == c.name]
+        per_class[c.name] = {"slo": vars(c.slo), **summarize(recs)}
+    return {
+        "all": summarize(records),
+        "window": window.to_dict(),
+        "stable": summarize(kept),
+        "goodput": goodput(kept, slos),
+        "per_class": per_class,
+    }
+
+
+def run_experiment(name: str, cfg: dict, out_dir: Path, log=print) -> dict:
+    """Run one experiment (launching a server if asked); write its outputs; return its summary."""
+    exp_dir = out_dir / safe_name(name)
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    server = LaunchedServer(cfg["launch"], exp_dir / "server.log") if cfg["launch"] is not None else None
+    if server is not None:
+        server.__enter__()
+    try:
+        url = server.url if server else cfg["server"]["url"]
+        card = check_server(url, cfg["server"]["model"] or _only_model(url), cfg["server"].get("api_key"))
+        specs = build_requests(cfg, secrets.token_hex(4))
+        log(f"-- {name}: {len(specs)} requests, {arrivals_of(cfg).describe()}, {url}")
+        records, timeline = asyncio.run(_run(cfg, url, card["id"], specs))
+    finally:
+        if server is not None:
+            server.__exit__()
+    with open(exp_dir / "requests.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r.to_dict()) + "\n")
+    summary = {
+        "experiment": name,
+        "config": cfg,
+        "url": url,
+        "server": card,
+        **analyze(cfg, records),
+        "timeline": timeline,
+    }
+    (exp_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    from infer.bench import plots
+
+    plots.experiment_plots(records, summary, exp_dir)
+    return summary
+
+
+def _only_model(url: str) -> str:
+    try:
+        cards = httpx.get(url.rstrip("/") + "/v1/models", timeout=10).json().get("data", [])
+    except (httpx.HTTPError, ValueError):
+        cards = []
+    return cards[0]["id"] if len(cards) == 1 else ""  # "" lets check_server explain
+
+
+def safe_name(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in name)
+
+
+def experiment_rows(summaries: list[dict]) -> list[list]:
+    rows = []
+    for s in summaries:
+        st, g = s["stable"], s["goodput"]
+        rows.append([
+            s["experiment"], st["num_requests"], f"{s['all']['num_ok']}/{s['all']['num_requests']}",
+            st["throughput"]["output_tokens_per_s"], g["goodput_tokens_per_s"], st["ttft_ms"]["p50"],
+            st["ttft_ms"]["p99"], st["itl_ms"]["p95"], st["dispatch_delay_ms"]["p99"],
+        ])  # fmt: skip
+    return rows
+
+
+def tradeoff(summaries: list[dict]) -> tuple[list[str], list[str], list[list[float | None]]]:
+    """SLO compliance (stable window) per class x experiment."""
+    classes = sorted({c for s in summaries for c in s["goodput"]["per_class"]})
+    names = [s["experiment"] for s in summaries]
+    matrix = [[s["goodput"]["per_class"].get(c, {}).get("compliance") for s in summaries] for c in classes]
+    return classes, names, matrix
+
+
+def run_config(config_path: Path, out_dir: Path, only: list[str] | None = None, out=None) -> dict:
+    out = sys.stdout if out is None else out
+    experiments = load_experiments(Path(config_path).read_text())
+    if only:
+        missing = [n for n in only if n not in experiments]
+        if missing:
+            raise ValueError(f"no experiment {missing}; the config has {', '.join(experiments)}")
+        experiments = {n: experiments[n] for n in only}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summaries = [
+        run_experiment(n, cfg, out_dir, lambda m: print(m, file=out, flush=True))
+        for n, cfg in experiments.items()
+    ]
+    headers = [
+        "Experiment",
+        "Stable",
+        "OK/all",
+        "Tok/s",
+        "Good tok/s",
+        "TTFT P50",
+        "TTFT P99",
+        "ITL P95",
+        "Disp P99",
+    ]
+    print(
+        "\n" + render_table(headers, experiment_rows(summaries), "== experiments (ms; stable window)"),
+        file=out,
+    )
+    classes, names, matrix = tradeoff(summaries)
+    cells = [
+        [c] + ["-" if v is None else f"{100 * v:.0f}%" for v in row]
+        for c, row in zip(classes, matrix, strict=True)
+    ]
+    table = render_table(["Class", *names], cells, "== SLO compliance (class x experiment)")
+    print("\n" + table, file=out)
+    (out_dir / "tradeoff.md").write_text(table + "\n")
+    result = {"config": str(config_path), "machine": machine_info(), "classes": classes, "experiments": names,
+              "compliance": matrix}  # fmt: skip
+    (out_dir / "tradeoff.json").write_text(json.dumps(result, indent=1))
+    from infer.bench import plots
+
+    plots.tradeoff_plot(classes, names, matrix, out_dir / "tradeoff.png")
+    print(f"\noutputs: {out_dir}", file=out)
+    return {"summaries": summaries, **result}

@@ -1,0 +1,47 @@
+"""Seed 004's roofline: model shapes against known numbers, the ceilings' arithmetic, and the command."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+
+import pytest
+
+from infer.bench.cli import add_bench_parsers
+from infer.bench.roofline import model_shape, roofline
+
+
+def test_shape_of_a_preset_matches_its_published_size():
+    shape = model_shape("Llama-3.2-1B", "bfloat16")
+    assert shape["num_params"] == 1_235_814_400  # tied embeddings counted once
+    assert shape["weight_bytes"] == 2 * shape["num_params"]
+    assert shape["kv_bytes_per_token"] == 2 * 16 * 8 * 64 * 2  # K and V, 16 layers, 8 kv heads, dim 64, bf16
+    assert model_shape("Llama-3.2-1B", "float32")["kv_bytes_per_token"] == 2 * shape["kv_bytes_per_token"]
+
+
+def test_ceilings_arithmetic():
+    shape = {"num_params": 1_000, "weight_bytes": 2_000, "kv_bytes_per_token": 10}
+    r = roofline(shape, bandwidth=4_000.0, flops=1e6, memory_bytes=12_000)
+    assert r["decode_ceiling_tokens_per_s"] == pytest.approx(2.0)  # 4000 B/s / 2000 B per token
+    assert r["prefill_ceiling_tokens_per_s"] == pytest.approx(500.0)  # 1e6 / (2 * 1000)
+    assert r["compute_bound_batch"] == pytest.approx(250.0)  # (1e6 / 4000) * 2000 / 2000
+    assert r["kv_capacity_tokens"] == 1_000  # (12000 - 2000) / 10
+    assert roofline(shape, 4_000.0, 1e6, None)["kv_capacity_tokens"] is None
+
+
+def test_roofline_command(tmp_path):
+    parser = argparse.ArgumentParser(prog="infer")
+    add_bench_parsers(parser.add_subparsers(dest="command"))
+    path = tmp_path / "roof.json"
+    args = parser.parse_args(
+        ["bench", "roofline", "--memory-gb", "1", "--matmul-size", "256", "--json", str(path)]
+    )
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert args.func(args) == 0
+    report = json.loads(path.read_text())
+    assert report["shape"]["model"] == "embedded" and report["shape"]["num_params"] > 0
+    assert report["roofline"]["bandwidth_bytes_per_s"] > 0 and report["roofline"]["matmul_flops_per_s"] > 0
+    assert "decode ceiling" in out.getvalue()
