@@ -12,6 +12,7 @@ The model loads in a thread started by the lifespan, so the server listens (and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import time
@@ -78,6 +79,20 @@ def create_app(
         if state.ready:
             card["max_model_len"] = state.llm.max_model_len
         return card
+
+    @app.get("/server_info")
+    async def server_info() -> JSONResponse:
+        """The effective configuration (as vLLM's dev route), so benchmark reports can record it."""
+        info = {
+            "engine": dataclasses.asdict(args.engine),
+            "server": {**dataclasses.asdict(args), "engine": None},
+        }
+        info["server"].pop("api_key")
+        info["server"].pop("engine")
+        if state.ready:
+            info["kv_capacity_tokens"] = state.llm.kv_capacity_tokens
+            info["max_model_len"] = state.llm.max_model_len
+        return JSONResponse(info)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
