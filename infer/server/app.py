@@ -83,12 +83,10 @@ def create_app(
     @app.get("/server_info")
     async def server_info() -> JSONResponse:
         """The effective configuration (as vLLM's dev route), so benchmark reports can record it."""
-        info = {
-            "engine": dataclasses.asdict(args.engine),
-            "server": {**dataclasses.asdict(args), "engine": None},
-        }
-        info["server"].pop("api_key")
-        info["server"].pop("engine")
+        server = dataclasses.asdict(args)
+        engine = server.pop("engine")
+        server.pop("api_key")
+        info = {"engine": engine, "server": server}
         if state.ready:
             info["kv_capacity_tokens"] = state.llm.kv_capacity_tokens
             info["max_model_len"] = state.llm.max_model_len
