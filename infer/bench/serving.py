@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DTYPE",
         choices=["float32", "bfloat16", "float16"],
         help="state throughput as a fraction of this machine's decode ceiling for the model in DTYPE "
-        "(the server must run on this machine; the model from --roofline-model or the server's card)",
+        "(the server must run on this machine; the model from --roofline-model or the server's card); "
+        "automatic for our own server on loopback, which reports its dtype",
     )
     p.add_argument("--roofline-model", default=None, help="model folder / preset for --roofline")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -190,6 +191,15 @@ def decode_ceiling(model: str, dtype: str) -> dict:
     }
 
 
+def _local_infer_dtype(base_url: str, server: dict) -> str | None:
+    """Our server on this machine reports its resolved dtype: then the ceiling needs no --roofline."""
+    from urllib.parse import urlparse
+
+    flags = server.get("flags")
+    local = urlparse(base_url).hostname in ("127.0.0.1", "localhost", "::1")
+    return flags.get("dtype") if server["is_infer"] and local and isinstance(flags, dict) else None
+
+
 def resolve_model(base_url: str, model: str | None, api_key: str | None) -> tuple[str, dict]:
     """The model to benchmark and its card; with no --model the server must serve exactly one."""
     if model is not None:
@@ -228,14 +238,16 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
         results.append(result)
         print("\n" + detail_table(result), file=out, flush=True)
     print("\n" + comparison_table(results), file=out)
+    server = server_info(args.server, card, args.server_flags)
+    dtype = args.roofline or _local_infer_dtype(args.server, server)
     ceiling = None
-    if args.roofline:
-        ceiling = decode_ceiling(args.roofline_model or card.get("root") or model, args.roofline)
+    if dtype:
+        ceiling = decode_ceiling(args.roofline_model or card.get("root") or model, dtype)
         for r in results:
             tps = r["summary"]["throughput"]["output_tokens_per_s"]
             r["summary"]["fraction_of_decode_ceiling"] = tps / ceiling["decode_ceiling_tokens_per_s"]
         print(
-            f"\nroofline ({ceiling['model']}, {args.roofline}): single-stream decode ceiling "
+            f"\nroofline ({ceiling['model']}, {dtype}): single-stream decode ceiling "
             f"{ceiling['decode_ceiling_tokens_per_s']:,.1f} tok/s; measured / ceiling: "
             + ", ".join(f"{r['name']} {r['summary']['fraction_of_decode_ceiling']:.2f}" for r in results),
             file=out,
@@ -246,7 +258,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
         "started": started.isoformat(),
         "command": shlex.join([Path(sys.argv[0]).name, *argv]),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"},
-        "server": server_info(args.server, card, args.server_flags),
+        "server": server,
         "machine": machine_info(),
         "roofline": ceiling,
         "workloads": results,

@@ -90,6 +90,7 @@ def create_app(
         if state.ready:
             info["kv_capacity_tokens"] = state.llm.kv_capacity_tokens
             info["max_model_len"] = state.llm.max_model_len
+            info["dtype"] = str(state.llm.runner.dtype).removeprefix("torch.")  # what `auto` resolved to
         return JSONResponse(info)
 
     @app.get("/v1/models")

@@ -36,11 +36,20 @@ def check_distribution(d: dict) -> None:
 def report(bench_server, tmp_path_factory):
     report_dir = tmp_path_factory.mktemp("reports")
     argv = ["--server", bench_server.url, "--model", "embedded", "--workload", "all", "--seed", "42"]
-    argv += ["--scale", "tiny", "--report-dir", str(report_dir), "--no-progress", "--server-flags", "test"]
+    argv += ["--scale", "tiny", "--report-dir", str(report_dir), "--no-progress"]
     rc, out, err = run_main(argv)
     assert rc == 0, err
     (path,) = report_dir.glob("serving-*.json")
     return json.loads(path.read_text()), out
+
+
+def test_report_records_our_servers_flags_and_its_roofline(report):
+    report, out = report
+    flags = report["server"]["flags"]  # from GET /server_info: no --server-flags needed for our server
+    assert report["server"]["is_infer"] and flags["engine"]["kv_cache_backend"] == "paged"
+    assert report["roofline"]["model"] and report["roofline"]["decode_ceiling_tokens_per_s"] > 0
+    assert all(w["summary"]["fraction_of_decode_ceiling"] > 0 for w in report["workloads"])
+    assert "single-stream decode ceiling" in out
 
 
 def test_report_holds_every_request_with_sensible_numbers(report):
@@ -82,7 +91,7 @@ def test_report_records_how_to_reproduce(report):
     assert report["command"].startswith("bench_serving.py") or "--workload all" in report["command"]
     assert report["config"]["seed"] == 42 and report["config"]["scale"] == "tiny"
     assert report["server"]["is_infer"] and report["server"]["max_model_len"] > 0
-    assert report["server"]["flags"] == "test"
+    assert report["server"]["flags"]["engine"]["seed"] == 0
     assert report["machine"]["num_cpus"] >= 1 and report["machine"]["versions"]["infer"]
 
 
