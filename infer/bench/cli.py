@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
-    """Add `bench` (with `serve`, and `micro` when present) to the top-level subparsers of `infer`."""
+    """Add `bench` (serve, traffic, client, roofline, micro) to the top-level subparsers of `infer`."""
     bench = subparsers.add_parser("bench", help="benchmarks: serving workloads, micro-benchmarks")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -53,12 +53,9 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     )
     roofline.add_arguments(roof)
     roof.set_defaults(func=roofline.cmd_roofline)
-    try:
-        from infer.bench.micro import add_micro_parser
-    except ImportError:  # the micro-benchmarks live beside us and may be absent
-        pass
-    else:
-        add_micro_parser(sub)
+    from infer.bench.micro import add_micro_parser
+
+    add_micro_parser(sub)
     return bench
 
 

@@ -1,0 +1,124 @@
+"""In-process micro-benchmarks that reproduce seeds 000 and 001 on our engine (issue 6).
+
+    python -m infer.bench.micro {kv-cache,continuous-batching,chunked-prefill,scheduling,prefix-caching,all}
+        [--model toy|embedded|FOLDER|PRESET] [--load-format dummy] [--dtype auto] [--json FILE]
+        [--scale small] [--repeats N]
+
+Each benchmark prints the seed's table per case (baseline and optimized rows, the seed's columns), the
+ratio columns, a summary table, and one PASS/MISS verdict line per case against the issue's expectation.
+Baseline and optimized runs are interleaved and each timing is the best of --repeats runs; counts
+(tokens, cached tokens, preemptions, evictions) must agree between repeats. `add_micro_parser` plugs the
+same command into a CLI as `... micro`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+from infer.bench.micro import chunked_prefill, continuous_batching, kv_cache, prefix_caching, scheduling
+from infer.bench.micro.harness import TOY, Context, prepare_model
+from infer.bench.micro.report import BenchResult, write_json
+
+BENCHMARKS = {m.NAME: m for m in (kv_cache, continuous_batching, chunked_prefill, scheduling, prefix_caching)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("benchmark", choices=[*BENCHMARKS, "all"])
+    p.add_argument(
+        "--model",
+        default=TOY,
+        help="'toy' (default: the seeds' 0.057M NanoGPT, trained once for a few seconds and cached), "
+        "'embedded', a model folder, or a preset with --load-format dummy",
+    )
+    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: float32 for the toy (faster at its size), the engine's choice otherwise",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: 1 for the toy, torch's own otherwise)",
+    )
+    p.add_argument("--json", metavar="FILE", help="also write every table and verdict as JSON")
+    p.add_argument("--scale", default="full", choices=["full", "small"], help="small: the test-suite cases")
+    p.add_argument("--repeats", type=int, default=None, help="runs per mode at least (default 5; small: 1)")
+    p.add_argument(
+        "--min-seconds",
+        type=float,
+        default=None,
+        help="and more runs (30 at most) until each mode ran this long; best kept (default 2; small: 0)",
+    )
+    p.add_argument("--retrain", action="store_true", help="train the toy again")
+
+
+def add_micro_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `micro` on an argparse subparsers object (e.g. `infer bench micro ...`)."""
+    p = subparsers.add_parser(
+        "micro", help="in-process micro-benchmarks of seeds 000/001", description=__doc__.split("\n")[0]
+    )
+    add_arguments(p)
+    p.set_defaults(func=cmd_micro)
+    return p
+
+
+def run_benchmarks(ctx: Context, names: list[str]) -> list[BenchResult]:
+    ctx.warm_up()
+    return [BENCHMARKS[name].run(ctx) for name in names]
+
+
+def cmd_micro(args) -> int:
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    model, dtype, threads = prepare_model(args.model, args.dtype, args.threads, args.retrain)
+    repeats = args.repeats or (1 if args.scale == "small" else 5)
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    min_seconds = (
+        args.min_seconds if args.min_seconds is not None else (0.0 if args.scale == "small" else 2.0)
+    )
+    ctx = Context(model, dtype, args.load_format, repeats, min_seconds, args.scale)
+    names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    ctx.print(
+        f"infer micro-benchmarks: model={args.model} ({model}), dtype={dtype}, threads={threads}, "
+        f"load_format={args.load_format}, repeats={repeats}+ (until {min_seconds:g} s per mode; best of, "
+        f"interleaved), scale={args.scale}, "
+        f"started {started}"
+    )
+    results = run_benchmarks(ctx, names)
+    ctx.print("\n##### Verdicts #####")
+    for result in results:
+        for verdict in result.verdicts:
+            ctx.print(f"[{result.name}] {verdict.line()}")
+    if args.json:
+        meta = {
+            "command": " ".join(sys.argv),
+            "started": started,
+            "model": args.model,
+            "model_path": model,
+            "dtype": dtype,
+            "threads": threads,
+            "load_format": args.load_format,
+            "repeats": repeats,
+            "min_seconds": min_seconds,
+            "scale": args.scale,
+        }
+        write_json(args.json, meta, results)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infer.bench.micro", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_micro(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

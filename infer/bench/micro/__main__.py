@@ -1,0 +1,5 @@
+import sys
+
+from infer.bench.micro import main
+
+sys.exit(main())

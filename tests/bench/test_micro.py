@@ -1,0 +1,196 @@
+"""The micro-benchmarks end to end on their shrunken cases (`--scale small`, one repeat), through the
+command line and its JSON report. Each test checks the COUNTS a benchmark reports against what the case's
+configuration implies; timings are never asserted (they are a benchmark's business, not a test's)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+
+import pytest
+
+from infer.bench.micro import BENCHMARKS, add_micro_parser, main
+from infer.bench.micro import scheduling as sched_bench
+from infer.bench.micro.harness import best_of, percentile
+from infer.bench.micro.report import render_table
+from infer.models.toy import build_toy
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("micro")
+    toy = build_toy(tmp / "toy", train_seconds=1.0)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(
+            [
+                "all",
+                "--model",
+                str(toy),
+                "--dtype",
+                "float32",
+                "--scale",
+                "small",
+                "--json",
+                str(tmp / "r.json"),
+            ]
+        )
+    assert rc == 0
+    doc = json.loads((tmp / "r.json").read_text())
+    return doc, out.getvalue()
+
+
+def cases(report, name: str) -> dict[str, dict]:
+    return {c["name"]: c for c in report[0]["benchmarks"][name]["cases"]}
+
+
+def test_every_benchmark_prints_its_tables_and_one_verdict_per_case(report):
+    doc, text = report
+    assert set(doc["benchmarks"]) == set(BENCHMARKS)
+    assert doc["meta"]["scale"] == "small" and doc["meta"]["repeats"] == 1
+    for name, bench in doc["benchmarks"].items():
+        verdict_cases = [v["case"] for v in bench["verdicts"]]
+        assert [c["name"] for c in bench["cases"]] == verdict_cases[: len(bench["cases"])], name
+        for v in bench["verdicts"]:
+            assert v["line"].startswith(("PASS ", "MISS ")) and f"[{name}] {v['line']}" in text
+    assert "method   | tokens | wall_time_s | tokens_per_s | ttft_ms" in text  # seed 001's kv-cache table
+    assert "##### Verdicts #####" in text
+
+
+def test_kv_cache_counts(report):
+    doc, _ = report
+    bench = doc["benchmarks"]["kv-cache"]
+    for case in bench["cases"] + bench["sweep"]:
+        prompt_len, n = case["knobs"]["prompt_len"], case["knobs"]["N"]
+        for mode in ("no_cache", "kv_cache"):
+            m = case["modes"][mode]
+            assert (m["reqs"], m["done"], m["gen_tok"], m["prompt_tok"]) == (1, 1, n, prompt_len), case[
+                "name"
+            ]
+            # the prompt once, then one token per step; nothing cached, nothing preempted
+            assert m["prefill_computed"] == prompt_len and m["steps"] == n
+            assert m["cached_tok"] == m["preempt"] == m["evictions"] == 0
+
+
+def test_continuous_batching_completes_every_request(report):
+    doc, _ = report
+    bench = doc["benchmarks"]["continuous-batching"]
+    for case in bench["cases"] + bench["sweep"]:
+        k = case["knobs"]
+        n, batch, new = k["num_requests"], k["max_batch_size"], k["max_new_tokens"]
+        seq, cont = case["modes"]["single_request_sequential"], case["modes"]["continuous_batching"]
+        for m in (seq, cont):
+            assert m["done"] == m["reqs"] == n, case["name"]  # seed 001 completed as few as 9/32
+            assert m["gen_tok"] == n * new and m["prefill_computed"] == n * k["prompt_len"]
+            assert m["preempt"] == 0
+        assert seq["max_batch"] == 1 and seq["steps"] == n * new
+        # all arrive at step 0: waves of `batch` requests that prefill together and finish together
+        assert cont["max_batch"] == min(batch, n) and cont["steps"] == cdiv(n, batch) * new
+
+
+def test_chunked_prefill_counts(report):
+    doc, _ = report
+    for name, case in cases(report, "chunked-prefill").items():
+        k = case["knobs"]
+        num_short, num_long = k["num_short_requests"], k["num_long_requests"]
+        prompt_tok = num_short * k["short_prompt_len"] + num_long * k["long_prompt_len"]
+        gen_tok = num_short * k["short_max_new_tokens"] + num_long * k["long_max_new_tokens"]
+        for m in case["modes"].values():
+            assert m["done"] == m["reqs"] == num_short + num_long, name
+            assert (m["prompt_tok"], m["gen_tok"], m["prefill_computed"]) == (prompt_tok, gen_tok, prompt_tok)
+            assert m["preempt"] == 0
+        # chunked: no step over the token budget; normal: whole prompts, all long ones in one step beside
+        # the decodes of the short requests (still running when the long ones arrive)
+        assert case["modes"]["chunked_prefill"]["max_step_tokens"] <= k["token_budget"]
+        assert k["short_max_new_tokens"] > k["long_arrival_step"]
+        largest = max(num_short * k["short_prompt_len"], num_long * k["long_prompt_len"] + num_short)
+        assert case["modes"]["normal_prefill"]["max_step_tokens"] == largest
+
+
+def memory_pressure(knobs: dict, vocab_size: int = 60) -> bool:
+    """Can the max_batch_size largest requests outgrow the KV pool together?"""
+    specs = sched_bench.workload(knobs["workload_name"], vocab_size)
+    bs = sched_bench.BLOCK_SIZE
+    blocks = sorted((cdiv(len(s.prompt_ids) + s.max_tokens - 1, bs) for s in specs), reverse=True)
+    return sum(blocks[: knobs["max_batch_size"]]) > knobs["max_kv_tokens"] // bs
+
+
+def test_scheduling_counts(report):
+    doc, _ = report
+    found = cases(report, "scheduling")
+    assert set(found) == set(sched_bench.CASES)
+    for name, case in found.items():
+        specs = sched_bench.workload(case["knobs"]["workload_name"], 60)
+        fcfs, prio = case["modes"]["fcfs"], case["modes"]["priority"]
+        for m in (fcfs, prio):
+            assert m["done"] == m["reqs"] == len(specs), name
+            assert m["gen_tok"] == sum(s.max_tokens for s in specs)
+            assert m["max_batch"] <= case["knobs"]["max_batch_size"]
+            recomputed = m["prefill_computed"] - m["prompt_tok"]
+            assert recomputed == 0 if m["preempt"] == 0 else recomputed > 0
+        pressure = memory_pressure(case["knobs"])
+        assert (fcfs["preempt"] > 0) == pressure, name  # FCFS preempts only to free memory
+        if name == "equal_priority_control":
+            assert prio["preempt"] == 0 and case["ratios"]["identical_schedule"]
+            assert prio["hi_lat_steps"] == fcfs["hi_lat_steps"]
+        else:
+            assert prio["preempt"] >= max(1, fcfs["preempt"] if pressure else 0), name
+            assert prio["hi_lat_steps"] < fcfs["hi_lat_steps"], name  # urgent requests finish sooner
+            assert not case["ratios"]["identical_schedule"]
+    assert memory_pressure(found["memory_pressure_preemption"]["knobs"])
+
+
+def test_prefix_caching_counts(report):
+    doc, _ = report
+    for name, case in cases(report, "prefix-caching").items():
+        k = case["knobs"]
+        n, bs, new = k["num_requests"], k["prefix_block_size"], k["max_new_tokens"]
+        prompt_len = k["shared_prefix_len"] + k["unique_suffix_len"]
+        base, cached = case["modes"]["no_prefix_cache"], case["modes"]["prefix_cache"]
+        for m in (base, cached):
+            assert (
+                m["done"] == m["reqs"] == n and m["prompt_tok"] == n * prompt_len and m["gen_tok"] == n * new
+            )
+            assert m["prefill_computed"] == m["prompt_tok"] - m["cached_tok"] and m["preempt"] == 0
+        assert base["cached_tok"] == base["evictions"] == base["hits"] == base["lookups"] == 0
+        if name == "eviction_pressure":  # each group's prefix is evicted before the group comes back
+            expected = 0
+            assert k["num_groups"] * cdiv(prompt_len + new - 1, bs) > k["max_cache_blocks"]
+            assert cached["evictions"] > 0
+        else:  # every request after the first of its group reuses the whole block-aligned shared prefix
+            expected = (n - k["num_groups"]) * (k["shared_prefix_len"] // bs) * bs
+        assert cached["cached_tok"] == expected, name
+        assert cached["hits"] * bs == expected
+        # every full block computed is cached once; it is either still cached at the end or was evicted
+        full_blocks = n * ((prompt_len + new - 1) // bs)
+        assert cached["evictions"] == full_blocks - cached["hits"] - cached["blocks"], name
+
+
+def test_best_of_keeps_the_best_timing_and_refuses_counts_that_differ():
+    a = {"gen_tok": 8, "tok_s": 10.0, "wall_s": 0.8, "avg_ttft_ms": 3.0}
+    b = {"gen_tok": 8, "tok_s": 12.0, "wall_s": 0.7, "avg_ttft_ms": 4.0}
+    assert best_of([a, b]) == {"gen_tok": 8, "tok_s": 12.0, "wall_s": 0.7, "avg_ttft_ms": 3.0}
+    with pytest.raises(RuntimeError, match="gen_tok"):
+        best_of([a, b | {"gen_tok": 9}])
+
+
+def test_percentile_and_table_follow_the_seeds():
+    assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 0.95) == 5.0 and percentile([], 0.5) == 0.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 3.0  # index round(1.5) = 2
+    table = render_table(["method", "tokens"], [["no_cache", "16"], ["kv_cache", "16"]])
+    assert table.splitlines() == ["method   | tokens", "---------+-------", "no_cache | 16", "kv_cache | 16"]
+
+
+def test_micro_parser_plugs_into_a_cli():
+    parser = argparse.ArgumentParser(prog="infer bench")
+    add_micro_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["micro", "chunked-prefill", "--scale", "small", "--json", "out.json"])
+    assert args.benchmark == "chunked-prefill" and args.scale == "small" and callable(args.func)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["micro", "no-such-benchmark"])
