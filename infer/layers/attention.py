@@ -12,15 +12,24 @@ over its whole context read back through its block table, except one with no ear
 sequence without a cache (a prefill-only forward, the no-cache benchmark mode).
 
 Decoding sequences (query_len == 1) are served together by one SDPA call per layer over their
-gathered, padded contexts; prefill chunks, fewer and longer, go one sequence at a time.
+gathered, padded contexts, and so are the step's prefill chunks when padding them to the longest query
+wastes little (a decode step carrying a small chunk: the common step of chunked prefill); otherwise
+prefill chunks, fewer and longer, go one sequence at a time.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+# A step's short queries (decodes, small prefill chunks) join one batched SDPA over their padded
+# contexts when the padding would cost less than this many wasted query x key scores; beyond it, the
+# longer ones go one sequence at a time. A per-sequence SDPA call with its gathers and mask costs tens of
+# microseconds on a CPU, so a decode step that carries one 8-token chunk is cheaper batched whole.
+MAX_PADDED_SCORES = 1 << 16
 
 
 @dataclass
@@ -32,10 +41,10 @@ class AttentionMetadata:
     # one (key_cache, value_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     # derived once per forward (not per layer) in __post_init__
-    decode_seqs: list[int] = field(init=False, default_factory=list)
-    prefill_seqs: list[int] = field(init=False, default_factory=list)
+    batch_seqs: list[int] = field(init=False, default_factory=list)  # served by one batched SDPA
+    loop_seqs: list[int] = field(init=False, default_factory=list)  # served one at a time
     query_starts: list[int] = field(init=False, default_factory=list)
-    _decode_masks: dict = field(init=False, default_factory=dict)
+    _batch_masks: dict = field(init=False, default_factory=dict)
     _prefill_masks: dict = field(init=False, default_factory=dict)
     _prefill_blocks: dict = field(init=False, default_factory=dict)
 
@@ -48,38 +57,72 @@ class AttentionMetadata:
         assert len(self.query_lens) == len(self.seq_lens)
         assert all(0 < q <= s for q, s in zip(self.query_lens, self.seq_lens, strict=True))
         assert (self.kv_caches is None) == (self.slot_mapping is None) == (self.block_tables is None)
-        start = 0
-        for i, query_len in enumerate(self.query_lens):
-            self.query_starts.append(start)
-            start += query_len
-            batched = query_len == 1 and self.kv_caches is not None
-            (self.decode_seqs if batched else self.prefill_seqs).append(i)
-        if self.decode_seqs:
-            self.decode_rows = torch.tensor([self.query_starts[i] for i in self.decode_seqs])
-            self.decode_seq_lens = torch.tensor([self.seq_lens[i] for i in self.decode_seqs])
-            block_size = self.kv_caches[0][0].shape[1]
-            num_blocks = -(-int(self.decode_seq_lens.max()) // block_size)
-            self.decode_tables = self.block_tables[self.decode_seqs, :num_blocks]  # [num_decodes, num_blocks]
-            # One stream over consecutive blocks (the usual single-stream case) reads its context as a
-            # view of the cache: no per-step copy that grows with the context.
-            self.decode_span = None
-            if len(self.decode_seqs) == 1:
-                first, last = int(self.decode_tables[0, 0]), int(self.decode_tables[0, -1])
-                if last - first == num_blocks - 1 and bool((self.decode_tables.diff() == 1).all()):
-                    self.decode_span = (first * block_size, int(self.decode_seq_lens[0]))
+        self.query_starts = list(itertools.accumulate(self.query_lens, initial=0))[:-1]
+        if self.kv_caches is None:  # no cache to read a context from: every sequence on its own
+            self.loop_seqs = list(range(len(self.query_lens)))
+            return
+        num_seqs, num_tokens = len(self.query_lens), sum(self.query_lens)
+        block_size = self.kv_caches[0][0].shape[1]
+        decodes = [i for i, q in enumerate(self.query_lens) if q == 1]
+        if decodes and len(decodes) < num_seqs:
+            padded_keys = -(-max(self.seq_lens) // block_size) * block_size
+            wasted_queries = num_seqs * max(self.query_lens) - num_tokens
+            if wasted_queries * padded_keys <= MAX_PADDED_SCORES:
+                decodes = list(range(num_seqs))
+        self.batch_seqs = decodes
+        batched = set(decodes)
+        self.loop_seqs = [i for i in range(num_seqs) if i not in batched]
+        if not self.batch_seqs:
+            return
+        # Built from the Python lists: a handful of tiny tensor ops would cost more.
+        batch, n = self.batch_seqs, len(self.batch_seqs)
+        qlens = [self.query_lens[i] for i in batch]
+        self.batch_seq_lens = [self.seq_lens[i] for i in batch]
+        self.batch_query_lens = qlens
+        self.max_query_len = max_q = max(qlens)
+        num_blocks = -(-max(self.batch_seq_lens) // block_size)
+        whole = n == num_seqs  # the batch is every row of the step, in order
+        tables = self.block_tables if whole else self.block_tables[batch]
+        self.batch_tables = tables[:, :num_blocks]  # [n, num_blocks]
+        # rows of q to gather into [n, max_q] (a padding row repeats its sequence's last query), and the
+        # rows of the padded output that are real, in the flat order of the batch's rows
+        self.q_rows = self.out_rows = self.batch_rows = None
+        if not whole:
+            self.batch_rows = torch.tensor(
+                [self.query_starts[i] + t for i in batch for t in range(self.query_lens[i])]
+            )
+        if max_q > 1:
+            starts = [self.query_starts[i] for i in batch]
+            self.q_rows = torch.tensor(
+                [s + min(t, q - 1) for s, q in zip(starts, qlens, strict=True) for t in range(max_q)]
+            )
+            self.out_rows = torch.tensor([j * max_q + t for j, q in enumerate(qlens) for t in range(q)])
+        elif not whole:
+            self.q_rows = self.batch_rows
+        # One stream over consecutive blocks (the usual single-stream case) reads its context as a
+        # view of the cache: no per-step copy that grows with the context.
+        self.decode_span = None
+        if n == 1 and max_q == 1:
+            ids = self.batch_tables[0].tolist()
+            if ids == list(range(ids[0], ids[0] + num_blocks)):
+                self.decode_span = (ids[0] * block_size, self.batch_seq_lens[0])
 
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[num_decodes, 1, 1, padded_len]: 0 where a decode may attend (its context, its window), -inf
-        elsewhere."""
-        if sliding_window not in self._decode_masks:
-            padded = self.decode_tables.shape[1] * self.kv_caches[0][0].shape[1]
-            k_pos = torch.arange(padded).unsqueeze(0)  # [1, padded_len]
-            seq_lens = self.decode_seq_lens.unsqueeze(1)  # [num_decodes, 1]
-            mask = k_pos < seq_lens
+    def batch_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[n, 1, max_q, padded_len]: 0 where a batched query may attend (its causal context, its
+        window), -inf elsewhere."""
+        if sliding_window not in self._batch_masks:
+            padded = self.batch_tables.shape[1] * self.kv_caches[0][0].shape[1]
+            k_pos = torch.arange(padded)  # [padded_len]
+            t = torch.arange(self.max_query_len)  # [max_q]
+            seq_lens = torch.tensor(self.batch_seq_lens).unsqueeze(1)  # [n, 1]
+            query_lens = torch.tensor(self.batch_query_lens).unsqueeze(1)
+            q_pos = seq_lens - query_lens + torch.minimum(t, query_lens - 1)  # [n, max_q]
+            q_pos = q_pos.unsqueeze(2)  # [n, max_q, 1]
+            mask = k_pos <= q_pos
             if sliding_window is not None:
-                mask &= k_pos >= seq_lens - sliding_window
-            self._decode_masks[sliding_window] = self._additive(mask[:, None, None, :])
-        return self._decode_masks[sliding_window]
+                mask &= q_pos - k_pos < sliding_window
+            self._batch_masks[sliding_window] = self._additive(mask.unsqueeze(1))
+        return self._batch_masks[sliding_window]
 
     def prefill_mask(self, i: int, sliding_window: int | None) -> torch.Tensor | None:
         """[query_len, seq_len]: where prefill seq i's queries may attend (0, else -inf; True/False
@@ -130,23 +173,21 @@ def attention(
         key_cache, value_cache = cache
         key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k  # [num_slots, num_kv_heads, head_dim]
         value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
-    if not meta.prefill_seqs:  # a decode-only step: the rows are the decodes, in order
-        return _decode(q, key_cache, value_cache, meta, scale, sliding_window)
-    if not meta.decode_seqs and len(meta.prefill_seqs) == 1:  # one prompt or chunk: all the rows are its own
+    if not meta.loop_seqs:  # one batched call covers every row
+        return _batched(q, key_cache, value_cache, meta, scale, sliding_window)
+    if len(meta.loop_seqs) == 1 and not meta.batch_seqs:  # one prompt or chunk: all the rows are its own
         return _prefill(q, k, v, cache, meta, 0, scale, sliding_window)
     out = torch.empty_like(q)
-    if meta.decode_seqs:
-        out[meta.decode_rows] = _decode(
-            q[meta.decode_rows], key_cache, value_cache, meta, scale, sliding_window
-        )
-    for i in meta.prefill_seqs:
+    if meta.batch_seqs:
+        out[meta.batch_rows] = _batched(q, key_cache, value_cache, meta, scale, sliding_window)
+    for i in meta.loop_seqs:
         rows = slice(meta.query_starts[i], meta.query_starts[i] + meta.query_lens[i])
         out[rows] = _prefill(q[rows], k[rows], v[rows], cache, meta, i, scale, sliding_window)
     return out
 
 
 def _prefill(q, k, v, cache, meta: AttentionMetadata, i: int, scale, sliding_window):
-    """Prefill seq i: its q, k, v rows [query_len, H(_kv), D] attend over its context."""
+    """Seq i on its own: its q, k, v rows [query_len, H(_kv), D] attend over its context."""
     seq_len = meta.seq_lens[i]
     if cache is None or meta.query_lens[i] == seq_len:  # no context before this step: its own keys suffice
         keys, values = k, v
@@ -157,15 +198,18 @@ def _prefill(q, k, v, cache, meta: AttentionMetadata, i: int, scale, sliding_win
     return _attend(q, keys, values, scale, meta.prefill_mask(i, sliding_window))
 
 
-def _decode(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
-    """All decoding sequences at once: q [num_decodes, H, D] over their padded contexts."""
-    if len(meta.decode_seqs) == 1:  # one stream: exactly its context, so neither padding nor a mask
+def _batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
+    """The batch's n sequences at once, each query padded to max_q rows, over their padded contexts.
+    Returns the batch's real rows [num_batch_tokens, H, D] in their flat order."""
+    n, max_q = len(meta.batch_seqs), meta.max_query_len
+    q = q if meta.q_rows is None else q.index_select(0, meta.q_rows)  # [n * max_q, H, D]
+    if n == 1 and max_q == 1:  # one stream: exactly its context, so neither padding nor a mask
+        seq_len = meta.batch_seq_lens[0]
         if meta.decode_span is not None:  # consecutive blocks: a view of the cache, no copy
-            start, seq_len = meta.decode_span
+            start = meta.decode_span[0]
             keys, values = (c.flatten(0, 1)[start : start + seq_len] for c in (key_cache, value_cache))
         else:  # scattered blocks (a prefix-cache hit, a reused pool): one gather of its own blocks
-            seq_len = meta.seq_lens[meta.decode_seqs[0]]
-            blocks = meta.decode_tables[0]
+            blocks = meta.batch_tables[0]
             keys, values = (
                 c.index_select(0, blocks).flatten(0, 1)[:seq_len] for c in (key_cache, value_cache)
             )
@@ -175,18 +219,19 @@ def _decode(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_w
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale, enable_gqa=True)
         return out.squeeze(2)
     # index_select on the flat table, then a view: one gather, ~2x cheaper than indexing with the 2-D table
-    shape = (len(meta.decode_seqs), -1, *key_cache.shape[2:])  # [num_decodes, padded_len, H_kv, head_dim]
-    keys = key_cache.index_select(0, meta.decode_tables.flatten()).view(shape)
-    values = value_cache.index_select(0, meta.decode_tables.flatten()).view(shape)
+    shape = (n, -1, *key_cache.shape[2:])  # [n, padded_len, H_kv, head_dim]
+    keys = key_cache.index_select(0, meta.batch_tables.flatten()).view(shape)
+    values = value_cache.index_select(0, meta.batch_tables.flatten()).view(shape)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [num_decodes, H, 1, D]
-        keys.transpose(1, 2),  # [num_decodes, H_kv, padded_len, D]
+        q.view(n, max_q, *q.shape[1:]).transpose(1, 2),  # [n, H, max_q, D]
+        keys.transpose(1, 2),  # [n, H_kv, padded_len, D]
         values.transpose(1, 2),
-        attn_mask=meta.decode_mask(sliding_window),
+        attn_mask=meta.batch_mask(sliding_window),
         scale=scale,
         enable_gqa=True,
     )
-    return out.squeeze(2)  # [num_decodes, H, D]
+    out = out.transpose(1, 2).reshape(n * max_q, *q.shape[1:])  # [n * max_q, H, D]
+    return out if meta.out_rows is None else out.index_select(0, meta.out_rows)
 
 
 def _attend(q, k, v, scale, mask):

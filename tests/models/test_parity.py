@@ -82,3 +82,49 @@ def test_single_stream_greedy_matches_transformers(pair):
         torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     assert got == out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["one-batched-call", "one-call-per-chunk"])
+@torch.no_grad()
+def test_mixed_steps_of_decodes_and_chunks_match_full_forward(pair, batched, monkeypatch):
+    """Every step carries several sequences at different points (single tokens, chunks of 3 and 5, a
+    fresh prompt), so the batched attention pads queries of different lengths, over scattered blocks;
+    with MAX_PADDED_SCORES = 0 the chunks go one sequence at a time instead. Either way, each row's
+    logits equal the full forward's."""
+    from infer.layers import attention
+    from infer.runner.kv_cache import allocate_kv_cache
+
+    monkeypatch.setattr(attention, "MAX_PADDED_SCORES", 1 << 30 if batched else 0)
+    hf_model, ours = pair
+    batch = prompts(ours.config.vocab_size)
+    chunks = [3, 1, 5, 1]  # per sequence, tokens fed per step
+    block_size = 4
+    blocks_per_seq = [-(-len(p) // block_size) for p in batch]
+    kv = allocate_kv_cache(ours.config, sum(blocks_per_seq) + 2, block_size, torch.float32)
+    perm = torch.randperm(sum(blocks_per_seq) + 2, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = [perm[sum(blocks_per_seq[:i]) : sum(blocks_per_seq[: i + 1])] for i in range(len(batch))]
+    width = max(blocks_per_seq)
+    done = [0] * len(batch)
+    got: list[list[torch.Tensor]] = [[] for _ in batch]
+    while any(d < len(p) for d, p in zip(done, batch, strict=True)):
+        live = [i for i, p in enumerate(batch) if done[i] < len(p)]
+        ids, positions, query_lens, seq_lens = [], [], [], []
+        for i in live:
+            n = min(chunks[i], len(batch[i]) - done[i])
+            ids += batch[i][done[i] : done[i] + n]
+            positions += range(done[i], done[i] + n)
+            query_lens.append(n)
+            seq_lens.append(done[i] + n)
+        table = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in live])
+        rows = [j for j, i in enumerate(live) for _ in range(query_lens[j])]
+        pos = torch.tensor(positions)
+        slots = table[rows, pos // block_size] * block_size + pos % block_size
+        meta = AttentionMetadata(query_lens, seq_lens, slots, table, kv)
+        assert bool(meta.loop_seqs) != batched or len(live) == 1 or max(query_lens) == 1
+        logits = ours.compute_logits(ours(torch.tensor(ids), pos, meta))
+        for j, part in zip(live, logits.split(query_lens), strict=True):
+            got[j].append(part)
+            done[j] += len(part)
+    for p, parts in zip(batch, got, strict=True):
+        expected = hf_model(torch.tensor([p])).logits[0].float()
+        torch.testing.assert_close(torch.cat(parts), expected, atol=1e-4, rtol=1e-4)
