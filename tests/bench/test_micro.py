@@ -111,6 +111,15 @@ def test_chunked_prefill_counts(report):
         assert k["short_max_new_tokens"] > k["long_arrival_step"]
         largest = max(num_short * k["short_prompt_len"], num_long * k["long_prompt_len"] + num_short)
         assert case["modes"]["normal_prefill"]["max_step_tokens"] == largest
+        # whole prompts: every first token comes from the step a request joins (its prefill step)
+        assert case["modes"]["normal_prefill"]["ttft_steps"] == 1
+        # chunked: a long prompt needs at least long_prompt_len / chunk_size steps to its first token
+        long_steps = cdiv(k["long_prompt_len"], min(k["chunk_size"], k["token_budget"]))
+        least = (num_short + num_long * long_steps) / (num_short + num_long)
+        assert case["modes"]["chunked_prefill"]["ttft_steps"] >= least
+        assert case["ratios"]["step_ceiling"] == pytest.approx(
+            case["modes"]["normal_prefill"]["steps"] / case["modes"]["chunked_prefill"]["steps"]
+        )
 
 
 def memory_pressure(knobs: dict, vocab_size: int = 60) -> bool:
@@ -142,6 +151,8 @@ def test_scheduling_counts(report):
         else:
             assert prio["preempt"] >= max(1, fcfs["preempt"] if pressure else 0), name
             assert prio["hi_lat_steps"] < fcfs["hi_lat_steps"], name  # urgent requests finish sooner
+            # ... as soon as with the less urgent requests removed: strict priority leaves nothing to cut
+            assert prio["hi_lat_steps"] == case["ratios"]["hi_floor_steps"], name
             assert not case["ratios"]["identical_schedule"]
     assert memory_pressure(found["memory_pressure_preemption"]["knobs"])
 

@@ -189,6 +189,16 @@ def steps_to_finish(run: Run) -> list[int]:
     return [last[i] - run.added_at[i] + 1 for i in range(len(run.specs))]
 
 
+def steps_to_first_token(run: Run) -> list[int]:
+    """Per request: engine steps from the one it could first join to the one that gave its first token."""
+    first = [-1] * len(run.specs)
+    for step, indices in enumerate(run.emitted):
+        for i in indices:
+            if first[i] < 0:
+                first[i] = step
+    return [first[i] - run.added_at[i] + 1 for i in range(len(run.specs))]
+
+
 def percentile(values: list[float], pct: float) -> float:
     """The seeds' percentile: the value at index round((n - 1) * pct) of the sorted values."""
     if not values:
