@@ -47,12 +47,9 @@ def prepare_model(
     model: str, dtype: str, threads: int | None = None, retrain: bool = False
 ) -> tuple[str, str, int]:
     """Resolve --model, --dtype and --threads. "toy" trains the seeds' NanoGPT once (a few seconds) into
-    toy_dir(); its "auto" settings are the fastest measured on this machine (docs/micro_benchmarks.md):
-
-    * float32, not bf16: at 0.057M parameters bf16 only adds conversions (no-cache decode 724 vs 410
-      tok/s, KV-cache decode 1044 vs 991 tok/s);
-    * one thread: its 32-wide matrices leave nothing to split, and every parallel region must wake the
-      second thread (with OMP_WAIT_POLICY=PASSIVE a decode step takes 2.5x as long on 2 threads).
+    toy_dir(); its "auto" settings are the fastest measured on this machine (docs/benchmarks.md, "Toy
+    settings"): float32, since at 0.057M parameters bf16 only adds conversions, and one thread, since its
+    32-wide matrices leave nothing to split and every parallel region must wake the second thread.
 
     Other models keep the engine's dtype and torch's thread count unless told otherwise.
     """
