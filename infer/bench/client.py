@@ -38,6 +38,28 @@ def _headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def wait_until_ready(base_url: str, timeout: float = 300.0, log: Callable[[str], None] = print) -> None:
+    """While GET /health answers 503 (a server up but still loading its model: ours, vLLM, llama.cpp),
+    wait, up to `timeout` seconds: requests sent now would all fail. Any other answer, or none, returns at
+    once (check_server then says what is wrong, if anything)."""
+    url = base_url.rstrip("/") + "/health"
+    deadline = time.monotonic() + timeout
+    told = False
+    while True:
+        try:
+            status = httpx.get(url, timeout=10).status_code
+        except httpx.TransportError:
+            return
+        if status != 503:
+            return
+        if time.monotonic() > deadline:
+            raise BenchError(f"{url} still answers 503 (loading) after {timeout:.0f} s")
+        if not told:
+            log(f"waiting for {url}: the server is still loading its model")
+            told = True
+        time.sleep(0.5)
+
+
 def check_server(base_url: str, model: str, api_key: str | None = None, timeout: float = 10.0) -> dict:
     """GET /v1/models; return the model's card, or raise BenchError saying what is wrong."""
     url = base_url.rstrip("/") + "/v1/models"

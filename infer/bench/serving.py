@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from infer.bench.client import BenchError, StreamingClient, check_server, run_requests
+from infer.bench.client import BenchError, StreamingClient, check_server, run_requests, wait_until_ready
 from infer.bench.metrics import summarize
 from infer.bench.report import (
     machine_info,
@@ -201,7 +201,9 @@ def _local_infer_dtype(base_url: str, server: dict) -> str | None:
 
 
 def resolve_model(base_url: str, model: str | None, api_key: str | None) -> tuple[str, dict]:
-    """The model to benchmark and its card; with no --model the server must serve exactly one."""
+    """The model to benchmark and its card; with no --model the server must serve exactly one. A server
+    still loading its model is waited for."""
+    wait_until_ready(base_url, log=lambda line: print(line, file=sys.stderr))
     if model is not None:
         return model, check_server(base_url, model, api_key)
     import httpx

@@ -3,6 +3,12 @@
 The HTTP event loop never runs a forward and the engine thread never waits on a socket. The two
 threads meet only through a command queue (add, abort: applied between steps, so the engine is
 touched by one thread alone) and `call_soon_threadsafe` (outputs back to each request's asyncio.Queue).
+
+The engine is built on the engine thread too (unless one is handed in), so that the process runs torch
+on one thread only. With OpenMP (libgomp), a second thread running parallel torch ops while the first
+is still alive makes more OpenMP threads than cores; libgomp then stops spinning between parallel regions
+and every small matmul pays a futex wake-up: ~+120 us per GEMV here, a decode step of the embedded model
+14 ms instead of 8 (a model loaded on an executor thread, then stepped on the engine thread).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import asyncio
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine, StepOutput
@@ -19,8 +25,17 @@ from infer.sampling_params import SamplingParams
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(config or EngineConfig())
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        engine: LLMEngine | None = None,
+        factory: Callable[[], LLMEngine] | None = None,
+    ):
+        """Give a config or a factory (the engine is built on the engine thread by `start`), or an engine
+        already built (then on another thread: see the module's note on OpenMP)."""
+        self.engine = engine
+        self._factory = factory or (lambda: LLMEngine(config or EngineConfig()))
+        self._built: asyncio.Future | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -30,10 +45,16 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume the streams."""
+        """Start the engine thread (which first builds the engine); call from the event loop that will
+        consume the streams. Requests may be sent at once: they wait for the engine."""
         self._loop = asyncio.get_running_loop()
+        self._built = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
         self._thread.start()
+
+    async def ready(self) -> None:
+        """Wait until the engine is built; raises what building it raised."""
+        await self._built
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -83,6 +104,13 @@ class AsyncEngine:
     # -- the engine thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            if self.engine is None:
+                self.engine = self._factory()
+        except BaseException as exc:  # reported by ready(); the thread ends
+            self._loop.call_soon_threadsafe(_settle, self._built, exc)
+            return
+        self._loop.call_soon_threadsafe(_settle, self._built, None)
         engine = self.engine
         while not self._stopping:
             self._apply_commands()

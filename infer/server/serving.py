@@ -56,10 +56,12 @@ class ServerState:
         self._ids = itertools.count()
 
     async def load(self) -> None:
-        """Load the model off the event loop (so /health can answer 503 meanwhile), then start the engine."""
-        engine = await asyncio.to_thread(MeteredEngine, self.args.engine, self.metrics)
-        self.engine = AsyncEngine(engine=engine)
-        self.engine.start()
+        """Load the model off the event loop (so /health can answer 503 meanwhile): on the engine thread,
+        where it will run (see infer.engine.async_engine on why torch keeps to one thread)."""
+        engine = AsyncEngine(factory=lambda: MeteredEngine(self.args.engine, self.metrics))
+        engine.start()
+        await engine.ready()
+        self.engine = engine
         self.ready = True
 
     def shutdown(self) -> None:

@@ -7,6 +7,8 @@ import contextlib
 import io
 import json
 
+import pytest
+
 from infer.bench.cli import add_bench_parsers
 
 
@@ -38,8 +40,68 @@ def test_cold_warm_cache_and_batches(bench_server, tmp_path):
         ("concurrent", 3),
     ]
     for b in report["batches"]:
-        assert b["success_rate"] == 1.0 and len(b["requests"]) == b["batch_size"]
+        errors = [(r.get("status"), r.get("error")) for r in b["requests"] if r.get("status") != "ok"]
+        assert b["success_rate"] == 1.0 and len(b["requests"]) == b["batch_size"], errors
         assert b["num_output_tokens"] == 4 * b["batch_size"]  # from usage
         assert all(r["num_cached_tokens"] == 0 for r in b["requests"])  # unique ids: no accidental hits
         assert b["tokens_per_s"] > 0 and b["avg_ttft_ms"] > 0
     assert "cold vs warm" in out.getvalue() and "sequential vs concurrent" in out.getvalue()
+
+
+class _LoadingServer:
+    """A real HTTP server whose /health answers 503 (loading) `loading` times, then 200."""
+
+    def __init__(self, loading: int):
+        import http.server
+        import threading
+
+        state = {"left": loading, "calls": 0}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                state["calls"] += 1
+                code = 503 if state["left"] > 0 else 200
+                state["left"] -= 1
+                self.send_response(code)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.state = state
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def test_the_benchmark_waits_for_a_server_still_loading_its_model():
+    from infer.bench.client import wait_until_ready
+
+    server = _LoadingServer(loading=2)
+    lines = []
+    try:
+        wait_until_ready(server.url, timeout=30, log=lines.append)
+    finally:
+        server.close()
+    assert server.state["calls"] == 3  # two 503s, then the 200
+    assert len(lines) == 1 and "still loading" in lines[0]
+
+
+def test_waiting_for_a_server_that_never_loads_ends_with_a_clear_error():
+    from infer.bench.client import BenchError, wait_until_ready
+
+    server = _LoadingServer(loading=10**6)
+    try:
+        with pytest.raises(BenchError, match="still answers 503"):
+            wait_until_ready(server.url, timeout=0.5, log=lambda line: None)
+    finally:
+        server.close()
+
+
+def test_an_unreachable_server_is_not_waited_for():
+    from infer.bench.client import wait_until_ready
+
+    wait_until_ready("http://127.0.0.1:9", timeout=300, log=lambda line: None)  # returns at once

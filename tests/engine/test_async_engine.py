@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from infer.config import EngineConfig
 from infer.engine.async_engine import AsyncEngine
+from infer.engine.llm_engine import LLMEngine
 from infer.sampling_params import SamplingParams
 from tests.models.tiny_models import save_byte_tokenizer, save_tiny_model
 
@@ -98,3 +100,33 @@ def test_abort_from_outside_ends_the_stream(model_path):
     last = run(engine, main)
     assert last.finished and last.finish_reason == "abort"
     assert engine.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_the_engine_is_built_on_the_thread_that_steps_it(model_path):
+    """Torch on one thread only (see infer.engine.async_engine: libgomp and a second thread)."""
+    built_on = []
+
+    def factory():
+        built_on.append(threading.current_thread())
+        return LLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=64))
+
+    engine = AsyncEngine(factory=factory)
+
+    async def go():
+        await engine.ready()
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        return [out async for out in engine.generate([5, 9, 11], params)]
+
+    outputs = run(engine, go)
+    assert built_on == [engine._thread] and built_on[0] is not threading.main_thread()
+    assert outputs[-1].finished and sum(len(o.token_ids) for o in outputs) == 3
+
+
+def test_a_model_that_fails_to_load_is_reported_by_ready(tmp_path):
+    engine = AsyncEngine(EngineConfig(model=str(tmp_path / "missing")))
+
+    async def go():
+        await engine.ready()
+
+    with pytest.raises(Exception, match="missing"):
+        run(engine, go)
