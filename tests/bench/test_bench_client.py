@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import io
 import json
+import time
 
 import pytest
 
@@ -90,18 +91,26 @@ def test_the_benchmark_waits_for_a_server_still_loading_its_model():
     assert len(lines) == 1 and "still loading" in lines[0]
 
 
-def test_waiting_for_a_server_that_never_loads_ends_with_a_clear_error():
-    from infer.bench.client import BenchError, wait_until_ready
+def test_waiting_for_a_server_that_never_loads_gives_up_at_the_timeout():
+    from infer.bench.client import BenchError, check_server, wait_until_ready
 
     server = _LoadingServer(loading=10**6)
     try:
-        with pytest.raises(BenchError, match="still answers 503"):
-            wait_until_ready(server.url, timeout=0.5, log=lambda line: None)
+        start = time.monotonic()
+        wait_until_ready(server.url, timeout=0.5, log=lambda line: None)
+        assert time.monotonic() - start < 5
+        with pytest.raises(BenchError, match="answered 503"):
+            check_server(server.url, "m")
     finally:
         server.close()
+    assert server.state["calls"] >= 1
 
 
-def test_an_unreachable_server_is_not_waited_for():
-    from infer.bench.client import wait_until_ready
+def test_a_server_not_yet_listening_is_waited_for_then_reported(tmp_path):
+    from infer.bench.client import BenchError, check_server, wait_until_ready
 
-    wait_until_ready("http://127.0.0.1:9", timeout=300, log=lambda line: None)  # returns at once
+    lines = []
+    wait_until_ready("http://127.0.0.1:9", timeout=0.5, log=lines.append)
+    assert len(lines) == 1 and "not accepting connections" in lines[0]
+    with pytest.raises(BenchError, match="cannot reach the server"):
+        check_server("http://127.0.0.1:9", "m")
