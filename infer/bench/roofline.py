@@ -22,15 +22,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from infer.bench.report import machine_info, render_table
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch is imported where used: `infer --help` stays fast
 
 
 def model_shape(model: str | None, dtype: str) -> dict:
     """Parameters, weight bytes and KV bytes per token of `model` (a folder, hub id, preset or embedded)."""
+    import torch
+
     from infer.models.config import ModelConfig
     from infer.models.loader import read_config, resolve_model_path
     from infer.models.registry import model_class
@@ -42,7 +42,7 @@ def model_shape(model: str | None, dtype: str) -> dict:
     if hasattr(net, "tie_weights"):
         net.tie_weights()
     num_params = sum(p.numel() for p in net.parameters())  # shared (tied) parameters counted once
-    nbytes = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    nbytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * nbytes
     return {
         "model": model or "embedded",
@@ -67,6 +67,8 @@ def _best_time(fn, repeats: int) -> float:
 
 def measure_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
     """Bytes/s of a large copy (read + write), best of `repeats`."""
+    import torch
+
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     return 2 * num_bytes / _best_time(lambda: dst.copy_(src), repeats)
@@ -74,8 +76,10 @@ def measure_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
 
 def measure_matmul(dtype: str, n: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of an n x n matmul in `dtype`, best of `repeats`."""
-    a = torch.randn(n, n).to(DTYPES[dtype])
-    b = torch.randn(n, n).to(DTYPES[dtype])
+    import torch
+
+    a = torch.randn(n, n).to(getattr(torch, dtype))
+    b = torch.randn(n, n).to(getattr(torch, dtype))
     return 2 * n**3 / _best_time(lambda: torch.mm(a, b), repeats)
 
 

@@ -27,13 +27,13 @@ from typing import TextIO
 
 import torch
 
+from infer.bench.micro import TOY
 from infer.config import EngineConfig
 from infer.core.outputs import StepStats
 from infer.core.request import Request
 from infer.engine.llm_engine import LLMEngine, StepTiming
 from infer.sampling_params import SamplingParams
 
-TOY = "toy"
 TOY_TRAIN_SECONDS = 5.0
 PROMPT_SEED = 1337  # the seeds' workload seed
 

@@ -8,8 +8,6 @@ import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 
 def render_table(headers: list[str], rows: list[list[str]]) -> str:
     """The seeds' plain-text table: `a | b | c`, a `-+-` rule, columns padded to the widest cell."""
@@ -76,6 +74,8 @@ class BenchResult:
 
 def machine() -> dict:
     import os
+
+    import torch
 
     return {
         "platform": platform.platform(),
