@@ -27,7 +27,13 @@ from infer.sampling_params import SamplingParams
 
 
 def engine(args, **overrides) -> LLMEngine:
-    cfg = dict(model=args.model, load_format=args.load_format, dtype=args.dtype, kv_cache_memory_gb=1.0)
+    cfg = dict(
+        model=args.model,
+        load_format=args.load_format,
+        dtype=args.dtype,
+        kv_cache_memory_gb=1.0,
+        prepack_weights=not args.no_prepack,
+    )
     return LLMEngine(EngineConfig(**{**cfg, **overrides}))
 
 
@@ -155,6 +161,7 @@ def main() -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--no-prepack", action="store_true", help="plain F.linear: what prepacking buys")
     p.add_argument("--only", nargs="+", default=["overhead", "context", "prefix", "memory"])
     p.add_argument("--json", default=None)
     args = p.parse_args()

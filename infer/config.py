@@ -123,6 +123,8 @@ class EngineConfig:
     max_model_len: prompt + output tokens of one request; None = the model's context length.
     use_kv_cache: False recomputes every sequence from scratch each step (the KV-cache benchmark's
         baseline); the scheduler is unchanged.
+    prepack_weights: bf16 linear weights reordered once for oneDNN where the CPU does bf16 (False: the
+        plain F.linear path, for comparison).
     """
 
     model: str | None = None
@@ -142,6 +144,7 @@ class EngineConfig:
     batching_mode: str = "continuous"
     max_model_len: int | None = None
     use_kv_cache: bool = True
+    prepack_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks is not None:

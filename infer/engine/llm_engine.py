@@ -63,7 +63,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         model, self.model_config, path = load_model(
-            config.model, config.dtype, config.load_format, config.seed
+            config.model, config.dtype, config.load_format, config.seed, config.prepack_weights
         )
         tokenizer_path = path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_path)

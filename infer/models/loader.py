@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from infer.layers.linear import can_prepack, prepack_linears
 from infer.models.config import ModelConfig
 from infer.models.dtypes import to_torch_dtype
 from infer.models.registry import model_class
@@ -83,9 +84,14 @@ def _cpu_has_fast_bf16() -> bool:
 
 
 def load_model(
-    model: str | None = None, dtype: str = "auto", load_format: str = "auto", seed: int = 0
+    model: str | None = None,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    seed: int = 0,
+    prepack: bool = True,
 ) -> tuple[nn.Module, ModelConfig, Path]:
-    """Returns (model in eval mode on CPU, its config, its folder)."""
+    """Returns (model in eval mode on CPU, its config, its folder). With `prepack`, bf16 linear layers get
+    their weights reordered once for oneDNN where the CPU supports it (infer.layers.linear)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unknown load format {load_format!r}; choose auto, safetensors or dummy")
     path = resolve_model_path(model, load_format)
@@ -102,7 +108,10 @@ def load_model(
         init_dummy_weights(net, seed)
     else:
         load_weights(net, path)
-    return net.eval().requires_grad_(False), cfg, path
+    net = net.eval().requires_grad_(False)
+    if prepack and can_prepack(torch_dtype):
+        prepack_linears(net)
+    return net, cfg, path
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -178,4 +187,6 @@ def init_dummy_weights(net: nn.Module, seed: int = 0) -> None:
 
 
 def num_parameters(net: nn.Module) -> int:
-    return sum(p.numel() for p in net.parameters())
+    """Parameters, counting the weights of prepacked layers (which are not parameters any more)."""
+    packed = sum(getattr(m, "num_packed_params", 0) for m in net.modules())
+    return sum(p.numel() for p in net.parameters()) + packed

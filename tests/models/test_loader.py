@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from infer.layers.attention import AttentionMetadata
+from infer.layers.linear import PrepackedLinear, can_prepack
 from infer.models.config import ModelConfig
 from infer.models.loader import load_model, num_parameters, resolve_model_path
 
@@ -40,6 +41,30 @@ def test_bfloat16_follows_float32(tmp_path):
     a, b = forward_logits(fp32, ids), forward_logits(bf16, ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
     assert (a - b).abs().max() < 0.1 * a.abs().max()
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama3_rope_tied", "qwen3", "gemma3", "gpt2"])
+def test_prepacked_bfloat16_linears_compute_what_plain_ones_do(tmp_path, variant):
+    """On a CPU whose oneDNN does bf16, every bf16 nn.Linear (a tied LM head too) is replaced by a
+    prepacked one, with the same logits up to bf16 rounding; elsewhere nothing is replaced."""
+    _, path = save_tiny_model(variant, tmp_path)
+    plain, _, _ = load_model(str(path), dtype="bfloat16", prepack=False)
+    packed, _, _ = load_model(str(path), dtype="bfloat16")
+    linears = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
+    prepacked = sum(isinstance(m, PrepackedLinear) for m in packed.modules())
+    assert linears > 0
+    if not can_prepack(torch.bfloat16):
+        assert prepacked == 0
+        return
+    assert prepacked == linears and not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    assert num_parameters(packed) == num_parameters(plain)  # a tied head counted once, as before
+    ids = list(range(3, 40))
+    a, b = forward_logits(plain, ids), forward_logits(packed, ids)
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    # fp32 is never prepacked (no faster there)
+    fp32, _, _ = load_model(str(path), dtype="float32")
+    assert not any(isinstance(m, PrepackedLinear) for m in fp32.modules())
 
 
 def test_missing_weight_is_an_error(tmp_path):
