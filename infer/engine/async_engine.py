@@ -4,7 +4,7 @@ The HTTP event loop never runs a forward and the engine thread never waits on a 
 threads meet only through a command queue (add, abort: applied between steps, so the engine is
 touched by one thread alone) and `call_soon_threadsafe` (outputs back to each request's asyncio.Queue).
 
-The engine is built on the engine thread too (unless one is handed in), so that the process runs torch
+The engine is built on the engine thread too, so that the process runs torch
 on one thread only. With OpenMP (libgomp), a second thread running parallel torch ops while the first
 is still alive makes more OpenMP threads than cores; libgomp then stops spinning between parallel regions
 and every small matmul pays a futex wake-up: ~+120 us per GEMV here, a decode step of the embedded model
@@ -25,15 +25,9 @@ from infer.sampling_params import SamplingParams
 
 
 class AsyncEngine:
-    def __init__(
-        self,
-        config: EngineConfig | None = None,
-        engine: LLMEngine | None = None,
-        factory: Callable[[], LLMEngine] | None = None,
-    ):
-        """Give a config or a factory (the engine is built on the engine thread by `start`), or an engine
-        already built (then on another thread: see the module's note on OpenMP)."""
-        self.engine = engine
+    def __init__(self, config: EngineConfig | None = None, factory: Callable[[], LLMEngine] | None = None):
+        """Give a config or a factory: `start` builds the engine on the engine thread."""
+        self.engine: LLMEngine | None = None
         self._factory = factory or (lambda: LLMEngine(config or EngineConfig()))
         self._built: asyncio.Future | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -75,6 +69,7 @@ class AsyncEngine:
     ) -> AsyncIterator[StepOutput]:
         """Yield a request's outputs as they come. Raises ValueError (before any output) if refused.
         Closing the iterator early (a client that went away) aborts the request."""
+        await self.ready()  # a model that failed to load fails the request here, instead of a hang
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         stream: asyncio.Queue = asyncio.Queue()
         added = self._loop.create_future()
@@ -105,8 +100,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            if self.engine is None:
-                self.engine = self._factory()
+            self.engine = self._factory()
         except BaseException as exc:  # reported by ready(); the thread ends
             self._loop.call_soon_threadsafe(_settle, self._built, exc)
             return

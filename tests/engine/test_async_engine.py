@@ -122,11 +122,15 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(model_path):
     assert outputs[-1].finished and sum(len(o.token_ids) for o in outputs) == 3
 
 
-def test_a_model_that_fails_to_load_is_reported_by_ready(tmp_path):
+def test_a_model_that_fails_to_load_is_reported_by_ready_and_by_requests(tmp_path):
     engine = AsyncEngine(EngineConfig(model=str(tmp_path / "missing")))
 
     async def go():
-        await engine.ready()
+        with pytest.raises(Exception, match="missing"):
+            await engine.ready()
+        with pytest.raises(Exception, match="missing"):  # not a request waiting forever
+            async for _ in engine.generate([5, 9], SamplingParams(max_tokens=2)):
+                pass
+        return True
 
-    with pytest.raises(Exception, match="missing"):
-        run(engine, go)
+    assert run(engine, go)
