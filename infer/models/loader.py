@@ -67,8 +67,9 @@ def read_config(path: Path) -> dict:
 def pick_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
     """`auto` follows the checkpoint, except on a CPU with bf16 matrix units (AMX), where bfloat16 wins.
 
-    Measured here (benchmarks/bench_dtype.py, docs/benchmarks.md): bf16 prefills 1.6x faster than fp32
-    and decodes a batch of 8 1.4x faster, and ties at batch 1. float16 has no fast CPU path at all.
+    Measured here (benchmarks/bench_dtype.py, docs/benchmarks.md), with bf16 weights prepacked: bf16
+    prefills 2-3x faster than fp32 and decodes a batch of 8 1.5-2x faster; at batch 1 it wins on
+    llama-50m and ties on the small embedded model. float16 has no fast CPU path at all.
     """
     if dtype != "auto":
         return to_torch_dtype(dtype)
