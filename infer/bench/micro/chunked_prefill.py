@@ -36,7 +36,7 @@ from infer.bench.micro.harness import (
     num_blocks_for,
     random_prompts,
     ratio,
-    steps_to_first_token,
+    token_steps,
 )
 from infer.bench.micro.report import BenchResult, CaseResult, Verdict, mode_table, render_table
 
@@ -131,7 +131,7 @@ def run_case(ctx: Context, name: str, values: tuple) -> CaseResult:
                     if s.group == group
                 ]
                 run.extra[f"{group}_ttft_ms"] = 1e3 * mean(ttft)
-            run.extra["ttft_steps"] = mean(steps_to_first_token(run))
+            run.extra["ttft_steps"] = mean(token_steps(run)[0])
             return run
 
         return go

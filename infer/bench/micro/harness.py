@@ -177,23 +177,20 @@ def drive(engine: LLMEngine, specs: list[RequestSpec], serial: bool = False) -> 
     return run
 
 
-def steps_to_finish(run: Run) -> list[int]:
-    """Per request: engine steps from the one it could first join to the one that gave its last token."""
-    last = [0] * len(run.specs)
-    for step, indices in enumerate(run.emitted):
-        for i in indices:
-            last[i] = step
-    return [last[i] - run.added_at[i] + 1 for i in range(len(run.specs))]
-
-
-def steps_to_first_token(run: Run) -> list[int]:
-    """Per request: engine steps from the one it could first join to the one that gave its first token."""
-    first = [-1] * len(run.specs)
+def token_steps(run: Run) -> tuple[list[int], list[int]]:
+    """Per request: engine steps from the one it could first join to the one that gave its first token,
+    and to the one that gave its last."""
+    first, last = [-1] * len(run.specs), [0] * len(run.specs)
     for step, indices in enumerate(run.emitted):
         for i in indices:
             if first[i] < 0:
                 first[i] = step
-    return [first[i] - run.added_at[i] + 1 for i in range(len(run.specs))]
+            last[i] = step
+
+    def since_joined(steps: list[int]) -> list[int]:
+        return [step - joined + 1 for step, joined in zip(steps, run.added_at, strict=True)]
+
+    return since_joined(first), since_joined(last)
 
 
 def percentile(values: list[float], pct: float) -> float:

@@ -28,7 +28,7 @@ from infer.bench.micro.harness import (
     drive,
     mean,
     ratio,
-    steps_to_finish,
+    token_steps,
 )
 from infer.bench.micro.report import BenchResult, CaseResult, Verdict, mode_table, render_table
 
@@ -113,7 +113,7 @@ def run_case(ctx: Context, name: str, values: tuple) -> CaseResult:
     def mode(policy: str):
         def go() -> Run:
             run = drive(ctx.engine(policy=policy, **engine_knobs), specs)
-            steps = steps_to_finish(run)
+            steps = token_steps(run)[1]
             hi = [n for n, s in zip(steps, specs, strict=True) if s.priority == 0]
             low = [n for n, s in zip(steps, specs, strict=True) if s.priority > 0]
             run.extra = {"hi_lat_steps": mean(hi), "low_lat_steps": mean(low)}
@@ -125,7 +125,7 @@ def run_case(ctx: Context, name: str, values: tuple) -> CaseResult:
     fcfs, prio = best["fcfs"], best["priority"]
     # The floor no policy can beat: the urgent requests' latency in steps with the others absent.
     urgent = [s for s in specs if s.priority == 0]
-    floor = mean(steps_to_finish(drive(ctx.engine(policy="priority", **engine_knobs), urgent)))
+    floor = mean(token_steps(drive(ctx.engine(policy="priority", **engine_knobs), urgent))[1])
     ratios = {
         "throughput_ratio": ratio(prio["tok_s"], fcfs["tok_s"]),
         "hi_lat_ratio": ratio(prio["hi_lat_ms"], fcfs["hi_lat_ms"]),
