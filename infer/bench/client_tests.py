@@ -67,10 +67,12 @@ async def cache_test(client: StreamingClient, prefix: str, num_warm: int, nonce:
 async def batch_test(
     client: StreamingClient, size: int, concurrent: bool, max_tokens: int, nonce: str
 ) -> dict:
-    # the unique id goes first: as a suffix (seed 003) it leaves the shared start's full blocks cacheable
+    # the unique id goes first: as a suffix (seed 003) it leaves the shared start's full blocks cacheable;
+    # and the request's own part comes before the run's nonce, which all the run's requests share: an
+    # 8-hex nonce can take most of a 16-token block, and then two requests' first blocks were equal
     specs = [
         RequestSpec(
-            f"ID: {nonce}-{'c' if concurrent else 's'}{size}-{i}. {SHORT_PROMPT}", max_tokens, "batch"
+            f"ID: {'c' if concurrent else 's'}{size}-{i}-{nonce}. {SHORT_PROMPT}", max_tokens, "batch"
         )
         for i in range(size)
     ]
