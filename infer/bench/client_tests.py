@@ -168,7 +168,7 @@ def cmd_client(args: argparse.Namespace, out=None) -> int:
             "started": started.isoformat(),
             "command": " ".join(["infer", "bench", "client", *getattr(args, "argv", [])[2:]]),
             "config": {k: str(v) for k, v in vars(args).items() if k != "func"},
-            "server": server_info(args.server, card, None),
+            "server": server_info(args.server, card, None, args.api_key),
             "machine": machine_info(),
             **result,
         }

@@ -69,13 +69,15 @@ def metrics_delta(before: dict | None, after: dict | None) -> dict | None:
     }
 
 
-def server_info(base_url: str, card: dict, server_flags: str | None) -> dict:
+def server_info(base_url: str, card: dict, server_flags: str | None, api_key: str | None = None) -> dict:
     """What is known of the server: its model card, whether it is ours, and its flags: from the user
-    (--server-flags), else from GET /server_info where the server has it (vLLM's dev route), else unknown."""
+    (--server-flags), else from GET /server_info where the server has it (vLLM's dev route; behind the
+    API key on ours), else unknown."""
     flags = server_flags
     if flags is None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         try:
-            resp = httpx.get(base_url.rstrip("/") + "/server_info", timeout=5)
+            resp = httpx.get(base_url.rstrip("/") + "/server_info", headers=headers, timeout=5)
             flags = resp.json() if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             flags = None

@@ -240,7 +240,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
         results.append(result)
         print("\n" + detail_table(result), file=out, flush=True)
     print("\n" + comparison_table(results), file=out)
-    server = server_info(args.server, card, args.server_flags)
+    server = server_info(args.server, card, args.server_flags, args.api_key)
     dtype = args.roofline or _local_infer_dtype(args.server, server)
     ceiling = None
     if dtype:

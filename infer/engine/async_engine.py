@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine, StepOutput
 from infer.sampling_params import SamplingParams
+
+logger = logging.getLogger("infer.engine")
 
 
 class AsyncEngine:
@@ -60,6 +64,48 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    async def add(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        req_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[StepOutput]:
+        """Queue a request and return the iterator of its outputs once the engine has accepted it.
+
+        Raises ValueError if the engine refuses it. Closing the iterator early (a client that went away)
+        aborts the request; so does a cancellation while waiting for the engine's answer. A request the
+        engine fails alone (finish_reason "error") raises RequestFailed from the iterator."""
+        await self.ready()  # a model that failed to load fails the request here, instead of a hang
+        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
+        stream: asyncio.Queue = asyncio.Queue()
+        added = self._loop.create_future()
+        self._streams[req_id] = stream
+        self._send(("add", (prompt, params, req_id, priority), added))
+        try:
+            await added
+        except BaseException:
+            self._streams.pop(req_id, None)
+            self.abort(req_id)  # a no-op if it was refused; ends it if it was accepted meanwhile
+            raise
+        return self._outputs(req_id, stream)
+
+    async def _outputs(self, req_id: str, stream: asyncio.Queue) -> AsyncIterator[StepOutput]:
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                if out.finish_reason == "error":
+                    raise RequestFailed(req_id, out.error)
+                yield out
+        finally:
+            self._streams.pop(req_id, None)
+            if not finished:
+                self.abort(req_id)
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -67,27 +113,11 @@ class AsyncEngine:
         req_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[StepOutput]:
-        """Yield a request's outputs as they come. Raises ValueError (before any output) if refused.
-        Closing the iterator early (a client that went away) aborts the request."""
-        await self.ready()  # a model that failed to load fails the request here, instead of a hang
-        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
-        stream: asyncio.Queue = asyncio.Queue()
-        added = self._loop.create_future()
-        self._streams[req_id] = stream
-        self._send(("add", (prompt, params, req_id, priority), added))
-        finished = False
-        try:
-            await added
-            while not finished:
-                out = await stream.get()
-                if isinstance(out, BaseException):
-                    raise out
-                finished = out.finished
+        """`add`, then yield the request's outputs as they come."""
+        outputs = await self.add(prompt, params, req_id, priority)
+        async with aclosing(outputs):
+            async for out in outputs:
                 yield out
-        finally:
-            self._streams.pop(req_id, None)
-            if not finished:
-                self.abort(req_id)
 
     def abort(self, req_id: str) -> None:
         self._send(("abort", req_id, None))
@@ -144,11 +174,21 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(stream.put_nowait, item)
 
     def _fail_all(self, exc: Exception) -> None:
+        """A step failed outside any one request's work (LLMEngine attributes the rest): a bug in the
+        engine's own bookkeeping, so no request's state can be trusted."""
+        logger.error("engine step failed; ending every request", exc_info=exc)
         req_ids = list(self.engine.requests)
         self.engine.abort(req_ids)
-        error = RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}")
         for req_id in req_ids:
-            self._deliver(req_id, error)
+            self._deliver(req_id, RequestFailed(req_id, f"{type(exc).__name__}: {exc}"))
+
+
+class RequestFailed(RuntimeError):
+    """The engine could not complete this request. `detail` is for logs; clients get a generic 500."""
+
+    def __init__(self, req_id: str, detail: str | None):
+        super().__init__(f"the engine failed request {req_id}")
+        self.req_id, self.detail = req_id, detail
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

@@ -104,9 +104,48 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# What one `*` or `**` in a template may build: a chat prompt needs nothing near it, and without a bound
+# `{{ 'x' * 10**9 }}` or `{{ 10**10**8 }}` holds a CPU and gigabytes for as long as it takes.
+MAX_TEMPLATE_VALUE_SIZE = 1 << 20
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with `*` (repetition) and `**` (power) refused beyond MAX_TEMPLATE_VALUE_SIZE."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            sized = [len(x) for x in (left, right) if isinstance(x, str | list | tuple)]
+            counts = [x for x in (left, right) if isinstance(x, int)]
+            if sized and counts and sized[0] * max(counts[0], 0) > MAX_TEMPLATE_VALUE_SIZE:
+                raise jinja2.exceptions.SecurityError("the template builds too large a value")
+        elif operator == "**" and _power_bits(left, right) > 8 * MAX_TEMPLATE_VALUE_SIZE:
+            raise jinja2.exceptions.SecurityError("the template builds too large a number")
+        return super().call_binop(context, operator, left, right)
+
+
+def _power_bits(base: Any, exponent: Any) -> int:
+    """About the bits of base ** exponent for ints (0 for anything else)."""
+    if not (isinstance(base, int) and isinstance(exponent, int)) or abs(base) < 2 or exponent < 0:
+        return 0
+    return exponent * abs(base).bit_length()
+
+
+def render(template: jinja2.Template, max_chars: int, **variables: Any) -> str:
+    """Render, giving up (ValueError) as soon as the output passes max_chars."""
+    parts, size = [], 0
+    for part in template.generate(**variables):
+        size += len(part)
+        if size > max_chars:
+            raise ValueError(f"the chat template's output passed {max_chars} characters")
+        parts.append(part)
+    return "".join(parts)
+
+
 @lru_cache(maxsize=32)
 def compile_template(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson

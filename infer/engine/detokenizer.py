@@ -17,8 +17,9 @@ Two stages, each holding back text it cannot yet be sure of:
    After emitting, prefix moves to read and read to end, so the window stays a few tokens long: each
    update costs O(new tokens), not O(output length).
 
-2. Stop strings. Text that ends with the start of a stop string ("wor" for stop "world") is held back
-   until the next text decides it; when a stop string appears, the output is cut before it.
+2. Stop strings (infer.engine.stop_strings: one automaton, each character read once). Text that ends
+   with the start of a stop string ("wor" for stop "world") is held back until the next text decides
+   it; when a stop string appears, the output is cut before it. The first stop string to end wins.
 
 Contract: while no stop string matched, "".join(update(...) for each step) + flush() equals
 tokenizer.decode(output_ids, skip_special_tokens) exactly. The output is the text of the generated ids
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+from infer.engine.stop_strings import StopStrings
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
 
@@ -67,7 +70,7 @@ class IncrementalDetokenizer:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._stops = StopStrings(self.stop) if self.stop else None
 
         self._window: list[int] = []  # ids[prefix:], special ids dropped when they are skipped
         self._read = 0  # window index of read_offset
@@ -120,26 +123,18 @@ class IncrementalDetokenizer:
 
     def _release(self, delta: str, final: bool) -> str:
         """Run new text through the stop-string check; return the part that can be emitted."""
-        if not self.stop:
+        if self._stops is None:
             return delta
         text = self._held + delta
-        # A stop string cannot start inside text emitted earlier: its start would have been held back.
-        found = [(i, s) for s in self.stop if (i := text.find(s)) != -1]
-        match = min(found, key=lambda m: m[0]) if found else None  # the earliest; ties: list order
+        match = self._stops.feed(delta)
         if match is not None:
-            self.stopped, self.stop_str, self._held = True, match[1], ""
-            return text[: match[0]]
-        keep = 0 if final else self._partial_stop_len(text)
+            # A stop string cannot start inside text emitted earlier: its start would have been held back.
+            end, stop = match  # delta[:end] ends with stop
+            self.stopped, self.stop_str, self._held = True, stop, ""
+            return text[: len(text) - len(delta) + end - len(stop)]
+        keep = 0 if final else self._stops.partial_len
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
-
-    def _partial_stop_len(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        for n in range(min(len(text), self._max_stop_len - 1), 0, -1):
-            tail = text[-n:]
-            if any(len(s) > n and s.startswith(tail) for s in self.stop):
-                return n
-        return 0
 
     def _record(self, delta: str) -> str:
         if delta:

@@ -7,17 +7,26 @@
             print(out.text, end="")
 
 `LLM` (infer.engine.llm) wraps this for offline batches; the server drives it from its own thread.
+
+One request never fails another. Requests share a step, so an exception in the runner (a sampling value
+that breaks the sampler, say) would end every request of the batch. Values are validated before a request
+is queued, and as a second line of defence a step that raises is run again in halves, down to the single
+requests that still fail; those end with finish_reason "error" and the rest of the step goes on. Running a
+part again is safe: it writes the same tokens' keys and values to the same slots. It costs nothing until a
+step fails, and log2(batch) extra forwards when one does. Detokenizing (stop strings) is per request too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from infer.config import CacheConfig, EngineConfig, SchedulerConfig
-from infer.core.outputs import StepStats
+from infer.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats
 from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
 from infer.engine.detokenizer import IncrementalDetokenizer
@@ -26,6 +35,8 @@ from infer.models.loader import EMBEDDED_MODEL, load_model
 from infer.runner.kv_cache import kv_bytes_per_token
 from infer.runner.model_runner import ModelRunner
 from infer.sampling_params import SamplingParams
+
+logger = logging.getLogger("infer.engine")
 
 
 @dataclass
@@ -43,6 +54,7 @@ class StepOutput:
     logprobs: Any = None  # (sampled token's logprob, [(token_id, logprob)] top-N) when asked for
     # the finished Request (timestamps, preemptions, prefill tokens computed), on the last output only
     request: Request | None = None
+    error: str | None = None  # with finish_reason "error": what failed (for logs, not for clients)
 
 
 @dataclass
@@ -123,6 +135,9 @@ class LLMEngine:
         bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}) (the vocabulary); got {bad[:5]}")
         req = Request(
             req_id=req_id if req_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=token_ids,
@@ -148,9 +163,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.last_stats = sched.stats
         scheduled = time.perf_counter()
-        runner_out = self.runner.execute(sched)
+        runner_out, failures = self._execute(sched)
         executed = time.perf_counter()
-        outputs = self._process(sched, runner_out)
+        outputs = [self._fail(req_id, exc) for req_id, exc in failures.items()]
+        outputs += self._process(sched, runner_out)
         self.last_timing = StepTiming(
             schedule_s=scheduled - start,
             prepare_s=self.runner.last_prepare_s,
@@ -159,23 +175,52 @@ class LLMEngine:
         )
         return outputs
 
+    def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
+        """The runner's output, and the requests whose part of the step raised (see the module docstring)."""
+        try:
+            return self.runner.execute(sched), {}
+        except Exception as exc:
+            if len(sched.scheduled) == 1:
+                return ModelRunnerOutput([], []), {sched.scheduled[0].req_id: exc}
+        mid = len(sched.scheduled) // 2
+        merged, failures = ModelRunnerOutput([], [], []), {}
+        for part in (sched.scheduled[:mid], sched.scheduled[mid:]):
+            out, failed = self._execute(dataclasses.replace(sched, scheduled=part, finished_req_ids=[]))
+            merged.req_ids += out.req_ids
+            merged.sampled_token_ids += out.sampled_token_ids
+            merged.logprobs += out.logprobs or [None] * len(out.req_ids)
+            failures.update(failed)
+        return merged, failures
+
+    def _fail(self, req_id: str, exc: Exception) -> StepOutput:
+        """End one request whose work raised; the others of its step go on."""
+        logger.error("request %s failed and was ended", req_id, exc_info=exc)
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
+        return self._output(req_id, "", [], "error", None, error=f"{type(exc).__name__}: {exc}")
+
     def _process(self, sched, runner_out) -> list[StepOutput]:
         outputs = []
         for out in self.scheduler.update(sched, runner_out):
-            detok = self.detokenizers[out.req_id]
-            text = detok.update(out.new_token_ids)
-            reason = out.finish_reason
-            if detok.stopped:  # a stop string: the engine's to find, not the core's
-                if not out.finished:
-                    self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED, detok.stop_str)
-                reason = "stop"  # also when it completed on the max_tokens-th token
-            elif out.finished:
-                text += detok.flush()  # text held back in case it began a stop string
-            outputs.append(self._output(out.req_id, text, out.new_token_ids, reason, out.logprobs))
+            try:
+                outputs.append(self._detokenize(out))
+            except Exception as exc:
+                outputs.append(self._fail(out.req_id, exc))
         return outputs
 
+    def _detokenize(self, out) -> StepOutput:
+        detok = self.detokenizers[out.req_id]
+        text = detok.update(out.new_token_ids)
+        reason = out.finish_reason
+        if detok.stopped:  # a stop string: the engine's to find, not the core's
+            if not out.finished:
+                self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED, detok.stop_str)
+            reason = "stop"  # also when it completed on the max_tokens-th token
+        elif out.finished:
+            text += detok.flush()  # text held back in case it began a stop string
+        return self._output(out.req_id, text, out.new_token_ids, reason, out.logprobs)
+
     def _output(
-        self, req_id: str, text: str, token_ids: list[int], reason: str | None, logprobs
+        self, req_id: str, text: str, token_ids: list[int], reason: str | None, logprobs, error=None
     ) -> StepOutput:
         req = self.requests[req_id]
         if reason is not None:
@@ -191,4 +236,5 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
             logprobs=logprobs,
             request=req if reason is not None else None,
+            error=error,
         )

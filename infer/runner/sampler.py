@@ -16,6 +16,8 @@ import torch
 
 from infer.sampling_params import SamplingParams
 
+MAX_TEMPERATURE = 1e4
+
 
 @dataclass
 class SampleResult:
@@ -47,7 +49,9 @@ class Sampler:
         return SampleResult(token_ids.tolist(), self._logprobs(logits, token_ids, params))
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+        # Above ~1e4 the distribution is uniform to float32 precision; the cap keeps 1e300 from becoming
+        # inf in float32, which would turn a banned token's -inf logit into NaN.
+        temperature = torch.tensor([min(p.temperature, MAX_TEMPERATURE) or 1.0 for p in params])
         logits = logits / temperature.unsqueeze(1)
         greedy_rows = torch.tensor([p.greedy for p in params])
         top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params])
@@ -61,8 +65,10 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params])
         if bool((top_p < 1.0).any()):
             sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # drop a token when the mass strictly before it already reaches top_p (the first always stays)
+            # drop a token when the mass strictly before it already reaches top_p; the most likely token
+            # always stays, also for a top_p that rounds to 0 in float32 (1e-300)
             drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p.unsqueeze(1)
+            drop_sorted[:, 0] = False
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         min_p = torch.tensor([p.min_p for p in params])

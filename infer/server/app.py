@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -57,6 +58,7 @@ def create_app(
     _add_error_handlers(app)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=args.max_request_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -75,7 +77,7 @@ def create_app(
 
     def model_card() -> dict:
         card = {"id": args.model_name, "object": "model", "created": created, "owned_by": "infer",
-                "root": args.engine.model or "embedded", "parent": None}  # fmt: skip
+                "root": _public_name(args.engine.model or "embedded"), "parent": None}  # fmt: skip
         if state.ready:
             card["max_model_len"] = state.llm.max_model_len
         return card
@@ -103,6 +105,11 @@ def create_app(
         return JSONResponse(model_card())
 
     return app
+
+
+def _public_name(model: str) -> str:
+    """A local folder by its name alone: clients need not learn the server's file system."""
+    return Path(model).name if Path(model).exists() else model
 
 
 async def _load(state: ServerState, on_ready, on_fatal) -> None:
@@ -135,8 +142,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+        logger.exception("unhandled error on %s", request.url.path)  # the details stay in the log
+        return APIError(500, "internal error; see the server log", "server_error").response()
 
 
 def validation_error(errors) -> APIError:
@@ -153,15 +160,56 @@ def validation_error(errors) -> APIError:
     return APIError(400, "; ".join(parts) or "invalid request", param=param)
 
 
+class BodySizeLimit:
+    """413 for a request body over max_bytes, refused before it is read whole: at once by its
+    Content-Length, or as soon as a chunked body passes the bound (a pure ASGI middleware)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.error = StarletteHTTPException(
+            413, f"the request body is larger than the server's --max-request-bytes ({max_bytes} bytes)"
+        )
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            kind = "invalid_request_error"
+            message = f"{scope['method']} {scope['path']}: {self.error.detail}"
+            return await APIError(413, message, kind).response()(scope, receive, send)
+        received = 0
+
+        async def receive_limited():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise self.error  # FastAPI passes an HTTPException from reading the body through
+            return message
+
+        await self.app(scope, receive_limited, send)
+
+
+# Routes behind --api-key: the API, and what shows the server's configuration.
+_KEYED_PREFIXES = ("/v1", "/server_info")
+
+
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on every /v1 route (a pure ASGI middleware: streaming untouched)."""
+    """`Authorization: Bearer KEY` on every /v1 route and /server_info (a pure ASGI middleware: streaming
+    untouched)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith(_KEYED_PREFIXES)
+            and scope["method"] != "OPTIONS"
+        ):
             auth = dict(scope["headers"]).get(b"authorization")
             if auth is None or not hmac.compare_digest(auth, self.expected):
                 message = "missing API key" if auth is None else "incorrect API key provided"

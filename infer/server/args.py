@@ -38,6 +38,8 @@ class ServerArgs:
     served_model_name: str | None = None  # None: the --model string, or "embedded"
     api_key: str | None = None
     max_queued_requests: int = 1024
+    max_request_bytes: int = 4 * 2**20  # a 4 MiB body holds ~1M tokens of text, beyond any context here
+    trust_request_chat_template: bool = False
     drain_timeout: float = 30.0
     cuda_graphs: bool = False
     log_level: str = "info"
@@ -64,6 +66,18 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         type=int,
         default=1024,
         help="waiting requests beyond this get 429 with Retry-After",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=ServerArgs.max_request_bytes,
+        help="larger request bodies get 413 before they are read whole",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action=bool_flag,
+        default=False,
+        help="let requests send their own chat template (chat_template_kwargs.chat_template); off: 400",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -235,6 +249,8 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
     )
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
     if not 1 <= args.port <= 65535 and args.port != 0:
         raise ValueError(f"--port must be in [1, 65535] (or 0 for any free port), got {args.port}")
     if args.cuda_graphs:
@@ -246,6 +262,8 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         served_model_name=args.served_model_name,
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
+        max_request_bytes=args.max_request_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
         drain_timeout=args.drain_timeout,
         cuda_graphs=args.cuda_graphs,
         log_level=args.log_level,

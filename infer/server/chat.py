@@ -7,6 +7,7 @@ longest that the context, the KV pool and (without chunked prefill) the step bud
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -46,7 +47,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
-    prompt_ids = _render(state, body)
+    prompt_ids = await asyncio.to_thread(_render, state, body)  # CPU work off the event loop
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(1, state.max_request_len - len(prompt_ids))
@@ -69,6 +70,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 
 def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids (runs on a worker thread: templates and tokenizing can take a while)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.chat_template is not None:
+        kwargs["chat_template"] = body.chat_template
+    if "chat_template" in kwargs and not state.args.trust_request_chat_template:
+        raise bad_request(
+            "this server renders only the model's own chat template; a request's chat_template is refused "
+            "unless the server runs with --trust-request-chat-template",
+            param="chat_template",
+        )
     messages = []
     for i, message in enumerate(body.messages):
         m = message.model_dump(exclude_none=True)
@@ -86,7 +97,8 @@ def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:
             messages,
             add_generation_prompt=body.add_generation_prompt,
             tools=body.tools,
-            **(body.chat_template_kwargs or {}),
+            max_chars=2 * state.args.max_request_bytes,  # the model's template adds little to its input
+            **kwargs,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param="messages") from exc

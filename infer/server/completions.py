@@ -6,6 +6,7 @@ every choice's generated tokens; cached_tokens is each prompt's prefix-cache hit
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -53,13 +54,15 @@ async def create_completion(body: CompletionRequest, request: Request):
             param="echo",
         )
     check_priority(state, body.priority)
-    prompts = _prompt_ids(state, body.prompt)
+    # tokenizing (and decoding for echo) is CPU work: off the event loop
+    prompts = await asyncio.to_thread(_prompt_ids, state, body.prompt)
+    echo_text = await asyncio.to_thread(_echo_text, state, prompts) if body.echo else [""] * len(prompts)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
     jobs = [Job(ids, choice_params(params, j), body.priority) for ids in prompts for j in range(body.n)]
     state.admit(len(jobs))
     cmpl_id = state.new_id("cmpl")
     fanout = Fanout(state, jobs, cmpl_id, arrival)
-    completion = _Completion(state, body, cmpl_id, prompts)
+    completion = _Completion(state, body, cmpl_id, prompts, echo_text)
     if body.stream:
         if not await start_stream(request, fanout, "prompt"):
             return Response(status_code=499)  # the client is gone (its requests were aborted)
@@ -90,12 +93,23 @@ def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
     return prompts
 
 
+def _echo_text(state: ServerState, prompts: list[list[int]]) -> list[str]:
+    return [state.llm.tokenizer.decode(p) for p in prompts]
+
+
 class _Completion:
-    def __init__(self, state: ServerState, body: CompletionRequest, cmpl_id: str, prompts: list[list[int]]):
+    def __init__(
+        self,
+        state: ServerState,
+        body: CompletionRequest,
+        cmpl_id: str,
+        prompts: list[list[int]],
+        echo_text: list[str],
+    ):
         self.state, self.body, self.id, self.prompts = state, body, cmpl_id, prompts
         self.created = int(time.time())
         self.n = body.n
-        self.echo_text = [state.llm.tokenizer.decode(p) if body.echo else "" for p in prompts]
+        self.echo_text = echo_text
 
     def _usage(self, last: dict) -> dict:
         num_prompt = sum(len(p) for p in self.prompts)

@@ -2,7 +2,10 @@
 
 Request models keep OpenAI's field names and defaults, plus the vLLM extensions (top_k, min_p, min_tokens,
 ignore_eos, priority) that clients pass through `extra_body`. Unknown fields are ignored, as vLLM and
-OpenAI's own server do for forward compatibility. Responses are plain dicts built by the handlers: the
+OpenAI's own server do for forward compatibility. Everything a request can carry is bounded here, at the
+edge, so that no value reaches the engine that could fail a step shared with other requests: ints fit
+int64, floats are finite, and every string is valid Unicode (JSON may carry lone UTF-16 surrogates, which
+no tokenizer can encode). Responses are plain dicts built by the handlers: the
 shapes are documented here once, and the official `openai` client parses them in the tests.
 """
 
@@ -11,10 +14,14 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from infer.sampling_params import INT64_MAX, INT64_MIN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
 MAX_N = 128
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class APIError(Exception):
@@ -44,40 +51,69 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-class StreamOptions(BaseModel):
+def _check_unicode(value: Any, where: str = "body") -> None:
+    """Every string, key or value, nested anywhere, must encode as UTF-8 (no lone surrogates)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{where} holds invalid Unicode (a lone surrogate at index {exc.start})"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, where)
+            _check_unicode(item, f"{where}.{key}" if isinstance(key, str) and key.isascii() else where)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{where}[{i}]")
+    elif isinstance(value, BaseModel):
+        _check_unicode(value.__dict__, where)
+        _check_unicode(value.__pydantic_extra__ or {}, where)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _valid_unicode(self):
+        for name, value in self.__dict__.items():
+            _check_unicode(value, name)
+        return self
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: int = 0  # vLLM: 0 or -1 = off
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = 0  # vLLM: 0 or -1 = off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     ignore_eos: bool = False
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    seed: Int64 | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0  # vLLM: lower is served first; only with --scheduling-policy priority
+    priority: Int64 = 0  # vLLM: lower is served first; only with --scheduling-policy priority
     user: str | None = None  # accepted and ignored
     presence_penalty: float = 0.0  # accepted; only 0 is supported
     frequency_penalty: float = 0.0
 
 
-PromptType = str | list[int] | list[str] | list[list[int]]
+PromptType = str | list[int] | list[str] | list[list[int]]  # ids checked against the vocabulary
 
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = 16  # OpenAI's default for completions
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -85,7 +121,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the template untouched
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # name, tool_calls, ... reach the template
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -93,12 +129,13 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # deprecated by OpenAI, still sent by clients
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None  # deprecated, still sent by clients
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": False}
+    chat_template: str | None = None  # vLLM extension; only with --trust-request-chat-template
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None

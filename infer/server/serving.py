@@ -5,7 +5,9 @@ Lifetime of one HTTP request:
 
     admit(k)                 503 while loading or draining; 429 when the queue would exceed its bound
     Fanout(k jobs)           one asyncio task per engine request ("choice"), outputs merged into a queue
-    first_outputs()          wait until every choice has produced once: an engine refusal is still a 400
+    accepted()               wait until the engine has accepted every choice: a refusal is still a 400
+                             (not their first tokens: choices beyond the free seats would hold back the
+                             stream's first byte until earlier choices finished)
     stream / collect         SSE chunks, or the whole response; a disconnect cancels the tasks, and the
                              engine generator closing aborts the request (its blocks go back to the pool)
     done                     each task's done-callback (which runs even for a task cancelled before it
@@ -30,9 +32,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from infer.engine.async_engine import AsyncEngine
+from infer.engine.async_engine import AsyncEngine, RequestFailed
 from infer.engine.llm_engine import StepOutput
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import INT64_MIN, SamplingParams
 from infer.server.args import ServerArgs
 from infer.server.metrics import MeteredEngine, Metrics
 from infer.server.protocol import APIError, bad_request
@@ -151,13 +153,15 @@ class Job:
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """The n choices of one prompt: with a seed, choice j samples with seed + j (as vLLM), so the choices
-    differ and the whole response is still reproducible."""
+    differ and the whole response is still reproducible; wrapped around within int64."""
     if params.seed is None or index == 0:
         return params
-    return dataclasses.replace(params, seed=params.seed + index)
+    seed = (params.seed + index - INT64_MIN) % 2**64 + INT64_MIN
+    return dataclasses.replace(params, seed=seed)
 
 
 _ABORTED = object()
+_ACCEPTED = object()
 
 
 class Fanout:
@@ -168,7 +172,7 @@ class Fanout:
     def __init__(self, state: ServerState, jobs: list[Job], prefix: str, arrival: float):
         self.state = state
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.pending: list[tuple[int, object]] = []  # taken by first_outputs, to be yielded first
+        self.pending: list[tuple[int, object]] = []  # taken by accepted(), to be yielded first
         self.num_open = len(jobs)
         self.last: dict[int, StepOutput] = {}
         self.req_ids = [f"{prefix}-{i}" for i in range(len(jobs))]
@@ -182,12 +186,15 @@ class Fanout:
         state.fanouts.add(self)
 
     async def _pump(self, index: int, job: Job) -> None:
-        gen = self.state.engine.generate(job.prompt_ids, job.params, self.req_ids[index], job.priority)
         try:
-            async with aclosing(gen):
-                async for out in gen:
+            outputs = await self.state.engine.add(
+                job.prompt_ids, job.params, self.req_ids[index], job.priority
+            )
+            self.queue.put_nowait((index, _ACCEPTED))
+            async with aclosing(outputs):
+                async for out in outputs:
                     self.queue.put_nowait((index, out))
-        except Exception as exc:  # ValueError: refused by the engine; RuntimeError: a failed step
+        except Exception as exc:  # ValueError: refused by the engine; RequestFailed: the engine failed it
             self.queue.put_nowait((index, exc))
 
     def _done(self, index: int, task: asyncio.Task) -> None:
@@ -198,6 +205,8 @@ class Fanout:
 
     async def _next(self) -> tuple[int, StepOutput]:
         index, out = self.pending.pop(0) if self.pending else await self.queue.get()
+        while out is _ACCEPTED:
+            index, out = self.pending.pop(0) if self.pending else await self.queue.get()
         if out is _ABORTED:
             last = self.last.get(index)
             out = StepOutput(
@@ -215,13 +224,19 @@ class Fanout:
             raise out
         return index, out
 
-    async def first_outputs(self) -> bool:
-        """Wait for one output from every job, so that a refusal is known before a stream's 200."""
-        seen, taken = set(), []
-        while len(seen) < len(self.tasks):
-            index, out = await self._next()
-            seen.add(index)
-            taken.append((index, out))
+    async def accepted(self) -> bool:
+        """Wait until the engine accepted every job, so that a refusal is known before a stream's 200;
+        outputs that came meanwhile are kept for `outputs`. Raises the first refusal."""
+        accepted, taken = set(), []
+        while len(accepted) < len(self.tasks):
+            index, out = await self.queue.get()
+            if isinstance(out, Exception):
+                self.close()
+                raise out
+            if out is _ACCEPTED or out is _ABORTED:  # an abort: the job was accepted, then cancelled
+                accepted.add(index)
+            if out is not _ACCEPTED:
+                taken.append((index, out))
         self.pending = taken
         return True
 
@@ -289,7 +304,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 async def start_stream(request: Request, fanout: Fanout, param: str) -> bool:
     """Wait for every choice's first output; False if the client left meanwhile. Refusals raise 400."""
     try:
-        started = await cancel_on_disconnect(request, fanout.first_outputs())
+        started = await cancel_on_disconnect(request, fanout.accepted())
     except BaseException as exc:
         fanout.close()
         if isinstance(exc, ValueError | RuntimeError):
@@ -301,13 +316,17 @@ async def start_stream(request: Request, fanout: Fanout, param: str) -> bool:
 
 
 def engine_error(exc: Exception, param: str) -> APIError:
-    """A refusal (ValueError, with the numbers) is the client's 400; a failed step is our 500."""
+    """A refusal (ValueError, with the numbers) is the client's 400; a request the engine failed is our
+    500, whose body names the request but no internals (the log has the exception)."""
     if isinstance(exc, ValueError):
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message or "KV" in message else None
         return bad_request(message, param=param, code=code)
-    logger.error("engine failure: %s", exc)
-    return APIError(500, str(exc), "server_error")
+    if isinstance(exc, RequestFailed):
+        logger.error("%s: %s", exc, exc.detail)
+        return APIError(500, f"internal error: {exc}; see the server log", "server_error")
+    logger.error("engine failure: %s: %s", type(exc).__name__, exc)
+    return APIError(500, "internal error; see the server log", "server_error")
 
 
 def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
