@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
-    """Add `bench` (serve, traffic, client, roofline, micro) to the top-level subparsers of `infer`."""
+    """Add `bench` (serve, traffic, client, roofline, race, micro) to the top-level subparsers of `infer`."""
     bench = subparsers.add_parser("bench", help="benchmarks: serving workloads, micro-benchmarks")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -53,6 +53,16 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     )
     roofline.add_arguments(roof)
     roof.set_defaults(func=roofline.cmd_roofline)
+    from infer.bench import race
+
+    race_parser = sub.add_parser(
+        "race",
+        help="issue 10: infer serve against a peer (vLLM), alternated, same prompts and load",
+        description=race.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    race.add_arguments(race_parser)
+    race_parser.set_defaults(func=race.cmd_race)
     from infer.bench.micro import add_micro_parser
 
     add_micro_parser(sub)

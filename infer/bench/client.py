@@ -38,14 +38,20 @@ def _headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def wait_until_ready(base_url: str, timeout: float = 60.0, log: Callable[[str], None] = print) -> None:
+def wait_until_ready(
+    base_url: str,
+    timeout: float = 60.0,
+    log: Callable[[str], None] = print,
+    give_up: Callable[[], bool] | None = None,
+) -> None:
     """Wait, up to `timeout` seconds, while the server refuses connections (starting) or GET /health
     answers 503 (loading its model: ours, vLLM, llama.cpp): requests sent now would all fail. Any other
-    answer returns at once; so does the timeout (check_server then says what is wrong)."""
+    answer returns at once; so does the timeout (check_server then says what is wrong), and so does
+    `give_up()` turning true (a launcher's process that died)."""
     url = base_url.rstrip("/") + "/health"
     deadline = time.monotonic() + timeout
     told = False
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (give_up is not None and give_up()):
         try:
             if httpx.get(url, timeout=10).status_code != 503:
                 return

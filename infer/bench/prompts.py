@@ -1,8 +1,9 @@
 """Prompts of real English text cut from a corpus shipped with the project (KJV Genesis, public domain).
 
 Lengths are asked for in tokens and met approximately at ~4 characters per token; the actual counts are the
-server's (`usage.prompt_tokens`). Each prompt starts at a random word of the corpus, so two prompts share a
-cached prefix only when a workload means them to (`shared_prefix`).
+server's (`usage.prompt_tokens`). With the model's tokenizer at hand, `exact_prompts` meets them exactly.
+Each prompt starts at a random word of the corpus, so two prompts share a cached prefix only when a workload
+means them to (`shared_prefix`).
 """
 
 from __future__ import annotations
@@ -50,3 +51,37 @@ class PromptFactory:
     def shared_prefix(self, num_tokens: int) -> str:
         """A prefix to put in front of many prompts (a 'system prompt'), ending with a blank line."""
         return self.text(num_tokens) + "\n\n"
+
+
+def exact_prompts(tokenizer, num_prompts: int, num_tokens: int, seed: int, distinct: int = 16) -> list[str]:
+    """`num_prompts` corpus texts of exactly `num_tokens` tokens each by `tokenizer` (its BOS included when
+    it adds one: the count a server's `usage.prompt_tokens` reports).
+
+    `tokenizer` has `encode(text) -> ids` and `decode(ids, skip_special_tokens=True) -> text`. A text is
+    cut at a token boundary and kept only when it encodes back to the same ids (a cut inside a word may
+    not), and only when its first `distinct` ids differ from every kept one's: no two prompts share a
+    cached KV block of `distinct` tokens or more (ours and vLLM's are 16 or more). The same seed and
+    tokenizer give the same prompts."""
+    if num_prompts < 0 or num_tokens < 1:
+        raise ValueError(f"need num_prompts >= 0 and num_tokens >= 1, got {num_prompts} and {num_tokens}")
+    factory = PromptFactory(seed)
+    prompts: list[str] = []
+    seen: set[tuple[int, ...]] = set()
+    attempts = 50 * num_prompts + 100
+    while len(prompts) < num_prompts:
+        if attempts == 0:
+            raise ValueError(
+                f"could not cut {num_prompts} distinct prompts of exactly {num_tokens} tokens from the "
+                f"corpus (got {len(prompts)}); try another length"
+            )
+        attempts -= 1
+        ids = tokenizer.encode(factory.text(2 * num_tokens))  # ~4 chars a token: about twice enough
+        if len(ids) < num_tokens:
+            continue
+        ids = ids[:num_tokens]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        key = tuple(ids[:distinct])
+        if key not in seen and tokenizer.encode(text) == ids:
+            seen.add(key)
+            prompts.append(text)
+    return prompts

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import secrets
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,51 +37,10 @@ from pathlib import Path
 import httpx
 
 from infer.bench.client import RequestSpec, StreamingClient, check_server, run_requests
+from infer.bench.launch import LaunchedServer
 from infer.bench.metrics import goodput, stable_window, summarize
 from infer.bench.report import machine_info, progress_bar, render_table, scrape_metrics
 from infer.bench.traffic_config import arrivals_of, build_requests, load_experiments, request_classes
-
-
-class LaunchedServer:
-    """`python -m infer.server FLAGS --port P` for one experiment; stopped on exit."""
-
-    def __init__(self, flags: list[str], log_path: Path, timeout: float = 120.0):
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.flags = [str(f) for f in flags]
-        self.log_path, self.timeout = log_path, timeout
-
-    def __enter__(self) -> LaunchedServer:
-        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in __exit__)
-        cmd = [sys.executable, "-m", "infer.server", *self.flags, "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.close()
-                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.__exit__()
-        raise RuntimeError(f"the server was not healthy after {self.timeout}s; see {self.log_path}")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
 
 
 async def _poll(url: str, every: float, t0: float, timeline: list[dict], stop: asyncio.Event) -> None:
@@ -131,9 +89,10 @@ def run_experiment(name: str, cfg: dict, out_dir: Path, log=print) -> dict:
     """Run one experiment (launching a server if asked); write its outputs; return its summary."""
     exp_dir = out_dir / safe_name(name)
     exp_dir.mkdir(parents=True, exist_ok=True)
-    server = LaunchedServer(cfg["launch"], exp_dir / "server.log") if cfg["launch"] is not None else None
+    launch = cfg["launch"]
+    server = LaunchedServer.ours(launch, exp_dir / "server.log") if launch is not None else None
     if server is not None:
-        server.__enter__()
+        server.start()
     try:
         url = server.url if server else cfg["server"]["url"]
         card = check_server(url, cfg["server"]["model"] or _only_model(url), cfg["server"].get("api_key"))
@@ -142,7 +101,7 @@ def run_experiment(name: str, cfg: dict, out_dir: Path, log=print) -> dict:
         records, timeline = asyncio.run(_run(cfg, url, card["id"], specs))
     finally:
         if server is not None:
-            server.__exit__()
+            server.stop()
     with open(exp_dir / "requests.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r.to_dict()) + "\n")

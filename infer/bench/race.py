@@ -1,0 +1,360 @@
+r"""The race: our server against a peer (vLLM) on the same model, the same load, the same machine.
+
+    infer bench race [MODEL] [--infer-flags="--max-batch-size 32"] \
+        [--peer-cmd "vllm serve DIR --dtype bfloat16 --port 8010" [--peer-env KEY=VAL ...] [--peer-url URL]] \
+        [--prompt-tokens 128] [--output-tokens 64] [--num-requests 32] [--concurrencies 1,8,32] [--rounds 2]
+
+Each round starts `infer serve MODEL FLAGS`, then the peer, one at a time (never both up: they share two
+cores); odd rounds go peer first, so a machine that drifts over minutes weighs on both sides alike. Per
+server: wait for GET /health 200, two warm-up requests (not counted), then at each concurrency N requests
+from N workers (closed loop), then SIGTERM (SIGKILL after --stop-timeout) to everything it started.
+
+Every request is a streaming /v1/completions at temperature 0 asking for exactly --output-tokens tokens
+(ignore_eos). Prompts hold exactly --prompt-tokens tokens by the model's tokenizer (`exact_prompts`); both
+servers get the same texts, and the counts are checked against each server's `usage`. Servers restart
+between runs and no two prompts share a first KV block, so the prefix cache never serves a measured prompt.
+
+With no --peer-cmd, the peer is `vllm serve MODEL_DIR` when a `vllm` executable is on PATH; else the race
+says so and runs our server alone. Output: one table (every round's tok/s, ratio of medians, ITL and TTFT
+medians over rounds) and a JSON report (benchmarks/reports/race-*.json, or --out) with every request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from infer.bench.arrivals import Arrivals
+from infer.bench.client import BenchError, RequestSpec, StreamingClient, run_requests
+from infer.bench.launch import LaunchedServer, free_port
+from infer.bench.metrics import RequestRecord, summarize
+from infer.bench.prompts import exact_prompts
+from infer.bench.report import machine_info, progress_bar, render_table, server_info
+from infer.bench.serving import resolve_model
+
+SIDES = ("infer", "peer")
+DEFAULT_REPORT_DIR = Path("benchmarks/reports")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="for `infer serve MODEL`; default: embedded")
+    p.add_argument("--infer-flags", default="", help='more flags for infer serve: --infer-flags="--x 1"')
+    p.add_argument("--peer-cmd", default=None, help="the peer's whole command line, e.g. 'vllm serve DIR'")
+    p.add_argument("--peer-env", action="append", default=[], metavar="KEY=VAL", help="peer env (repeat)")
+    p.add_argument("--peer-url", default=None, help="default: 127.0.0.1 and the command's --port (8000)")
+    p.add_argument("--prompt-tokens", type=int, default=128, help="exact prompt length, BOS included")
+    p.add_argument("--output-tokens", type=int, default=64, help="exact output length (ignore_eos)")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per concurrency")
+    p.add_argument("--concurrencies", default="1,8,32", help="comma-separated concurrent streams")
+    p.add_argument("--rounds", type=int, default=2, help="times each server is started and measured")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per server start (not counted)")
+    p.add_argument("--seed", type=int, default=0, help="which corpus texts the prompts are")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder; default: the one infer serve uses")
+    p.add_argument("--start-timeout", type=float, default=300.0, help="seconds for a server to be ready")
+    p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds after SIGTERM before SIGKILL")
+    p.add_argument("--timeout", type=float, default=600.0, help="client timeout per request, seconds")
+    p.add_argument("--out", type=Path, default=None, help="report path (default benchmarks/reports/...)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to start one side; `env` is added to ours."""
+
+    side: str
+    cmd: list[str]
+    url: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        return {**asdict(self), "cmd": shlex.join(self.cmd)}
+
+
+# ---- pure logic ----------------------------------------------------------------------------------------
+
+
+def run_order(rounds: int, sides: Sequence[str]) -> list[tuple[int, str]]:
+    """(round, side) in running order: A B, B A, A B, ... (each round reverses the last)."""
+    return [(r, s) for r in range(rounds) for s in (sides if r % 2 == 0 else list(sides)[::-1])]
+
+
+def parse_concurrencies(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"--concurrencies must be positive integers like 1,8,32, got {text!r}")
+    return values
+
+
+def flag_value(flags: Sequence[str], name: str) -> str | None:
+    """The value of `--name V` or `--name=V` in a command line (the last one wins), else None."""
+    value = None
+    for i, f in enumerate(flags):
+        if f == name and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif f.startswith(name + "="):
+            value = f.split("=", 1)[1]
+    return value
+
+
+def token_counts(records: Sequence[RequestRecord], prompt_tokens: int, output_tokens: int) -> dict:
+    """How many successful requests the server counted (`usage`) differently from what was asked."""
+    ok = [r for r in records if r.ok]
+    return {
+        "prompt_tokens_seen": sorted({r.num_prompt_tokens for r in ok}, key=str),
+        "num_prompt_mismatch": sum(r.num_prompt_tokens != prompt_tokens for r in ok),
+        "num_output_mismatch": sum(r.num_completion_tokens != output_tokens for r in ok),
+    }
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def race_figures(runs: Sequence[dict], concurrencies: Sequence[int]) -> list[dict]:
+    """Per concurrency and side: every round's output tok/s (in running order), and the medians over
+    rounds of ITL p50/p99 and TTFT p50; the ratio is median infer tok/s / median peer tok/s."""
+    figures = []
+    for c in concurrencies:
+        row: dict = {"concurrency": c}
+        for side in SIDES:
+            sums = [x["summary"] for r in runs if r["side"] == side for x in r["results"]
+                    if x["concurrency"] == c]  # fmt: skip
+            row[side] = {
+                "tok_s": [s["throughput"]["output_tokens_per_s"] for s in sums],
+                "itl_p50_ms": _median([s["itl_ms"]["p50"] for s in sums]),
+                "itl_p99_ms": _median([s["itl_ms"]["p99"] for s in sums]),
+                "ttft_p50_ms": _median([s["ttft_ms"]["p50"] for s in sums]),
+            }
+        ours, peer = _median(row["infer"]["tok_s"]), _median(row["peer"]["tok_s"])
+        row["ratio"] = ours / peer if ours is not None and peer else None
+        figures.append(row)
+    return figures
+
+
+HEADERS = ["Model", "Conc", "infer tok/s", "peer tok/s", "ratio",
+           "infer ITL p50", "infer ITL p99", "infer TTFT p50",
+           "peer ITL p50", "peer ITL p99", "peer TTFT p50"]  # fmt: skip
+
+
+def race_rows(figures: Sequence[dict], model: str) -> list[list]:
+    def rounds(xs):
+        return " / ".join(f"{x:,.1f}" for x in xs) or "-"
+
+    rows = []
+    for f in figures:
+        i, p = f["infer"], f["peer"]
+        ratio = "-" if f["ratio"] is None else f"{f['ratio']:.2f}"
+        rows.append([model, f["concurrency"], rounds(i["tok_s"]), rounds(p["tok_s"]), ratio,
+                     i["itl_p50_ms"], i["itl_p99_ms"], i["ttft_p50_ms"],
+                     p["itl_p50_ms"], p["itl_p99_ms"], p["ttft_p50_ms"]])  # fmt: skip
+    return rows
+
+
+def notes(runs: Sequence[dict]) -> list[str]:
+    """One line per failed start, failed requests, or token counts that differ from what was asked."""
+    lines = []
+    for r in runs:
+        tag = f"round {r['round'] + 1} {r['side']}"
+        if r["error"]:
+            lines.append(f"{tag}: {r['error']}")
+        for x in r["results"]:
+            s, t = x["summary"], x["token_counts"]
+            if s["num_errors"]:
+                first = next(q["error"] for q in x["requests"] if q["status"] != "ok")
+                lines.append(f"{tag} c={x['concurrency']}: {s['num_errors']} requests failed ({first})")
+            if t["num_prompt_mismatch"] or t["num_output_mismatch"]:
+                lines.append(
+                    f"{tag} c={x['concurrency']}: usage counted other lengths than asked "
+                    f"(prompt tokens seen {t['prompt_tokens_seen']}, {t['num_output_mismatch']} outputs off)"
+                )
+    return lines
+
+
+def build_report(started: str, command: str, config: dict, servers: dict, runs: list, figures: list) -> dict:
+    return {"kind": "race", "started": started, "command": command, "config": config, "servers": servers,
+            "machine": machine_info(), "figures": figures, "runs": runs}  # fmt: skip
+
+
+# ---- running -------------------------------------------------------------------------------------------
+
+
+async def drive(url: str, model: str, prompts: list[str], args: argparse.Namespace, label: str) -> dict:
+    """Warm-up, then each concurrency on its own slice of `prompts`; one result per concurrency."""
+    spec = lambda p: RequestSpec(p, args.output_tokens, "race", args.prompt_tokens)
+    warm, rest = prompts[: args.warmup], prompts[args.warmup :]
+    results = []
+    async with StreamingClient(url, model, None, args.timeout, ignore_eos=True, temperature=0.0) as client:
+        warm_records = await asyncio.gather(*(client.send(-1 - i, spec(p), 0.0) for i, p in enumerate(warm)))
+        for k, c in enumerate(args.concurrencies):
+            specs = [spec(p) for p in rest[k * args.num_requests : (k + 1) * args.num_requests]]
+            bar = progress_bar(len(specs), f"{label} c={c}", not args.no_progress)
+            client.t0 = time.perf_counter()
+            arrivals = Arrivals("concurrent", concurrency=c)
+            records = await run_requests(client, specs, arrivals, on_done=lambda _, bar=bar: bar.update())
+            bar.close()
+            results.append({
+                "concurrency": c,
+                "summary": summarize(records),
+                "token_counts": token_counts(records, args.prompt_tokens, args.output_tokens),
+                "requests": [r.to_dict() for r in records],
+            })  # fmt: skip
+    return {
+        "warmup": {"num_requests": len(warm), "num_ok": sum(r.ok for r in warm_records)},
+        "results": results,
+    }
+
+
+def run_one(spec: ServerSpec, rnd: int, prompts: list[str], args, log_dir: Path, out) -> dict:
+    """Start `spec`'s server, drive it, stop it. A failure is recorded in the run, not raised."""
+    log_path = log_dir / f"round{rnd + 1}-{spec.side}.log"
+    run = {"round": rnd, "side": spec.side, "command": shlex.join(spec.cmd), "url": spec.url,
+           "log": str(log_path), "pid": None, "startup_s": None, "model": None, "server": None,
+           "error": None, "warmup": None, "results": []}  # fmt: skip
+    server = LaunchedServer(spec.cmd, spec.url, log_path, args.start_timeout, spec.env, args.stop_timeout)
+    t0 = time.perf_counter()
+    try:
+        server.start()
+        run["pid"], run["startup_s"] = server.proc.pid, time.perf_counter() - t0
+        run["model"], card = resolve_model(spec.url, None, None)
+        run["server"] = server_info(spec.url, card, None)
+        run.update(asyncio.run(drive(spec.url, run["model"], prompts, args, f"{spec.side} r{rnd + 1}")))
+    except RuntimeError as exc:  # BenchError too
+        run["error"] = str(exc)
+    finally:
+        server.stop()
+    figures = ", ".join(
+        f"c={x['concurrency']} {x['summary']['throughput']['output_tokens_per_s']:,.1f}"
+        for x in run["results"]
+    )
+    up = f"up in {run['startup_s']:.0f} s" if run["startup_s"] is not None else "did not start"
+    print(f"-- round {rnd + 1} {spec.side}: {up}; out tok/s {figures or '-'}"
+          + (f"; error: {run['error']}" if run["error"] else ""), file=out, flush=True)  # fmt: skip
+    return run
+
+
+def find_vllm() -> str | None:
+    return shutil.which("vllm")
+
+
+def server_specs(args: argparse.Namespace, model_dir: Path, out) -> list[ServerSpec]:
+    """Ours, and the peer: --peer-cmd, else `vllm serve MODEL_DIR` when vllm is on PATH, else none."""
+    flags = shlex.split(args.infer_flags)
+    port = flag_value(flags, "--port") or free_port()
+    model = [args.model] if args.model else []
+    cmd = [sys.executable, "-m", "infer", "serve", *model, *flags, "--port", str(port)]
+    specs = [ServerSpec("infer", cmd, f"http://127.0.0.1:{port}")]
+    env = {}
+    for item in args.peer_env:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--peer-env takes KEY=VALUE, got {item!r}")
+        env[key] = value
+    if args.peer_cmd:
+        peer = shlex.split(args.peer_cmd)
+    elif vllm := find_vllm():
+        peer = [vllm, "serve", str(model_dir), "--port", str(free_port())]
+    else:
+        print("no peer: no --peer-cmd given and no `vllm` executable on PATH; racing infer alone", file=out)
+        return specs
+    url = args.peer_url or f"http://127.0.0.1:{flag_value(peer, '--port') or 8000}"
+    return [*specs, ServerSpec("peer", peer, url, env)]
+
+
+def model_folder(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The model's folder, and the tokenizer folder infer serve will use (the model's own, else the
+    embedded model's, as the engine decides)."""
+    from infer.models.loader import EMBEDDED_MODEL, resolve_model_path
+
+    flags = shlex.split(args.infer_flags)
+    model = args.model or flag_value(flags, "--model")
+    path = resolve_model_path(model, flag_value(flags, "--load-format") or "auto")
+    if args.tokenizer:
+        return path, Path(args.tokenizer)
+    return path, path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
+
+
+def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> dict:
+    """Run the race described by parsed `args`; print the table to `out` (stdout); return the report."""
+    from infer.engine.tokenizer import Tokenizer
+
+    out = sys.stdout if out is None else out
+    if isinstance(args.concurrencies, str):
+        args.concurrencies = parse_concurrencies(args.concurrencies)
+    for name in ("prompt_tokens", "output_tokens", "num_requests", "rounds"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    started = datetime.datetime.now(datetime.UTC)
+    model_dir, tokenizer_dir = model_folder(args)
+    num_prompts = args.warmup + len(args.concurrencies) * args.num_requests
+    prompts = exact_prompts(
+        Tokenizer.from_pretrained(tokenizer_dir), num_prompts, args.prompt_tokens, args.seed
+    )
+    specs = {s.side: s for s in server_specs(args, model_dir, out)}
+    path = args.out or DEFAULT_REPORT_DIR / f"race-{model_dir.name}-{started.strftime('%Y%m%d-%H%M%S')}.json"
+    log_dir = path.with_name(path.stem + "-logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs = [
+        run_one(specs[side], rnd, prompts, args, log_dir, out)
+        for rnd, side in run_order(args.rounds, list(specs))
+    ]
+    figures = race_figures(runs, args.concurrencies)
+    model = args.model or flag_value(shlex.split(args.infer_flags), "--model") or "embedded"
+    title = (
+        f"== race: {args.prompt_tokens} prompt + {args.output_tokens} output tokens, {args.num_requests} "
+        "requests per concurrency; out tok/s per round, ratio of medians, ms (median over rounds)"
+    )
+    print("\n" + render_table(HEADERS, race_rows(figures, Path(model).name), title), file=out)
+    for line in notes(runs):
+        print("note: " + line, file=out)
+    argv = sys.argv[1:] if argv is None else argv
+    config = {
+        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("func", "argv")
+    }
+    config["tokenizer"] = str(tokenizer_dir)
+    servers = {side: specs[side].describe() if side in specs else None for side in SIDES}
+    command = shlex.join([Path(sys.argv[0]).name, *argv])
+    report = build_report(started.isoformat(), command, config, servers, runs, figures)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    report["path"] = str(path)
+    print(f"\nreport: {path}", file=out)
+    return report
+
+
+def cmd_race(args: argparse.Namespace) -> int:
+    try:
+        run(args, getattr(args, "argv", None))
+    except BenchError as exc:
+        print(f"bench race: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="race.py",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return cmd_race(args)
+    except ValueError as exc:
+        print(f"bench race: error: {exc}", file=sys.stderr)
+        return 2
