@@ -11,10 +11,41 @@ over its whole context read back through its block table, except one with no ear
 (query_len == seq_len: a fresh prompt or first chunk), which reads its new keys directly, as does every
 sequence without a cache (a prefill-only forward, the no-cache benchmark mode).
 
-Decoding sequences (query_len == 1) are served together by one SDPA call per layer over their
-gathered, padded contexts, and so are the step's prefill chunks when padding them to the longest query
-wastes little (a decode step carrying a small chunk: the common step of chunked prefill); otherwise
-prefill chunks, fewer and longer, go one sequence at a time.
+Decoding sequences (query_len == 1) are served together by one batched call per layer over their
+gathered keys, and so are the step's prefill chunks when padding them to the longest query wastes
+little (a decode step carrying a small chunk: the common step of chunked prefill); otherwise prefill
+chunks, fewer and longer, go one sequence at a time through SDPA.
+
+The batched call is two matmuls in the cache's dtype around a float32 softmax (`_matmuls`). It replaced
+one `F.scaled_dot_product_attention(..., enable_gqa=True)` over the gathered, padded contexts, because
+torch 2.13's CPU flash-attention kernel is slow in bfloat16 for short queries (4-8x slower than
+itself in float32 for one stream), while the same memory-bound work as two bf16 matmuls is faster
+than either. One layer's
+decode attention in bf16, SDPA -> matmuls, ms, measured interleaved in one process on a 2-core AMD EPYC
+(Zen 4, AVX-512 BF16, no AMX) with `python benchmarks/bench_attention.py`:
+
+    batch x context    8 q / 4 kv heads of 64 (llama-50m)    32 q / 8 kv heads of 64 (Llama-3.2-1B)
+    1 x 1024           0.46 -> 0.12                          1.80 -> 0.18
+    8 x 1024           4.08 -> 0.51                          16.1 -> 1.58
+    32 x 2048          54.5 -> 5.6                           200 -> 11.4
+
+A whole bf16 decode step of llama-50m (`... --model llama-50m`) at 8 x 1024: 35 -> 9.4 ms. In float32
+SDPA was fine: the matmuls match it for one stream and small batches, and are 2-6x faster at large
+batch x context, thanks to the gather below. bf16 scores are rounded once before the float32 softmax:
+float32 stays exact (tests/models), and bf16 logits are as far from float32 as they were with SDPA.
+
+Besides the matmuls themselves:
+- GQA without repeating K/V: q is viewed [n, kv_heads, group * max_q, D], one matrix per kv head.
+- One index_select per K and V, on the flat cache view [num_slots * kv_heads, D], reads only the keys
+  some query sees (a sliding window's layers gather the window) in the matmuls' [n, kv_heads, span, D]
+  order, into scratch buffers that every layer of a forward reuses, GATHER_CHUNK_BYTES of sequences
+  at a time: a fresh buffer per layer page-faults for longer than the gather takes once it is large.
+- One stream over consecutive blocks is read in place, a strided view, in float32; small bf16 work
+  is converted to float32 (UPCAST_MAX_KEY_ELEMENTS): a bf16 matmul costs ~20 us however small.
+
+There is no switch back: the SDPA call lives on as `sdpa_batched` in benchmarks/bench_attention.py,
+which swaps it in for the comparison. Prefill stays on SDPA: a matmul version in blocks of queries won
+for 128-token bf16 prompts but not across 128..2048 tokens (`... --prefill`).
 """
 
 from __future__ import annotations
@@ -25,11 +56,21 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-# A step's short queries (decodes, small prefill chunks) join one batched SDPA over their padded
+# A step's short queries (decodes, small prefill chunks) join one batched call over their padded
 # contexts when the padding would cost less than this many wasted query x key scores; beyond it, the
 # longer ones go one sequence at a time. A per-sequence SDPA call with its gathers and mask costs tens of
 # microseconds on a CPU, so a decode step that carries one 8-token chunk is cheaper batched whole.
 MAX_PADDED_SCORES = 1 << 16
+
+# The batched path gathers the K and V it reads in chunks of sequences of at most this many bytes, into
+# scratch buffers that every layer of a forward reuses. 8 MB was the best of 1-32 MB here, 20-40% faster
+# than one chunk at 32 x 1024 and beyond, and it bounds the scratch memory.
+GATHER_CHUNK_BYTES = 8 << 20
+
+# Below this many key elements (per chunk), bfloat16 keys and values are converted and the matmuls run
+# in float32: a bfloat16 matmul on this CPU costs ~20 us however small, a float32 one ~5 us. The best
+# of 16K-1M in whole llama-50m decode steps (one stream up to 1024 tokens: up to 0.5 ms a step).
+UPCAST_MAX_KEY_ELEMENTS = 1 << 18
 
 
 @dataclass
@@ -41,10 +82,11 @@ class AttentionMetadata:
     # one (key_cache, value_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     # derived once per forward (not per layer) in __post_init__
-    batch_seqs: list[int] = field(init=False, default_factory=list)  # served by one batched SDPA
+    batch_seqs: list[int] = field(init=False, default_factory=list)  # served by one batched call
     loop_seqs: list[int] = field(init=False, default_factory=list)  # served one at a time
     query_starts: list[int] = field(init=False, default_factory=list)
-    _batch_masks: dict = field(init=False, default_factory=dict)
+    _batch_keys: dict = field(init=False, default_factory=dict)
+    _scratch: dict = field(init=False, default_factory=dict)
     _prefill_masks: dict = field(init=False, default_factory=dict)
     _prefill_blocks: dict = field(init=False, default_factory=dict)
 
@@ -99,30 +141,78 @@ class AttentionMetadata:
             self.out_rows = torch.tensor([j * max_q + t for j, q in enumerate(qlens) for t in range(q)])
         elif not whole:
             self.q_rows = self.batch_rows
-        # One stream over consecutive blocks (the usual single-stream case) reads its context as a
-        # view of the cache: no per-step copy that grows with the context.
+        # One stream over consecutive blocks (the usual single-stream case): its context is a slice of
+        # the cache, [first slot, first slot + seq_len), that a float32 matmul reads in place (_stream).
         self.decode_span = None
         if n == 1 and max_q == 1:
             ids = self.batch_tables[0].tolist()
             if ids == list(range(ids[0], ids[0] + num_blocks)):
                 self.decode_span = (ids[0] * block_size, self.batch_seq_lens[0])
 
-    def batch_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[n, 1, max_q, padded_len]: 0 where a batched query may attend (its causal context, its
-        window), -inf elsewhere."""
-        if sliding_window not in self._batch_masks:
-            padded = self.batch_tables.shape[1] * self.kv_caches[0][0].shape[1]
-            k_pos = torch.arange(padded)  # [padded_len]
-            t = torch.arange(self.max_query_len)  # [max_q]
-            seq_lens = torch.tensor(self.batch_seq_lens).unsqueeze(1)  # [n, 1]
-            query_lens = torch.tensor(self.batch_query_lens).unsqueeze(1)
-            q_pos = seq_lens - query_lens + torch.minimum(t, query_lens - 1)  # [n, max_q]
-            q_pos = q_pos.unsqueeze(2)  # [n, max_q, 1]
-            mask = k_pos <= q_pos
+    def batch_keys(self, num_kv_heads: int, sliding_window: int | None):
+        """(rows, mask) for the batched sequences' keys under one window, built once per forward.
+
+        Each sequence gathers the keys its queries can see, from the first one its earliest query's
+        window reaches (position 0 without a window) to its last, padded to the longest such span:
+
+            seq i's positions:  0 ... first_i ................. seq_len_i - 1
+            gathered keys j:          0 ....................... span_i - 1 | padding up to span (masked)
+
+        rows [n, num_kv_heads * span]: for each sequence, its keys' rows of the flat cache view
+        [num_slots * num_kv_heads, head_dim] (row slot * num_kv_heads + kv head), kv head by kv head,
+        so that one index_select reads them in the [n, num_kv_heads, span, head_dim] order of the
+        matmuls. A padding key reads a slot that is there but unused (the rest of the sequence's last
+        block, block 0 of a padded table, or its last key again). mask [n, 1, 1, max_q, span] float32:
+        0 where a query may attend (its causal context, its window), -inf elsewhere; None when every
+        query sees every gathered key (decodes of equal spans, one stream among them)."""
+        key = (num_kv_heads, sliding_window)
+        if key in self._batch_keys:
+            return self._batch_keys[key]
+        n, max_q = len(self.batch_seqs), self.max_query_len
+        block_size = self.kv_caches[0][0].shape[1]
+        seq_lens, query_lens = self.batch_seq_lens, self.batch_query_lens
+        firsts = [0] * n
+        if sliding_window is not None:
+            firsts = [max(0, s - q - sliding_window + 1) for s, q in zip(seq_lens, query_lens, strict=True)]
+        spans = [s - f for s, f in zip(seq_lens, firsts, strict=True)]
+        span = max(spans)
+        heads = torch.arange(num_kv_heads).view(1, -1, 1)  # [1, num_kv_heads, 1]
+        if not any(firsts):  # every sequence from position 0: its table's slots, in order
+            k_pos = torch.arange(span)  # [span]
+            offsets = torch.arange(block_size) * num_kv_heads  # [block_size]
+            rows = (self.batch_tables * (block_size * num_kv_heads)).unsqueeze(2) + offsets  # [n, blocks, bs]
+            rows = rows.view(n, 1, -1)[:, :, :span] + heads  # [n, num_kv_heads, span]
+        else:
+            k_pos = torch.tensor(firsts).unsqueeze(1) + torch.arange(span)  # [n, span]
+            last = torch.tensor(seq_lens).unsqueeze(1) - 1
+            pos = torch.minimum(k_pos, last)  # padding reads the last key again: its block is in the table
+            slots = self.batch_tables.gather(1, pos // block_size) * block_size + pos % block_size
+            rows = slots.unsqueeze(1) * num_kv_heads + heads  # [n, num_kv_heads, span]
+        rows = rows.reshape(n, -1)  # [n, num_kv_heads * span]
+        mask = None
+        if max_q > 1 or min(spans) < span:
+            t = torch.arange(max_q)  # [max_q]
+            lens = torch.tensor(query_lens).unsqueeze(1)  # [n, 1]
+            starts = torch.tensor(seq_lens).unsqueeze(1) - lens  # [n, 1]: the first query's position
+            q_pos = (starts + torch.minimum(t, lens - 1)).unsqueeze(2)  # [n, max_q, 1]
+            k_pos = k_pos.unsqueeze(-2)  # [n or 1, 1, span]
+            allowed = k_pos <= q_pos  # [n, max_q, span]: a padding key is past the last query
             if sliding_window is not None:
-                mask &= q_pos - k_pos < sliding_window
-            self._batch_masks[sliding_window] = self._additive(mask.unsqueeze(1))
-        return self._batch_masks[sliding_window]
+                allowed &= q_pos - k_pos < sliding_window
+            mask = torch.where(allowed, 0.0, float("-inf")).view(n, 1, 1, max_q, span)
+        self._batch_keys[key] = rows, mask
+        return rows, mask
+
+    def scratch(self, num_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two buffers of at least [num_rows, head_dim] for gathered keys and values, shared by every layer
+        of this forward: each layer uses them only within its call. Reusing them spares a fresh
+        allocation per layer, whose page faults cost more than the gather itself once it is large
+        (see GATHER_CHUNK_BYTES)."""
+        bufs = self._scratch.get((head_dim, dtype))
+        if bufs is None or bufs[0].shape[0] < num_rows:
+            bufs = tuple(torch.empty(num_rows, head_dim, dtype=dtype) for _ in range(2))
+            self._scratch[(head_dim, dtype)] = bufs
+        return bufs
 
     def prefill_mask(self, i: int, sliding_window: int | None) -> torch.Tensor | None:
         """[query_len, seq_len]: where prefill seq i's queries may attend (0, else -inf; True/False
@@ -199,39 +289,97 @@ def _prefill(q, k, v, cache, meta: AttentionMetadata, i: int, scale, sliding_win
 
 
 def _batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
-    """The batch's n sequences at once, each query padded to max_q rows, over their padded contexts.
-    Returns the batch's real rows [num_batch_tokens, H, D] in their flat order."""
-    n, max_q = len(meta.batch_seqs), meta.max_query_len
+    """The batch's n sequences at once, each query padded to max_q rows, over their gathered keys.
+    Returns the batch's real rows [num_batch_tokens, H, D] in their flat order.
+
+    GQA without repeating K/V: the query heads of one kv head (h = kv_head * group + g, as SDPA's
+    enable_gqa) and the padded queries of a sequence are the rows of one matrix per kv head."""
     q = q if meta.q_rows is None else q.index_select(0, meta.q_rows)  # [n * max_q, H, D]
-    if n == 1 and max_q == 1:  # one stream: exactly its context, so neither padding nor a mask
-        seq_len = meta.batch_seq_lens[0]
-        if meta.decode_span is not None:  # consecutive blocks: a view of the cache, no copy
-            start = meta.decode_span[0]
-            keys, values = (c.flatten(0, 1)[start : start + seq_len] for c in (key_cache, value_cache))
-        else:  # scattered blocks (a prefix-cache hit, a reused pool): one gather of its own blocks
-            blocks = meta.batch_tables[0]
-            keys, values = (
-                c.index_select(0, blocks).flatten(0, 1)[:seq_len] for c in (key_cache, value_cache)
-            )
-        if sliding_window is not None and seq_len > sliding_window:
-            keys, values = keys[-sliding_window:], values[-sliding_window:]
-        keys, values = (x.permute(1, 0, 2).unsqueeze(0) for x in (keys, values))  # [1, H_kv, seq_len, D]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale, enable_gqa=True)
-        return out.squeeze(2)
-    # index_select on the flat table, then a view: one gather, ~2x cheaper than indexing with the 2-D table
-    shape = (n, -1, *key_cache.shape[2:])  # [n, padded_len, H_kv, head_dim]
-    keys = key_cache.index_select(0, meta.batch_tables.flatten()).view(shape)
-    values = value_cache.index_select(0, meta.batch_tables.flatten()).view(shape)
-    out = F.scaled_dot_product_attention(
-        q.view(n, max_q, *q.shape[1:]).transpose(1, 2),  # [n, H, max_q, D]
-        keys.transpose(1, 2),  # [n, H_kv, padded_len, D]
-        values.transpose(1, 2),
-        attn_mask=meta.batch_mask(sliding_window),
-        scale=scale,
-        enable_gqa=True,
-    )
-    out = out.transpose(1, 2).reshape(n * max_q, *q.shape[1:])  # [n * max_q, H, D]
+    if meta.decode_span is not None:
+        small = meta.decode_span[1] * key_cache.shape[2] * key_cache.shape[3] <= UPCAST_MAX_KEY_ELEMENTS
+        if key_cache.element_size() >= 4 or small:
+            return _stream(q, key_cache, value_cache, meta.decode_span, scale, sliding_window)
+    n, max_q = len(meta.batch_seqs), meta.max_query_len
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if max_q == 1:
+        q = q.view(n, num_kv_heads, group, head_dim)
+    else:
+        q = q.view(n, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [n, H_kv, g, max_q, D]
+        q = q.reshape(n, num_kv_heads, group * max_q, head_dim)
+    rows, mask = meta.batch_keys(num_kv_heads, sliding_window)  # [n, H_kv * span], [n, 1, 1, max_q, span]
+    # sequences per chunk: the gathered keys and values of one chunk take at most GATHER_CHUNK_BYTES
+    chunk = max(1, GATHER_CHUNK_BYTES // (2 * rows.shape[1] * head_dim * key_cache.element_size()))
+    buffers = meta.scratch(min(n, chunk) * rows.shape[1], head_dim, key_cache.dtype)
+    caches = key_cache.view(-1, head_dim), value_cache.view(-1, head_dim)  # [num_slots * H_kv, D]
+    if n <= chunk:
+        out = _gathered(q, caches, rows.view(-1), mask, buffers, scale)  # [n, H_kv, group * max_q, D]
+    else:
+        out = q.new_empty(q.shape)
+        for start in range(0, n, chunk):
+            seqs = slice(start, start + chunk)
+            part = mask if mask is None else mask[seqs]
+            out[seqs] = _gathered(q[seqs], caches, rows[seqs].flatten(), part, buffers, scale)
+    if max_q == 1:
+        return out.view(n, num_heads, head_dim)
+    out = out.view(n, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)  # [n, max_q, H_kv, g, D]
+    out = out.reshape(n * max_q, num_heads, head_dim)  # [n * max_q, H, D]
     return out if meta.out_rows is None else out.index_select(0, meta.out_rows)
+
+
+def _stream(q, key_cache, value_cache, decode_span, scale, sliding_window):
+    """One stream decoding over consecutive blocks, in float32 (or wider): the matmuls read its keys in
+    place, a strided view of the cache, as fast as SDPA did and faster than a gather would be. A short
+    bfloat16 context is converted first (see UPCAST_MAX_KEY_ELEMENTS); a longer one takes _gathered,
+    since a bfloat16 matmul is 2-3x slower on the strided layout than a gather and a matmul."""
+    dtype = q.dtype
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    first_slot, seq_len = decode_span
+    if sliding_window is not None and seq_len > sliding_window:
+        first_slot, seq_len = first_slot + seq_len - sliding_window, sliding_window
+    keys, values = (  # [H_kv, seq_len, D]
+        c.view(-1, num_kv_heads, head_dim)[first_slot : first_slot + seq_len].transpose(0, 1)
+        for c in (key_cache, value_cache)
+    )
+    q, keys, values = (_widen(x) for x in (q.view(num_kv_heads, -1, head_dim), keys, values))
+    scores = torch.matmul(q, keys.transpose(1, 2)).mul_(scale)  # [H_kv, group, seq_len]
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [H_kv, group, D]
+    return out.view(1, num_heads, head_dim).to(dtype)
+
+
+def _widen(x: torch.Tensor) -> torch.Tensor:
+    """bfloat16 or float16 to float32; float32 and float64 as they are."""
+    return x.float() if x.element_size() < 4 else x
+
+
+def _gathered(q, caches, rows, mask, buffers, scale):
+    """m sequences' queries q [m, H_kv, group * max_q, D] over their keys and values, gathered by rows
+    [m * H_kv * span] from the flat caches [num_slots * H_kv, D] into the scratch buffers."""
+    shape = (q.shape[0], q.shape[1], -1, q.shape[3])  # [m, H_kv, span, D]
+    keys, values = (
+        torch.index_select(cache, 0, rows, out=buf[: len(rows)]).view(shape)
+        for cache, buf in zip(caches, buffers, strict=True)
+    )
+    return _matmuls(q, keys, values, mask, scale)
+
+
+def _matmuls(q, keys, values, mask, scale):
+    """q [m, H_kv, group * max_q, D] over keys, values [m, H_kv, span, D]: two matmuls in the cache's
+    dtype around a float32 softmax (see the module docstring for why not SDPA). mask: None, or
+    [m, 1, 1, max_q, span] float32, 0 or -inf."""
+    if keys.element_size() < 4 and keys.numel() <= UPCAST_MAX_KEY_ELEMENTS:
+        return _matmuls(q.float(), keys.float(), values.float(), mask, scale).to(q.dtype)
+    m, num_kv_heads, num_queries, _ = q.shape
+    scores = torch.matmul(q, keys.transpose(2, 3))  # [m, H_kv, group * max_q, span] in the cache's dtype
+    if mask is None:
+        scores = _widen(scores).mul_(scale)
+    else:  # float32 out: the add converts bfloat16 scores on the fly
+        max_q, span = mask.shape[3:]
+        scores = torch.add(mask, scores.view(m, num_kv_heads, -1, max_q, span), alpha=scale)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(m, num_kv_heads, num_queries, -1)
+    return torch.matmul(probs, values)
 
 
 def _attend(q, k, v, scale, mask):

@@ -1,0 +1,301 @@
+"""Attention on CPU: the matmul decode path of infer.layers.attention against the SDPA call it replaced.
+
+    python benchmarks/bench_attention.py                        # decode: both shapes, bf16 and fp32
+    python benchmarks/bench_attention.py --dtype bfloat16 --batch 8 --context 1024
+    python benchmarks/bench_attention.py --model llama-50m      # a model's decode step (dummy weights)
+    python benchmarks/bench_attention.py --prefill              # prefill: SDPA against a matmul version
+
+Old and new run alternately in one process, best of --rounds (a shared machine drifts by tens of
+percent between runs: never compare numbers from two runs). The old path is a copy of the SDPA call
+this repository used before (main at d259f98), swapped in for `infer.layers.attention._batched`.
+
+Decode rows time one layer's `attention(...)` call, its cache write included, with the metadata of
+the step already built (once per forward, shared by every layer); `first layer` is a call that also
+builds the metadata and its per-forward tensors, as the first layer of a forward does. Sequence i of
+a batch has `context - i % 16` tokens, so the batch needs a padding mask, as in a real step. `err`
+is the largest difference from the new path's call in float64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from infer.layers import attention as attention_module
+from infer.layers.attention import AttentionMetadata, attention
+
+BLOCK = 16
+SHAPES = {"llama-50m": (8, 4, 64), "Llama-3.2-1B": (32, 8, 64)}  # q heads, kv heads, head_dim
+
+
+def sdpa_batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
+    """The batched path before the matmul one: one SDPA call over the gathered, padded contexts (a view
+    of the cache for one stream over consecutive blocks). Its per-forward tensors are kept on meta."""
+    n, max_q = len(meta.batch_seqs), meta.max_query_len
+    block_size = key_cache.shape[1]
+    q = q if meta.q_rows is None else q.index_select(0, meta.q_rows)  # [n * max_q, H, D]
+    if n == 1 and max_q == 1:
+        seq_len, ids = meta.batch_seq_lens[0], meta.batch_tables[0].tolist()
+        if ids == list(range(ids[0], ids[0] + len(ids))):
+            start = ids[0] * block_size
+            keys, values = (c.flatten(0, 1)[start : start + seq_len] for c in (key_cache, value_cache))
+        else:
+            keys, values = (
+                c.index_select(0, meta.batch_tables[0]).flatten(0, 1)[:seq_len]
+                for c in (key_cache, value_cache)
+            )
+        if sliding_window is not None and seq_len > sliding_window:
+            keys, values = keys[-sliding_window:], values[-sliding_window:]
+        keys, values = (x.permute(1, 0, 2).unsqueeze(0) for x in (keys, values))  # [1, H_kv, seq_len, D]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale, enable_gqa=True)
+        return out.squeeze(2)
+    masks = meta.__dict__.setdefault("_sdpa_masks", {})
+    if sliding_window not in masks:
+        k_pos = torch.arange(meta.batch_tables.shape[1] * block_size)  # [padded_len]
+        seq_lens = torch.tensor(meta.batch_seq_lens).unsqueeze(1)  # [n, 1]
+        query_lens = torch.tensor(meta.batch_query_lens).unsqueeze(1)
+        q_pos = (seq_lens - query_lens + torch.minimum(torch.arange(max_q), query_lens - 1)).unsqueeze(2)
+        allowed = k_pos <= q_pos  # [n, max_q, padded_len]
+        if sliding_window is not None:
+            allowed &= q_pos - k_pos < sliding_window
+        blocked = ~allowed.unsqueeze(1)
+        masks[sliding_window] = torch.zeros(blocked.shape, dtype=key_cache.dtype).masked_fill_(
+            blocked, float("-inf")
+        )
+    shape = (n, -1, *key_cache.shape[2:])  # [n, padded_len, H_kv, head_dim]
+    keys = key_cache.index_select(0, meta.batch_tables.flatten()).view(shape)
+    values = value_cache.index_select(0, meta.batch_tables.flatten()).view(shape)
+    out = F.scaled_dot_product_attention(
+        q.view(n, max_q, *q.shape[1:]).transpose(1, 2),  # [n, H, max_q, D]
+        keys.transpose(1, 2),  # [n, H_kv, padded_len, D]
+        values.transpose(1, 2),
+        attn_mask=masks[sliding_window],
+        scale=scale,
+        enable_gqa=True,
+    )
+    out = out.transpose(1, 2).reshape(n * max_q, *q.shape[1:])  # [n * max_q, H, D]
+    return out if meta.out_rows is None else out.index_select(0, meta.out_rows)
+
+
+NEW_BATCHED = attention_module._batched
+IMPLS = {"old": sdpa_batched, "new": NEW_BATCHED}
+
+
+@contextmanager
+def batched_impl(name: str):
+    attention_module._batched = IMPLS[name]
+    try:
+        yield
+    finally:
+        attention_module._batched = NEW_BATCHED
+
+
+def interleaved(fns: dict, rounds: int, seconds: float = 0.02) -> dict[str, float]:
+    """Best seconds per call of each fn, alternating them round by round."""
+    reps = {}
+    for name, fn in fns.items():  # warm-up (first calls pick kernels), then calls per round for ~`seconds`
+        fn()
+        start = time.perf_counter()
+        fn()
+        reps[name] = max(1, int(seconds / max(time.perf_counter() - start, 1e-6)))
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(reps[name]):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / reps[name])
+    return best
+
+
+def decode_step(batch: int, context: int, heads: tuple[int, int, int], dtype: torch.dtype, seed: int = 0):
+    """A decode step's q, k, v for one layer, a filled cache over consecutive blocks, and a factory of
+    its metadata."""
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [context - i % BLOCK for i in range(batch)]
+    blocks_per_seq = -(-context // BLOCK)
+    shape = (batch * blocks_per_seq, BLOCK, num_kv_heads, head_dim)
+    cache = tuple(torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    tables = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq)
+    pos = torch.tensor(seq_lens) - 1
+    slots = tables[torch.arange(batch), pos // BLOCK] * BLOCK + pos % BLOCK
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(batch, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+
+    def meta(caches=(cache,)):
+        return AttentionMetadata([1] * batch, seq_lens, slots, tables, list(caches))
+
+    return q, k, v, cache, meta
+
+
+def decode_table(args) -> None:
+    print(
+        "| shape | dtype | batch x context | old (SDPA) ms | new (matmul) ms | speedup"
+        " | first layer old / new ms | err old / new |"
+    )
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for shape_name in args.shape:
+        heads = SHAPES[shape_name]
+        for dtype_name in args.dtype:
+            for batch in args.batch:
+                for context in args.context:
+                    row = decode_row(heads, getattr(torch, dtype_name), batch, context, args.rounds)
+                    print(
+                        f"| {shape_name} | {dtype_name} | {batch} x {context} | " + " | ".join(row) + " |",
+                        flush=True,
+                    )
+
+
+def decode_row(heads, dtype, batch, context, rounds) -> list[str]:
+    q, k, v, cache, make_meta = decode_step(batch, context, heads, dtype)
+    scale = heads[2] ** -0.5
+    metas = {name: make_meta() for name in IMPLS}
+
+    def call(name, meta):
+        with batched_impl(name):
+            return attention(q, k, v, meta, 0, scale)
+
+    fns = {name: (lambda n=name: call(n, metas[n])) for name in IMPLS}
+    # a forward's first layer also builds the step's per-forward tensors (masks, gather rows, buffers)
+    fns.update({f"first_{name}": (lambda n=name: call(n, make_meta())) for name in IMPLS})
+    t = interleaved(fns, rounds)
+    ref = attention(
+        q.double(), k.double(), v.double(), make_meta([tuple(c.double() for c in cache)]), 0, scale
+    )
+    err = {n: (call(n, metas[n]).double() - ref).abs().max().item() for n in IMPLS}
+    return [
+        f"{t['old'] * 1e3:.3f}",
+        f"{t['new'] * 1e3:.3f}",
+        f"{t['old'] / t['new']:.1f}x",
+        f"{t['first_old'] * 1e3:.3f} / {t['first_new'] * 1e3:.3f}",
+        f"{err['old']:.1e} / {err['new']:.1e}",
+    ]
+
+
+@torch.inference_mode()
+def model_table(args) -> None:
+    from infer.models.loader import load_model
+
+    print(f"{args.model}, dummy weights: one decode step (forward + logits), ms")
+    print("| dtype | batch x context | old (SDPA) | new (matmul) | speedup |")
+    print("|---|---|---:|---:|---:|")
+    for dtype_name in args.dtype:
+        model, cfg, _ = load_model(args.model, dtype=dtype_name, load_format="dummy")
+        for batch in args.batch:
+            for context in args.context:
+                t = interleaved(model_step(model, cfg, batch, context), args.rounds, seconds=0.1)
+                cells = f"{t['old'] * 1e3:.2f} | {t['new'] * 1e3:.2f} | {t['old'] / t['new']:.1f}x"
+                print(f"| {dtype_name} | {batch} x {context} | {cells} |", flush=True)
+
+
+def model_step(model, cfg, batch: int, context: int) -> dict:
+    """Old and new decode steps of the model over a cache of `batch` sequences."""
+    from infer.runner.kv_cache import allocate_kv_cache
+
+    seq_lens = [context - i % BLOCK for i in range(batch)]
+    blocks_per_seq = -(-context // BLOCK)
+    kv = allocate_kv_cache(cfg, batch * blocks_per_seq, BLOCK, next(model.parameters()).dtype)
+    tables = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq)
+    pos = torch.tensor(seq_lens) - 1
+    slots = tables[torch.arange(batch), pos // BLOCK] * BLOCK + pos % BLOCK
+    ids = torch.randint(0, cfg.vocab_size, (batch,))
+
+    def step(name):
+        meta = AttentionMetadata([1] * batch, seq_lens, slots, tables, kv)
+        with batched_impl(name):
+            return model.compute_logits(model(ids, pos, meta))
+
+    return {name: (lambda n=name: step(n)) for name in IMPLS}
+
+
+def matmul_prefill(q, k, v, scale, block: int = 128):
+    """q [query_len, H, D], the last queries of a context k, v [seq_len, H_kv, D], each attending over its
+    causal context: matmuls around a float32 softmax, in blocks of queries (bounded scores: block x
+    seq_len per head) that read only the keys the block can see. Blocks of 64-256 queries were the
+    fastest here; the scores of larger ones fall out of the caches."""
+    query_len, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads = k.shape[:2]
+    group = num_heads // num_kv_heads
+    keys, values = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # [H_kv, seq_len, D]
+    q = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [H_kv, group, query_len, D]
+    out = torch.empty(query_len, num_heads, head_dim, dtype=q.dtype)
+    for start in range(0, query_len, block):
+        end = min(query_len, start + block)
+        num_keys = seq_len - query_len + end  # the block's last query sees keys 0 .. num_keys - 1
+        rows = q[:, :, start:end].reshape(num_kv_heads, group * (end - start), head_dim)
+        scores = torch.matmul(rows, keys[:, :num_keys].transpose(1, 2))  # [H_kv, group * block, num_keys]
+        q_pos = torch.arange(seq_len - query_len + start, seq_len - query_len + end).unsqueeze(1)
+        future = torch.arange(num_keys) > q_pos  # [block, num_keys]
+        scores = scores.view(num_kv_heads, group, end - start, num_keys).float().mul_(scale)
+        probs = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1).to(q.dtype)
+        block_out = torch.matmul(probs.view(num_kv_heads, -1, num_keys), values[:, :num_keys])
+        block_out = block_out.view(num_kv_heads, group, end - start, head_dim).permute(2, 0, 1, 3)
+        out[start:end] = block_out.flatten(1, 2)  # [block, H, D]
+    return out
+
+
+def prefill_table(args) -> None:
+    print(
+        "Prefill attention: SDPA (infer.layers.attention._attend) against matmuls in blocks of queries, ms."
+    )
+    print("`fresh`: a prompt with no earlier context (is_causal); `chunk`: its second half over the first.")
+    print("| shape | dtype | prompt | kind | SDPA | matmul | SDPA / matmul |")
+    print("|---|---|---:|---|---:|---:|---:|")
+    for shape_name in args.shape:
+        for dtype_name in args.dtype:
+            for length in args.prompt:
+                for kind in ("fresh", "chunk"):
+                    fns = prefill_calls(
+                        SHAPES[shape_name], getattr(torch, dtype_name), length, kind == "chunk"
+                    )
+                    t = interleaved(fns, args.rounds, seconds=0.05)
+                    cells = f"{t['sdpa'] * 1e3:.2f} | {t['matmul'] * 1e3:.2f} | {t['sdpa'] / t['matmul']:.2f}"
+                    print(f"| {shape_name} | {dtype_name} | {length} | {kind} | {cells} |", flush=True)
+
+
+def prefill_calls(heads, dtype, seq_len: int, chunk: bool) -> dict:
+    num_heads, num_kv_heads, head_dim = heads
+    query_len = seq_len // 2 if chunk else seq_len
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(query_len, num_heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    scale = head_dim**-0.5
+    mask = None  # fresh: SDPA's own causal mask; chunk: an additive one, as AttentionMetadata.prefill_mask
+    if chunk:
+        future = torch.arange(seq_len) > torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
+        mask = torch.zeros(future.shape, dtype=dtype).masked_fill_(future, float("-inf"))
+    return {
+        "sdpa": lambda: attention_module._attend(q, k, v, scale, mask),
+        "matmul": lambda: matmul_prefill(q, k, v, scale),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--context", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    p.add_argument("--prompt", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--model", help="time a whole decode step of this model (a preset name or path)")
+    p.add_argument("--prefill", action="store_true", help="time prefill attention instead of decode")
+    args = p.parse_args()
+    threads = torch.get_num_threads()
+    print(f"torch {torch.__version__}, {threads} threads, best of {args.rounds} interleaved rounds")
+    torch.set_grad_enabled(False)
+    if args.model:
+        model_table(args)
+    elif args.prefill:
+        prefill_table(args)
+    else:
+        decode_table(args)
+
+
+if __name__ == "__main__":
+    main()
