@@ -147,8 +147,8 @@ class AsyncEngine:
             except Exception as exc:  # a failed step fails its requests, not the server
                 self._fail_all(exc)
                 continue
-            for out in outputs:
-                self._deliver(out.req_id, out)
+            if outputs:  # one wake-up of the event loop per step, not one per request
+                self._loop.call_soon_threadsafe(self._put_all, outputs)
 
     def _apply_commands(self) -> None:
         while True:
@@ -167,6 +167,13 @@ class AsyncEngine:
             else:  # the stream gets its final "abort" output, so a consumer never waits forever
                 for out in self.engine.abort(payload):
                     self._deliver(out.req_id, out)
+
+    def _put_all(self, outputs: list[StepOutput]) -> None:
+        """On the event loop: hand each output of a step to its request's stream."""
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is not None:
+                stream.put_nowait(out)
 
     def _deliver(self, req_id: str, item) -> None:
         stream = self._streams.get(req_id)
