@@ -9,7 +9,8 @@ from pathlib import Path
 
 
 def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
-    """Add `bench` (serve, traffic, client, roofline, race, micro) to the top-level subparsers of `infer`."""
+    """Add `bench` (serve, traffic, client, roofline, race, stress, micro) to the top-level subparsers of
+    `infer`."""
     bench = subparsers.add_parser("bench", help="benchmarks: serving workloads, micro-benchmarks")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -63,6 +64,16 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     )
     race.add_arguments(race_parser)
     race_parser.set_defaults(func=race.cmd_race)
+    from infer.bench import stress
+
+    stress_parser = sub.add_parser(
+        "stress",
+        help="issue 14: storms of aborts, an overload, a soak; the server must give everything back",
+        description=stress.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    stress.add_arguments(stress_parser)
+    stress_parser.set_defaults(func=stress.cmd_stress)
     from infer.bench.micro import add_micro_parser
 
     add_micro_parser(sub)

@@ -1,5 +1,6 @@
 """The FastAPI app: routes, OpenAI-shaped errors for everything (never FastAPI's 422), the API key check.
 
+    GET  /openapi.json         the OpenAPI schema: request bodies as the routes validate them, errors
     GET  /health               200 once the model is loaded; 503 while loading or draining
     GET  /metrics              Prometheus text (infer.server.metrics)
     GET  /v1/models            the one served model
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer.server import chat, completions
 from infer.server.args import ServerArgs
-from infer.server.protocol import APIError
+from infer.server.protocol import ERROR_RESPONSES, APIError, bad_request
 from infer.server.serving import ServerState, check_model
 
 logger = logging.getLogger("infer.server")
@@ -51,7 +52,14 @@ def create_app(
             loading.cancel()
             await asyncio.to_thread(state.shutdown)
 
-    app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="infer",
+        lifespan=lifespan,
+        docs_url=None,  # no Swagger UI: it would load scripts from a CDN
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        responses=ERROR_RESPONSES,
+    )
     app.state.server = state
     app.include_router(completions.router)
     app.include_router(chat.router)
@@ -68,7 +76,7 @@ def create_app(
             return APIError(503, "the model is still loading", "service_unavailable").response()
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         if not state.ready:
             return PlainTextResponse("", media_type="text/plain; version=0.0.4")
@@ -131,19 +139,45 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type", "")
+        if not _is_json(content_type) and any(e.get("loc") == ("body",) for e in exc.errors()):
+            # FastAPI leaves such a body unparsed, and pydantic would only say "not a dictionary"
+            got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+            message = f"send the body as JSON with Content-Type: application/json (got {got})"
+            return bad_request(message).response()
         return validation_error(exc.errors()).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(
-            exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind
-        ).response()
+        detail = exc.detail
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI's "error parsing the body"
+            detail = _unparsable_body(exc.__cause__)
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {detail}", kind).response()
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)  # the details stay in the log
         return APIError(500, "internal error; see the server log", "server_error").response()
+
+
+def _is_json(content_type: str) -> bool:
+    subtype = content_type.split(";", 1)[0].strip().lower()
+    return subtype == "application/json" or (subtype.startswith("application/") and subtype.endswith("+json"))
+
+
+def _unparsable_body(cause: BaseException) -> str:
+    """Why json.loads failed on a body, where FastAPI says only "There was an error parsing the body"."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (
+            f"the body is not valid UTF-8 (byte {cause.object[cause.start]:#04x} at offset {cause.start}); "
+            "send JSON encoded as UTF-8"
+        )
+    if isinstance(cause, RecursionError):
+        return "the body is not valid JSON: nested too deeply"
+    if isinstance(cause, ValueError):  # e.g. a number of more than 4300 digits
+        return f"the body is not valid JSON: {str(cause).split(';')[0]}"
+    return "the body could not be parsed as JSON"
 
 
 def validation_error(errors) -> APIError:
@@ -153,6 +187,9 @@ def validation_error(errors) -> APIError:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             parts.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
+        if err.get("type") == "missing" and not loc:
+            parts.append("the body is empty: send a JSON object")
             continue
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from infer.server.protocol import ChatCompletionRequest, bad_request, usage
+from infer.server.protocol import GENERATE_RESPONSES, ChatCompletionRequest, bad_request, usage
 from infer.server.serving import (
     SSE_DONE,
     Fanout,
@@ -36,7 +36,7 @@ from infer.server.serving import (
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=GENERATE_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
@@ -54,7 +54,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs)
     jobs = [Job(prompt_ids, choice_params(params, j), body.priority) for j in range(body.n)]
-    state.admit(len(jobs))
+    state.admit(len(jobs), fits=state.fits(len(prompt_ids), max_tokens))
     chat_id = state.new_id("chatcmpl")
     fanout = Fanout(state, jobs, chat_id, arrival)
     chat = _Chat(state, body, chat_id, len(prompt_ids))
@@ -69,9 +69,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
+# the arguments _render passes to apply_chat_template itself (and its `self`)
+_OWN_ARGUMENTS = {"self", "messages", "add_generation_prompt", "tools", "max_chars"}
+
+
 def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     """The prompt's token ids (runs on a worker thread: templates and tokenizing can take a while)."""
     kwargs = dict(body.chat_template_kwargs or {})
+    if clash := sorted(kwargs.keys() & _OWN_ARGUMENTS):
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(clash)}: send add_generation_prompt and tools as "
+            "the request's own fields; messages and the rendering bound are the server's",
+            param="chat_template_kwargs",
+        )
     if body.chat_template is not None:
         kwargs["chat_template"] = body.chat_template
     if "chat_template" in kwargs and not state.args.trust_request_chat_template:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from infer.server.protocol import CompletionRequest, bad_request, usage
+from infer.server.protocol import GENERATE_RESPONSES, CompletionRequest, bad_request, usage
 from infer.server.serving import (
     SSE_DONE,
     Fanout,
@@ -35,7 +35,7 @@ from infer.server.serving import (
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=GENERATE_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
@@ -54,12 +54,13 @@ async def create_completion(body: CompletionRequest, request: Request):
             param="echo",
         )
     check_priority(state, body.priority)
+    state.check_admissible(_num_prompts(body.prompt) * body.n)  # before tokenizing a huge batch
     # tokenizing (and decoding for echo) is CPU work: off the event loop
     prompts = await asyncio.to_thread(_prompt_ids, state, body.prompt)
     echo_text = await asyncio.to_thread(_echo_text, state, prompts) if body.echo else [""] * len(prompts)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
     jobs = [Job(ids, choice_params(params, j), body.priority) for ids in prompts for j in range(body.n)]
-    state.admit(len(jobs))
+    state.admit(len(jobs), fits=all(state.fits(len(ids), params.max_tokens) for ids in prompts))
     cmpl_id = state.new_id("cmpl")
     fanout = Fanout(state, jobs, cmpl_id, arrival)
     completion = _Completion(state, body, cmpl_id, prompts, echo_text)
@@ -74,9 +75,17 @@ async def create_completion(body: CompletionRequest, request: Request):
     return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
+def _is_single(prompt) -> bool:
+    return isinstance(prompt, str) or bool(prompt and isinstance(prompt[0], int))
+
+
+def _num_prompts(prompt) -> int:
+    return 1 if _is_single(prompt) else len(prompt)
+
+
 def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
     """The batch of prompts as token id lists (text is encoded here, with the tokenizer's BOS)."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+    if _is_single(prompt):
         prompt = [prompt]
     if not prompt:
         raise bad_request(

@@ -20,8 +20,11 @@ from infer.sampling_params import INT64_MAX, INT64_MIN, MAX_STOP_STRINGS, MAX_ST
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
 MAX_N = 128
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# `lt=INT64_END` rather than `le=INT64_MAX`: /openapi.json writes bounds as floats, and 2**63 - 1 would
+# round up to 2**63, which a client reading the schema would then send and see refused.
+INT64_END = INT64_MAX + 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, lt=INT64_END)]
+TokenId = Annotated[int, Field(ge=0, lt=INT64_END)]
 
 
 class APIError(Exception):
@@ -45,6 +48,34 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error (documented in /openapi.json; `APIError.body` builds it)."""
+
+    error: ErrorDetail
+
+
+# Every route's error answers in the schema, in place of FastAPI's 422 (which this server never sends).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse, "description": "An OpenAI-shaped error: the request is at fault"},
+    "5XX": {"model": ErrorResponse, "description": "An OpenAI-shaped error: loading, draining, or failed"},
+}
+
+# The 200 of the two generating routes: JSON, or with `stream: true` server-sent events ending in [DONE].
+GENERATE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion; with `stream: true`, server-sent events ending in `data: [DONE]`",
+        "content": {"text/event-stream": {}},
+    }
+}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -92,9 +123,9 @@ class _SamplingFields(_Request):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] = 0  # vLLM: 0 or -1 = off
+    top_k: Annotated[int, Field(ge=-1, lt=INT64_END)] = 0  # vLLM: 0 or -1 = off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    min_tokens: Annotated[int, Field(ge=0, lt=INT64_END)] = 0
     ignore_eos: bool = False
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
@@ -113,7 +144,7 @@ PromptType = str | list[int] | list[str] | list[list[int]]  # ids checked agains
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
-    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = 16  # OpenAI's default for completions
+    max_tokens: Annotated[int, Field(ge=1, lt=INT64_END)] | None = 16  # OpenAI's default for completions
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -129,8 +160,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None  # deprecated, still sent by clients
-    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, lt=INT64_END)] | None = None  # deprecated, still sent by clients
+    max_completion_tokens: Annotated[int, Field(ge=1, lt=INT64_END)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True  # vLLM extension

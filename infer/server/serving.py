@@ -98,24 +98,37 @@ class ServerState:
                 503, "the model is still loading; retry when GET /health answers 200", "service_unavailable"
             )
 
-    def admit(self, num_requests: int) -> None:
-        """Count num_requests engine requests as in flight, or refuse them all (429).
-
-        Waiting = in flight beyond the max_num_seqs batch slots, counted here rather than read from the
-        scheduler, so that it is exact at once (the engine takes new requests only between steps). When
-        the KV pool rather than the slots limits the batch, the engine's queue can be longer by up to
-        max_num_seqs - num_running."""
-        self.check_open()
+    def check_admissible(self, num_requests: int) -> None:
+        """400 for more engine requests than are ever admitted at once: a retry could never succeed (not a
+        429). Cheap, so that a huge batch is refused before it is tokenized."""
         max_num_seqs, max_queued = self.llm.scheduler_config.max_num_seqs, self.args.max_queued_requests
-        if num_requests > max_num_seqs + max_queued:  # a retry could never succeed: not a 429
+        if num_requests > max_num_seqs + max_queued:
             raise bad_request(
                 f"this request needs {num_requests} sequences (prompts x n) but the server admits at most "
                 f"{max_num_seqs + max_queued} at once (--max-num-seqs {max_num_seqs} + --max-queued-requests "
                 f"{max_queued}); send fewer prompts or a smaller n",
                 param="n",
             )
+
+    def fits(self, num_prompt: int, max_tokens: int) -> bool:
+        return num_prompt + max_tokens <= self.max_request_len
+
+    def admit(self, num_requests: int, fits: bool = True) -> None:
+        """Count num_requests engine requests as in flight, or refuse them all (429).
+
+        Waiting = in flight beyond the max_num_seqs batch slots, counted here rather than read from the
+        scheduler, so that it is exact at once (the engine takes new requests only between steps). When
+        the KV pool rather than the slots limits the batch, the engine's queue can be longer by up to
+        max_num_seqs - num_running.
+
+        A request that does not fit (`fits` False) passes the queue bound: the engine refuses it at once
+        with the numbers (a 400), where a 429 would have its client retry, in vain, for as long as the
+        server stays busy."""
+        self.check_open()
+        self.check_admissible(num_requests)
+        max_num_seqs, max_queued = self.llm.scheduler_config.max_num_seqs, self.args.max_queued_requests
         num_waiting = self.num_in_flight + num_requests - max_num_seqs
-        if num_waiting > max_queued:
+        if num_waiting > max_queued and fits:
             raise APIError(
                 429,
                 f"server overloaded: {self.num_in_flight} requests in flight and this one would make "

@@ -1,15 +1,20 @@
 """Concurrency, cancellation, overload and shutdown: 64 concurrent streams, 12 disconnects that give every
-KV block back, 429s while admitted requests complete, and a SIGTERM drain that exits 0."""
+KV block back, 429s while admitted requests complete, and a SIGTERM drain that exits 0 (also in a storm)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import signal
+import time
+from collections import Counter
 
 import httpx
 import openai
 import pytest
 
+from infer.server.launch import ABORT_GRACE_S
 from tests.server.conftest import API_KEY, ServerProcess, metric
 
 IGNORE_EOS = {"ignore_eos": True}
@@ -139,6 +144,33 @@ def test_overload_gets_429_while_admitted_requests_complete(small_server):
     assert metric(text, "request_success_total", finished_reason="length") == statuses.count(200) + 1
 
 
+def test_a_request_that_can_never_fit_is_a_400_even_when_the_queue_is_full(small_server):
+    """A 429 would have its client retry in vain for as long as the server stays busy."""
+    body = {"model": "embedded", "max_tokens": 150, "ignore_eos": True, "stream": True}
+
+    async def main():
+        async with (
+            httpx.AsyncClient(base_url=small_server.url, timeout=60) as http,
+            contextlib.AsyncExitStack() as held,
+        ):
+            for i in range(6):  # 2 running + 4 queued: the bound
+                resp = await held.enter_async_context(
+                    http.stream("POST", "/v1/completions", json={**body, "prompt": [5, i]})
+                )
+                assert resp.status_code == 200
+            fits = await http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 4})
+            never = await http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 300})
+            chat = await http.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 2000}]}
+            )
+        return fits, never, chat
+
+    fits, never, chat = asyncio.run(main())
+    assert fits.status_code == 429
+    assert never.status_code == 400 and "max_model_len (256)" in never.json()["error"]["message"]
+    assert chat.status_code == 400 and "max_model_len (256)" in chat.json()["error"]["message"]
+
+
 def test_more_sequences_than_ever_admitted_is_a_400_not_a_429(small_server):
     resp = httpx.post(small_server.url + "/v1/completions", json={"prompt": "hi", "n": 7}, timeout=30)
     assert resp.status_code == 400 and "at most 6 at once" in resp.json()["error"]["message"]
@@ -193,5 +225,72 @@ def test_sigterm_drains_then_exits_0(model_args, tmp_path):
         assert proc.wait(timeout=30) == 0
         log = proc.log_tail(20000)
         assert "SIGTERM: draining" in log and "drained" in log
+    finally:
+        proc.stop()
+
+
+def test_sigterm_under_a_storm_exits_0_and_every_stream_ends_clearly(model_args, tmp_path):
+    """SIGTERM while long streams run and other clients keep leaving mid-stream: the server still exits 0
+    (within the drain timeout plus the abort grace), every long stream ends complete or with finish_reason
+    "abort" and [DONE], and every request refused meanwhile gets a 503 that says why."""
+    drain = 2.0
+    args = [*model_args, "--drain-timeout", str(drain), "--max-num-seqs", "4"]
+    proc = ServerProcess(args, tmp_path / "server.log").start()
+    try:
+        max_len = httpx.get(proc.url + "/v1/models").json()["data"][0]["max_model_len"]
+
+        async def stream(http: httpx.AsyncClient, i: int) -> tuple:
+            body = {"prompt": [4, 5, i], "max_tokens": max_len - 8, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                reason, done = None, False
+                async for line in resp.aiter_lines():
+                    done = done or line == "data: [DONE]"
+                    if line.startswith("data: {"):
+                        reason = json.loads(line[6:])["choices"][0]["finish_reason"] or reason
+            return reason, done
+
+        async def leave_again_and_again(http: httpx.AsyncClient, i: int) -> Counter:
+            seen: Counter = Counter()
+            body = {"prompt": [6, 7, i], "max_tokens": 200, "ignore_eos": True, "stream": True}
+            while True:
+                try:
+                    async with http.stream("POST", "/v1/completions", json=body) as resp:
+                        if resp.status_code != 200:
+                            error = json.loads(await resp.aread())["error"]
+                            assert resp.status_code == 503 and "shutting down" in error["message"], error
+                            seen[503] += 1
+                            return seen
+                        async for line in resp.aiter_lines():
+                            if line.startswith("data: {"):
+                                break  # leave after the first chunk
+                    seen["left"] += 1
+                except httpx.TransportError:  # the server exited between two tries
+                    seen["gone"] += 1
+                    return seen
+
+        async def main():
+            async with httpx.AsyncClient(base_url=proc.url, timeout=60) as http:
+                streams = [asyncio.create_task(stream(http, i)) for i in range(3)]
+                storm = [asyncio.create_task(leave_again_and_again(http, i)) for i in range(4)]
+                for _ in range(200):  # until the long streams run (polled; nothing timed)
+                    text = await asyncio.to_thread(proc.metrics)
+                    if metric(text, "generation_tokens_total") > 3 * 16:
+                        break
+                    await asyncio.sleep(0.05)
+                sent = time.monotonic()
+                proc.signal(signal.SIGTERM)
+                code = await asyncio.to_thread(proc.wait, drain + 30)
+                elapsed = time.monotonic() - sent
+                return code, elapsed, await asyncio.gather(*streams), await asyncio.gather(*storm)
+
+        code, elapsed, streams, storm = asyncio.run(main())
+        assert code == 0, proc.log_tail()
+        assert elapsed < drain + ABORT_GRACE_S + 10, elapsed  # not a hang (the slack is for a busy machine)
+        for reason, done in streams:
+            assert reason in ("abort", "length") and done
+        assert sum(s["left"] for s in storm) >= 4  # the storm did storm
+        log = proc.log_tail(50000)
+        assert "SIGTERM: draining" in log and "Traceback" not in log
     finally:
         proc.stop()
