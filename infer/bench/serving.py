@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per workload (not counted)")
     p.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for a server still starting")
     p.add_argument("--timeout", type=float, default=600.0, help="client timeout per request, seconds")
     p.add_argument("--no-ignore-eos", action="store_true", help="do not ask the server to ignore EOS")
     p.add_argument(
@@ -200,10 +201,12 @@ def _local_infer_dtype(base_url: str, server: dict) -> str | None:
     return flags.get("dtype") if server["is_infer"] and local and isinstance(flags, dict) else None
 
 
-def resolve_model(base_url: str, model: str | None, api_key: str | None) -> tuple[str, dict]:
+def resolve_model(
+    base_url: str, model: str | None, api_key: str | None, wait_s: float = 60.0
+) -> tuple[str, dict]:
     """The model to benchmark and its card; with no --model the server must serve exactly one. A server
-    still loading its model is waited for."""
-    wait_until_ready(base_url, log=lambda line: print(line, file=sys.stderr))
+    still starting or loading its model is waited for, up to wait_s seconds."""
+    wait_until_ready(base_url, wait_s, log=lambda line: print(line, file=sys.stderr))
     if model is not None:
         return model, check_server(base_url, model, api_key)
     import httpx
@@ -221,7 +224,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
     """Run the benchmark described by parsed `args`; print tables to `out` (stdout); return the report."""
     out = sys.stdout if out is None else out
     workloads = get_workloads(args.workload, args.scale)
-    model, card = resolve_model(args.server, args.model, args.api_key)
+    model, card = resolve_model(args.server, args.model, args.api_key, args.wait)
     max_model_len = card.get("max_model_len")
     started = datetime.datetime.now(datetime.UTC)
     print(

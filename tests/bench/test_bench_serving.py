@@ -120,7 +120,8 @@ def test_infer_bench_serve_subcommand_no_save(bench_server, tmp_path):
 
 
 def test_unreachable_server_is_a_clear_error():
-    rc, _, err = run_main(["--server", f"http://127.0.0.1:{free_port()}", "--model", "m", "--no-save"])
+    url = f"http://127.0.0.1:{free_port()}"
+    rc, _, err = run_main(["--server", url, "--model", "m", "--no-save", "--wait", "1"])
     assert rc == 1 and "cannot reach the server" in err
 
 
