@@ -1,13 +1,17 @@
-"""Attention on CPU: the matmul decode path of infer.layers.attention against the SDPA call it replaced.
+"""Attention on CPU: the decode paths of infer.layers.attention (the C++ kernel over the paged cache, and
+the matmul path it falls back to) against the SDPA call the matmuls replaced.
 
     python benchmarks/bench_attention.py                        # decode: both shapes, bf16 and fp32
     python benchmarks/bench_attention.py --dtype bfloat16 --batch 8 --context 1024
+    python benchmarks/bench_attention.py --chunk 8 --batch 8     # decodes and one 8-token prompt chunk
     python benchmarks/bench_attention.py --model llama-50m      # a model's decode step (dummy weights)
     python benchmarks/bench_attention.py --prefill              # prefill: SDPA against a matmul version
 
-Old and new run alternately in one process, best of --rounds (a shared machine drifts by tens of
-percent between runs: never compare numbers from two runs). The old path is a copy of the SDPA call
-this repository used before (main at d259f98), swapped in for `infer.layers.attention._batched`.
+The paths run alternately in one process, best of --rounds (a shared machine drifts by tens of percent
+between runs: never compare numbers from two runs), each swapped in for `infer.layers.attention._batched`:
+`old` is a copy of the SDPA call this repository used before (main at d259f98), `matmul` the gather and
+two matmuls (`_matmul_batched`), `kernel` the C++ kernel of infer/kernels (`_kernel_batched`, always; in
+--model mode, the shipped dispatch `_batched`, which picks it wherever it serves the step).
 
 Decode rows time one layer's `attention(...)` call, its cache write included, with the metadata of
 the step already built (once per forward, shared by every layer); `first layer` is a call that also
@@ -25,6 +29,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from infer import kernels
 from infer.layers import attention as attention_module
 from infer.layers.attention import AttentionMetadata, attention
 
@@ -81,17 +86,26 @@ def sdpa_batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, slid
     return out if meta.out_rows is None else out.index_select(0, meta.out_rows)
 
 
-NEW_BATCHED = attention_module._batched
-IMPLS = {"old": sdpa_batched, "new": NEW_BATCHED}
+def kernel_batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
+    """The C++ kernel whatever the step (the dispatch may fall back to the matmuls)."""
+    ops = kernels.load()
+    if ops is None:
+        raise SystemExit("the C++ kernels are off (INFER_NO_KERNELS) or could not be built: see the log")
+    return attention_module._kernel_batched(ops, q, key_cache, value_cache, meta, scale, sliding_window)
+
+
+SHIPPED = attention_module._batched
+IMPLS = {"old": sdpa_batched, "matmul": attention_module._matmul_batched, "kernel": kernel_batched}
+MODEL_IMPLS = {"old": sdpa_batched, "matmul": attention_module._matmul_batched, "kernel": SHIPPED}
 
 
 @contextmanager
-def batched_impl(name: str):
-    attention_module._batched = IMPLS[name]
+def batched_impl(fn):
+    attention_module._batched = fn
     try:
         yield
     finally:
-        attention_module._batched = NEW_BATCHED
+        attention_module._batched = SHIPPED
 
 
 def interleaved(fns: dict, rounds: int, seconds: float = 0.02) -> dict[str, float]:
@@ -112,52 +126,63 @@ def interleaved(fns: dict, rounds: int, seconds: float = 0.02) -> dict[str, floa
     return best
 
 
-def decode_step(batch: int, context: int, heads: tuple[int, int, int], dtype: torch.dtype, seed: int = 0):
+def decode_step(
+    batch: int, context: int, heads: tuple[int, int, int], dtype: torch.dtype, chunk: int = 0, seed: int = 0
+):
     """A decode step's q, k, v for one layer, a filled cache over consecutive blocks, and a factory of
-    its metadata."""
+    its metadata. chunk > 0: the batch's last sequence is a prompt's chunk of that many tokens instead."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [context - i % BLOCK for i in range(batch)]
+    query_lens = [1] * (batch - 1) + [max(1, chunk)]
     blocks_per_seq = -(-context // BLOCK)
     shape = (batch * blocks_per_seq, BLOCK, num_kv_heads, head_dim)
     cache = tuple(torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     tables = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq)
-    pos = torch.tensor(seq_lens) - 1
-    slots = tables[torch.arange(batch), pos // BLOCK] * BLOCK + pos % BLOCK
-    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
-    k, v = (torch.randn(batch, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    pos = torch.tensor([p for s, n in zip(seq_lens, query_lens, strict=True) for p in range(s - n, s)])
+    seqs = torch.tensor([i for i, n in enumerate(query_lens) for _ in range(n)])
+    slots = tables[seqs, pos // BLOCK] * BLOCK + pos % BLOCK
+    num_tokens = len(pos)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
 
     def meta(caches=(cache,)):
-        return AttentionMetadata([1] * batch, seq_lens, slots, tables, list(caches))
+        return AttentionMetadata(query_lens, seq_lens, slots, tables, list(caches))
 
     return q, k, v, cache, meta
 
 
 def decode_table(args) -> None:
     print(
-        "| shape | dtype | batch x context | old (SDPA) ms | new (matmul) ms | speedup"
-        " | first layer old / new ms | err old / new |"
+        "| shape | dtype | batch x context | old (SDPA) ms | matmul ms | kernel ms | matmul / kernel"
+        " | first layer old / matmul / kernel ms | err old / matmul / kernel |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for shape_name in args.shape:
         heads = SHAPES[shape_name]
         for dtype_name in args.dtype:
             for batch in args.batch:
                 for context in args.context:
-                    row = decode_row(heads, getattr(torch, dtype_name), batch, context, args.rounds)
-                    print(
-                        f"| {shape_name} | {dtype_name} | {batch} x {context} | " + " | ".join(row) + " |",
-                        flush=True,
+                    row = decode_row(
+                        heads, getattr(torch, dtype_name), batch, context, args.chunk, args.rounds
                     )
+                    step = f"{batch} x {context}" + (f", last a {args.chunk}-chunk" if args.chunk else "")
+                    print(f"| {shape_name} | {dtype_name} | {step} | " + " | ".join(row) + " |", flush=True)
 
 
-def decode_row(heads, dtype, batch, context, rounds) -> list[str]:
-    q, k, v, cache, make_meta = decode_step(batch, context, heads, dtype)
+def decode_row(heads, dtype, batch, context, chunk, rounds) -> list[str]:
+    if chunk > context - BLOCK:
+        raise SystemExit(f"a chunk of {chunk} needs a context of at least {chunk + BLOCK}")
+    q, k, v, cache, make_meta = decode_step(batch, context, heads, dtype, chunk)
+    if chunk and make_meta().loop_seqs:
+        raise SystemExit(
+            f"a chunk of {chunk} would not ride in the batch (MAX_PADDED_SCORES): try a smaller one"
+        )
     scale = heads[2] ** -0.5
     metas = {name: make_meta() for name in IMPLS}
 
     def call(name, meta):
-        with batched_impl(name):
+        with batched_impl(IMPLS[name]):
             return attention(q, k, v, meta, 0, scale)
 
     fns = {name: (lambda n=name: call(n, metas[n])) for name in IMPLS}
@@ -170,10 +195,11 @@ def decode_row(heads, dtype, batch, context, rounds) -> list[str]:
     err = {n: (call(n, metas[n]).double() - ref).abs().max().item() for n in IMPLS}
     return [
         f"{t['old'] * 1e3:.3f}",
-        f"{t['new'] * 1e3:.3f}",
-        f"{t['old'] / t['new']:.1f}x",
-        f"{t['first_old'] * 1e3:.3f} / {t['first_new'] * 1e3:.3f}",
-        f"{err['old']:.1e} / {err['new']:.1e}",
+        f"{t['matmul'] * 1e3:.3f}",
+        f"{t['kernel'] * 1e3:.3f}",
+        f"{t['matmul'] / t['kernel']:.2f}x",
+        " / ".join(f"{t[f'first_{n}'] * 1e3:.3f}" for n in IMPLS),
+        " / ".join(f"{err[n]:.1e}" for n in IMPLS),
     ]
 
 
@@ -182,19 +208,20 @@ def model_table(args) -> None:
     from infer.models.loader import load_model
 
     print(f"{args.model}, dummy weights: one decode step (forward + logits), ms")
-    print("| dtype | batch x context | old (SDPA) | new (matmul) | speedup |")
-    print("|---|---|---:|---:|---:|")
+    print("| dtype | batch x context | old (SDPA) | matmul | kernel | matmul / kernel |")
+    print("|---|---|---:|---:|---:|---:|")
     for dtype_name in args.dtype:
         model, cfg, _ = load_model(args.model, dtype=dtype_name, load_format="dummy")
         for batch in args.batch:
             for context in args.context:
                 t = interleaved(model_step(model, cfg, batch, context), args.rounds, seconds=0.1)
-                cells = f"{t['old'] * 1e3:.2f} | {t['new'] * 1e3:.2f} | {t['old'] / t['new']:.1f}x"
+                cells = " | ".join(f"{t[n] * 1e3:.2f}" for n in MODEL_IMPLS)
+                cells += f" | {t['matmul'] / t['kernel']:.2f}x"
                 print(f"| {dtype_name} | {batch} x {context} | {cells} |", flush=True)
 
 
 def model_step(model, cfg, batch: int, context: int) -> dict:
-    """Old and new decode steps of the model over a cache of `batch` sequences."""
+    """The model's decode step over a cache of `batch` sequences, one per path of MODEL_IMPLS."""
     from infer.runner.kv_cache import allocate_kv_cache
 
     seq_lens = [context - i % BLOCK for i in range(batch)]
@@ -207,10 +234,10 @@ def model_step(model, cfg, batch: int, context: int) -> dict:
 
     def step(name):
         meta = AttentionMetadata([1] * batch, seq_lens, slots, tables, kv)
-        with batched_impl(name):
+        with batched_impl(MODEL_IMPLS[name]):
             return model.compute_logits(model(ids, pos, meta))
 
-    return {name: (lambda n=name: step(n)) for name in IMPLS}
+    return {name: (lambda n=name: step(n)) for name in MODEL_IMPLS}
 
 
 def matmul_prefill(q, k, v, scale, block: int = 128):
@@ -282,12 +309,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, nargs="+", default=[128, 512, 1024, 2048])
     p.add_argument("--prompt", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    p.add_argument("--chunk", type=int, default=0, help="decode rows: one sequence is a chunk of this many")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", help="time a whole decode step of this model (a preset name or path)")
     p.add_argument("--prefill", action="store_true", help="time prefill attention instead of decode")
     args = p.parse_args()
     threads = torch.get_num_threads()
-    print(f"torch {torch.__version__}, {threads} threads, best of {args.rounds} interleaved rounds")
+    ops = kernels.load()
+    isa = ops.isa() if ops is not None else "off"
+    print(f"torch {torch.__version__}, {threads} threads, kernel: {isa}, best of {args.rounds} rounds")
     torch.set_grad_enabled(False)
     if args.model:
         model_table(args)

@@ -11,18 +11,40 @@ over its whole context read back through its block table, except one with no ear
 (query_len == seq_len: a fresh prompt or first chunk), which reads its new keys directly, as does every
 sequence without a cache (a prefill-only forward, the no-cache benchmark mode).
 
-Decoding sequences (query_len == 1) are served together by one batched call per layer over their
-gathered keys, and so are the step's prefill chunks when padding them to the longest query wastes
-little (a decode step carrying a small chunk: the common step of chunked prefill); otherwise prefill
-chunks, fewer and longer, go one sequence at a time through SDPA.
+Decoding sequences (query_len == 1) are served together by one batched call per layer, and so are the
+step's prefill chunks when padding them to the longest query would waste little (a decode step carrying
+a small chunk: the common step of chunked prefill); otherwise prefill chunks, fewer and longer, go one
+sequence at a time through SDPA.
 
-The batched call is two matmuls in the cache's dtype around a float32 softmax (`_matmuls`). It replaced
-one `F.scaled_dot_product_attention(..., enable_gqa=True)` over the gathered, padded contexts, because
-torch 2.13's CPU flash-attention kernel is slow in bfloat16 for short queries (4-8x slower than
-itself in float32 for one stream), while the same memory-bound work as two bf16 matmuls is faster
-than either. One layer's
-decode attention in bf16, SDPA -> matmuls, ms, measured interleaved in one process on a 2-core AMD EPYC
-(Zen 4, AVX-512 BF16, no AMX) with `python benchmarks/bench_attention.py`:
+The batched call is the C++ kernel of infer/kernels (`paged_attention.cpp`, what vLLM's CPU backend has
+as cpu_attention_with_kv_cache) wherever it serves the step (KERNEL_MAX_QUERY_LEN, KERNEL_DTYPES, a
+head_dim that is a multiple of 16): every query over its context read in place through the block table
+(no gathered copy, no padding, no mask), GQA (a kv head's group of query heads reads each key once),
+sliding windows, an online float32 softmax, both cores (sequences spread over torch's OpenMP threads, a
+long context split into parts), AVX-512 (vdpbf16ps for bf16 scores) or AVX2 as the machine that builds
+it has. It replaced the matmul path below for decodes and the small chunks riding with them; that path
+stays as its fallback (no compiler, a failed build; INFER_NO_KERNELS=1 turns the kernel off) and as the
+reference the tests hold it to. One layer, ms, matmuls -> kernel, measured interleaved in one process on
+a 2-core AMD EPYC (Zen 4, AVX-512 BF16, no AMX) with `python benchmarks/bench_attention.py`:
+
+    batch x context   llama-50m bf16    Llama-3.2-1B bf16   llama-50m fp32    Llama-3.2-1B fp32
+    1 x 128           0.052 -> 0.014    0.064 -> 0.022      0.042 -> 0.015    0.055 -> 0.023
+    1 x 1024          0.170 -> 0.036    0.189 -> 0.084      0.104 -> 0.042    0.161 -> 0.072
+    8 x 1024          0.58 -> 0.15      1.52 -> 0.45        1.16 -> 0.31      2.49 -> 0.87
+    32 x 2048         6.3 -> 2.2        13.1 -> 6.4         8.3 -> 3.6        18.8 -> 9.7
+
+It won at every point measured, 2-5x (1 x 17 to 32 x 2048, and with chunks of up to 128 tokens riding
+along: `--chunk N`), so nothing dispatches by size. A whole decode step of llama-50m (`... --model
+llama-50m`): bf16 8 x 1024 13.1 -> 7.2 ms, 32 x 2048 51 -> 27.5 ms; fp32 8 x 1024 28.2 -> 21.1 ms; at
+1 x 128 the two tie (12.4 ms of linears in fp32). Its build takes ~10 s, once per source and CPU
+(scripts/setup.sh does it; cached in .build/kernels).
+
+Without the kernel, the batched call is two matmuls in the cache's dtype around a float32 softmax
+(`_matmul_batched`, `_matmuls`). They replaced one `F.scaled_dot_product_attention(..., enable_gqa=True)`
+over the gathered, padded contexts, because torch 2.13's CPU flash-attention kernel is slow in bfloat16
+for short queries (4-8x slower than itself in float32 for one stream), while the same memory-bound work
+as two bf16 matmuls is faster than either. One layer's decode attention in bf16, SDPA -> matmuls, ms,
+measured interleaved in one process on the same machine with `python benchmarks/bench_attention.py`:
 
     batch x context    8 q / 4 kv heads of 64 (llama-50m)    32 q / 8 kv heads of 64 (Llama-3.2-1B)
     1 x 1024           0.46 -> 0.12                          1.80 -> 0.18
@@ -43,7 +65,7 @@ Besides the matmuls themselves:
 - One stream over consecutive blocks is read in place, a strided view, in float32; small bf16 work
   is converted to float32 (UPCAST_MAX_KEY_ELEMENTS): a bf16 matmul costs ~20 us however small.
 
-There is no switch back: the SDPA call lives on as `sdpa_batched` in benchmarks/bench_attention.py,
+There is no switch back to SDPA: its call lives on as `sdpa_batched` in benchmarks/bench_attention.py,
 which swaps it in for the comparison. Prefill stays on SDPA: a matmul version in blocks of queries won
 for 128-token bf16 prompts but not across 128..2048 tokens (`... --prefill`).
 """
@@ -55,6 +77,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from infer import kernels
 
 # A step's short queries (decodes, small prefill chunks) join one batched call over their padded
 # contexts when the padding would cost less than this many wasted query x key scores; beyond it, the
@@ -71,6 +95,13 @@ GATHER_CHUNK_BYTES = 8 << 20
 # in float32: a bfloat16 matmul on this CPU costs ~20 us however small, a float32 one ~5 us. The best
 # of 16K-1M in whole llama-50m decode steps (one stream up to 1024 tokens: up to 0.5 ms a step).
 UPCAST_MAX_KEY_ELEMENTS = 1 << 18
+
+# The C++ kernel (infer/kernels) serves the batched call when its longest query is at most this long, in
+# these dtypes; the matmuls otherwise (and wherever the kernel is off or could not be built). It won at
+# every point measured (see the module docstring), chunks of up to 128 tokens riding with decodes
+# included (2-6x); longer ones, rare in a batched call (MAX_PADDED_SCORES), were not measured.
+KERNEL_MAX_QUERY_LEN = 128
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -89,6 +120,7 @@ class AttentionMetadata:
     _scratch: dict = field(init=False, default_factory=dict)
     _prefill_masks: dict = field(init=False, default_factory=dict)
     _prefill_blocks: dict = field(init=False, default_factory=dict)
+    _kernel_args: tuple | None = field(init=False, default=None)
 
     @classmethod
     def prefill_only(cls, lens: list[int]) -> AttentionMetadata:
@@ -203,6 +235,17 @@ class AttentionMetadata:
         self._batch_keys[key] = rows, mask
         return rows, mask
 
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(seq_lens int32 [n], query_starts int32 [n + 1] or None when every query_len is 1) of the batched
+        sequences, for the C++ kernel; built once per forward."""
+        if self._kernel_args is None:
+            starts = None
+            if self.max_query_len > 1:
+                starts = list(itertools.accumulate(self.batch_query_lens, initial=0))
+                starts = torch.tensor(starts, dtype=torch.int32)
+            self._kernel_args = torch.tensor(self.batch_seq_lens, dtype=torch.int32), starts
+        return self._kernel_args
+
     def scratch(self, num_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Two buffers of at least [num_rows, head_dim] for gathered keys and values, shared by every layer
         of this forward: each layer uses them only within its call. Reusing them spares a fresh
@@ -289,6 +332,36 @@ def _prefill(q, k, v, cache, meta: AttentionMetadata, i: int, scale, sliding_win
 
 
 def _batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
+    """The batch's sequences at once: the C++ kernel where it serves them, else the matmuls. Returns the
+    batch's real rows [num_batch_tokens, H, D] in their flat order."""
+    ops = kernels.load()
+    if ops is not None and _kernel_serves(meta, q, key_cache):
+        return _kernel_batched(ops, q, key_cache, value_cache, meta, scale, sliding_window)
+    return _matmul_batched(q, key_cache, value_cache, meta, scale, sliding_window)
+
+
+def _kernel_serves(meta: AttentionMetadata, q, key_cache) -> bool:
+    return (
+        meta.max_query_len <= KERNEL_MAX_QUERY_LEN
+        and q.dtype in KERNEL_DTYPES
+        and q.dtype == key_cache.dtype
+        and q.device.type == "cpu"
+        and q.shape[-1] % 16 == 0
+        and q.stride(-1) == 1
+    )
+
+
+def _kernel_batched(ops, q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
+    """infer/kernels/paged_attention.cpp: every batched query over its context, read from the blocks in
+    place (no gather, no padding, no mask), split across the threads."""
+    q = q if meta.batch_rows is None else q.index_select(0, meta.batch_rows)  # [num_batch_tokens, H, D]
+    seq_lens, query_starts = meta.kernel_args()
+    return ops.paged_attention(
+        q, key_cache, value_cache, meta.batch_tables, seq_lens, query_starts, scale, sliding_window or 0
+    )
+
+
+def _matmul_batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
     """The batch's n sequences at once, each query padded to max_q rows, over their gathered keys.
     Returns the batch's real rows [num_batch_tokens, H, D] in their flat order.
 

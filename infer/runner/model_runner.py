@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from infer import kernels
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
 from infer.layers.attention import AttentionMetadata
 from infer.runner.kv_cache import allocate_kv_cache
@@ -43,6 +44,7 @@ class ModelRunner:
             allocate_kv_cache(model.config, num_blocks, block_size, self.dtype) if use_kv_cache else None
         )
         self.sampler = Sampler(seed)
+        kernels.load()  # now, not in the first step that needs it (a first build takes ~10 s)
         self.last_prepare_s = 0.0
         self.history: dict[str, list[int]] = {}  # no-cache mode only: each request's tokens so far
 

@@ -1,11 +1,14 @@
 """The batched attention path (decodes, and small chunks riding along) against a float64 reference:
-every query over its causal context, within its window, read back from the paged cache."""
+every query over its causal context, within its window, read back from the paged cache; through the
+C++ kernel (infer/kernels) and through the Python path (the matmuls), each. tests/models/test_kernels.py
+tests the kernel on its own, on larger shapes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from infer import kernels
 from infer.layers import attention as attention_module
 from infer.layers.attention import AttentionMetadata, attention
 
@@ -75,12 +78,25 @@ TUNINGS = {
 }
 
 
+def use_path(path: str, monkeypatch) -> None:
+    """kernel: every batched step through the C++ kernel, chunks too (where it could be built: else this
+    is the Python path again); python: the matmuls, as with INFER_NO_KERNELS=1."""
+    if path == "kernel":
+        monkeypatch.setattr(attention_module, "KERNEL_MAX_QUERY_LEN", 1 << 30)
+    else:
+        monkeypatch.setattr(kernels, "load", lambda: None)
+
+
+@pytest.mark.parametrize("path", ["kernel", "python"])
 @pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("consecutive", [False, True], ids=["scattered", "consecutive"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("step", sorted(STEPS))
-def test_batched_attention_matches_reference(step, dtype, consecutive, window, tuning, monkeypatch):
+def test_batched_attention_matches_reference(step, dtype, consecutive, window, tuning, path, monkeypatch):
+    if path == "kernel" and tuning != "as_is":
+        pytest.skip("the tunings are the Python path's")
+    use_path(path, monkeypatch)
     monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 1 << 30)  # chunks ride in the batch
     for name, value in TUNINGS[tuning].items():
         monkeypatch.setattr(attention_module, name, value)
@@ -94,11 +110,13 @@ def test_batched_attention_matches_reference(step, dtype, consecutive, window, t
     torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("path", ["kernel", "python"])
 @pytest.mark.parametrize("consecutive", [False, True], ids=["scattered", "consecutive"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_decode_batched_beside_a_chunk_on_its_own(dtype, consecutive, monkeypatch):
+def test_one_decode_batched_beside_a_chunk_on_its_own(dtype, consecutive, path, monkeypatch):
     """The batch is one stream (the in-place path where its blocks are consecutive) while a chunk goes
     through SDPA: the batched path picks its query rows out of the step's."""
+    use_path(path, monkeypatch)
     monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 0)
     q, k, v, meta, tables = make_step([6, 1], [10, 9], dtype, consecutive)
     assert meta.batch_seqs == [1] and meta.loop_seqs == [0]

@@ -1,0 +1,127 @@
+"""C++ kernels, compiled on first use for the CPU of the machine that runs them, and the Python path
+as the fallback.
+
+`paged_attention.cpp`: attention of decodes (and small chunks) straight over the paged KV cache,
+both cores working (see infer/layers/attention.py for where it is used and what it gained).
+
+The build goes through `torch.utils.cpp_extension` (g++ and ninja, -O3 -march=native -fopenmp) into
+`.build/kernels/<key>/` under the repository (~/.cache/infer/kernels when installed elsewhere), where
+the key hashes the source, the flags, torch's and Python's versions and the CPU's ISA flags: a changed
+source or another CPU builds anew, an unchanged one loads the cached library in milliseconds.
+scripts/setup.sh builds it once, so that a server's first start doesn't pay the ~15 s.
+
+`load()` returns None, after one logged warning, when the build fails or cannot run (no compiler, no
+ninja): callers keep their Python path. INFER_NO_KERNELS=1 forces that fallback (A/B comparisons,
+tests of both paths); INFER_KERNELS_MARCH=x86-64-v3 (say) builds for another ISA than the host's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("infer.kernels")
+
+NAME = "infer_kernels"
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+HEADERS = [Path(__file__).with_name("vec.h")]
+_REPO = Path(__file__).resolve().parents[2]
+
+_state: dict = {}  # "ops": the loaded namespace or None, once load() has run
+_lock = threading.Lock()
+
+
+def build_root() -> Path:
+    if (_REPO / "pyproject.toml").exists() and os.access(_REPO, os.W_OK):
+        return _REPO / ".build" / "kernels"
+    return Path.home() / ".cache" / "infer" / "kernels"
+
+
+def _flags() -> list[str]:
+    march = os.environ.get("INFER_KERNELS_MARCH", "native")
+    return ["-O3", f"-march={march}", "-fopenmp", "-DNDEBUG"]
+
+
+def _cpu_flags() -> str:
+    """The host's ISA flags (what -march=native turns on), so that a build is never loaded on another CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def build_dir() -> Path:
+    key = hashlib.sha256()
+    sources = [p.read_bytes() for p in (SOURCE, *HEADERS)]
+    for part in (*sources, " ".join(_flags()), torch.__version__, sys.version, _cpu_flags()):
+        key.update(part if isinstance(part, bytes) else part.encode())
+    return build_root() / key.hexdigest()[:16]
+
+
+def load():
+    """torch.ops.infer_kernels (paged_attention, isa), or None: disabled, or could not be built."""
+    if "ops" not in _state:
+        with _lock:
+            if "ops" not in _state:
+                _state["ops"] = _load()
+    return _state["ops"]
+
+
+def _load():
+    if os.environ.get("INFER_NO_KERNELS", "") not in ("", "0"):
+        return None
+    try:
+        directory = build_dir()
+        library = directory / f"{NAME}.so"
+        failed = directory / "FAILED"
+        if failed.exists():
+            logger.warning("C++ kernels not built before (%s): using the Python path", failed)
+            return None
+        if not (directory / "READY").exists():
+            _build(directory)
+        torch.ops.load_library(str(library))
+        return torch.ops.infer_kernels
+    except Exception as exc:  # any failure leaves the Python path in place
+        logger.warning("C++ kernels unavailable, using the Python path: %s", str(exc).strip()[-2000:])
+        return None
+
+
+def _build(directory: Path) -> None:
+    """Compile and link into directory (torch's file lock keeps concurrent builds apart), then mark it
+    READY; a failed build is marked FAILED with its log, so that later processes don't retry it."""
+    from torch.utils import cpp_extension  # imports setuptools: only when building
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory.parent / ".gitignore").write_text("*\n")  # a cache, never committed
+    if shutil.which("ninja") is None:  # the pip package's binary, when the venv's bin is not on PATH
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+    logger.warning("building C++ kernels in %s (once per source and CPU, ~15 s)", directory)
+    try:
+        cpp_extension.load(
+            name=NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=_flags(),
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(p.parent) for p in HEADERS],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:
+        (directory / "FAILED").write_text(f"{exc}\n(delete this file to retry the build)\n")
+        raise
+    (directory / "READY").write_text("")

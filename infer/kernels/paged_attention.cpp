@@ -1,0 +1,534 @@
+// Attention of short queries (decodes, small prompt chunks) straight over the paged KV cache, the
+// batched step of infer/layers/attention.py in one call, without a gathered copy of the keys.
+//
+// A work item is one sequence, or a part of its keys when the sequences are too few for the threads.
+// Its rows are every (kv head, query, head of the kv head's group); it walks its keys in tiles:
+//
+//   rows   r = (h * query_len + t) * group + g     kv head h, query t, query head h * group + g
+//   keys   [begin, end) in tiles of kTile          for each kv head h, over the tile's slots:
+//            scores of h's rows  ->  online softmax (running max and sum per row)  ->  += probs @ values
+//
+// A slot (one position's keys of every kv head, [num_kv_heads, head_dim]) is contiguous, and so is a
+// block of slots: an item reads its blocks whole, in order, while it prefetches the next tile (see
+// Prefetcher). GQA: the group of query heads of a kv head reads each of its keys once, together.
+// Threads (at::parallel_for: torch's OpenMP pool, torch.get_num_threads()) take items from a shared
+// counter, longest first. A part of a split context leaves (max, sum, unnormalized output) per row,
+// merged when all are done. Accumulation is float32 whatever the cache's dtype (float32, bfloat16,
+// float16); the vector ISA is this build's (vec.h), plus vdpbf16ps for bfloat16 scores where present.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using namespace infer_vec;
+
+constexpr int64_t kTile = 64;      // keys per tile: a tile's keys and values (and the next's) stay in L2
+constexpr int64_t kMinPart = 256;  // a context is split into parts no shorter than this
+constexpr int64_t kStride = kTile + kLanes;  // a row of tile scores, with room for a block's overhang
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Item {
+  int64_t seq;
+  int64_t begin, end;  // key positions [begin, end)
+  int64_t partial;     // -1: the item is the whole context; else the offset of its partial result
+};
+
+struct Problem {
+  const void* q;  // [num_tokens, num_heads, head_dim] in the caches' dtype, tokens and heads strided
+  int64_t q_token_stride, q_head_stride;
+  const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+  const void* value_cache;
+  int64_t block_size, num_kv_heads, head_dim, group;
+  const int64_t* block_tables;  // [num_seqs, table_stride]
+  int64_t table_stride;
+  const int32_t* seq_lens;      // [num_seqs]
+  const int32_t* query_starts;  // [num_seqs + 1], or null: one query per sequence
+  float scale;
+  int64_t window;  // 0: none
+  void* out;       // [num_tokens, num_heads, head_dim], contiguous
+  float* partials;
+
+  int64_t query_start(int64_t s) const { return query_starts ? query_starts[s] : s; }
+  int64_t query_len(int64_t s) const { return query_starts ? query_starts[s + 1] - query_starts[s] : 1; }
+  // row r of sequence s is (kv head h, query t, head g of h's group): q's and out's [t, h * group + g]
+  int64_t head_of(int64_t s, int64_t r) const { return r / (group * query_len(s)) * group + r % group; }
+  int64_t token_of(int64_t s, int64_t r) const {
+    return query_start(s) + r % (group * query_len(s)) / group;
+  }
+  template <typename T>
+  T* out_row(int64_t s, int64_t r) const {
+    return static_cast<T*>(out) + (token_of(s, r) * group * num_kv_heads + head_of(s, r)) * head_dim;
+  }
+};
+
+// One thread's buffers, kept from call to call (grown, never shrunk).
+struct Workspace {
+  std::vector<float> q;               // [rows, head_dim] the item's queries in float32
+  std::vector<c10::BFloat16> q_bf16;  // the same in bfloat16, for vdpbf16ps
+  std::vector<float> scores;          // [rows, kStride]: a tile's scores, then its probabilities
+  std::vector<float> acc;             // [rows, head_dim] unnormalized output
+  std::vector<float> max, sum;        // [rows] running max of the scores, sum of exp(score - max)
+  std::vector<const void*> keys, values, next_keys, next_values;  // this tile's slots, the next tile's
+
+  void reserve(int64_t rows, int64_t head_dim) {
+    auto grow = [](auto& v, int64_t n) {
+      if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    };
+    grow(q, rows * head_dim);
+    grow(q_bf16, rows * head_dim);
+    grow(scores, rows * kStride);
+    grow(acc, rows * head_dim);
+    grow(max, rows);
+    grow(sum, rows);
+    for (auto* slots : {&keys, &values, &next_keys, &next_values}) grow(*slots, kTile + kLanes);
+  }
+};
+thread_local Workspace workspace;
+
+// Software prefetch of the next tile's slots, spread over the current tile's dot products so that the
+// loads overlap with compute. The hardware prefetchers don't see them coming (blocks are scattered, and
+// each kv head reads a few lines of every slot): without it, a cache beyond L3 took 1.3-1.4x longer
+// (one that fits in L3 ~10% less; a real step's caches, every layer's, do not fit).
+struct Prefetcher {
+  const void* const* keys = nullptr;
+  const void* const* values = nullptr;
+  int64_t next = 0, end = 0, per_step = 0, slot_bytes = 0;
+
+  void spread_over(int64_t steps) { per_step = (end - next + steps - 1) / std::max<int64_t>(steps, 1); }
+  void step() {
+    for (const int64_t stop = std::min(end, next + per_step); next < stop; ++next) {
+      const char* k = static_cast<const char*>(keys[next]);
+      const char* v = static_cast<const char*>(values[next]);
+      for (int64_t b = 0; b < slot_bytes; b += 64) {  // every line (every other one was slower)
+        __builtin_prefetch(k + b, 0, 2);              // for reading, into L2: used a tile later
+        __builtin_prefetch(v + b, 0, 2);
+      }
+    }
+  }
+};
+
+// ---- scores: kLanes dot products at once ----
+//
+// A dot product ends with a sum across the lanes of its accumulator, which costs more than its few
+// FMAs. So kLanes of them (RB rows x kLanes / RB keys) accumulate side by side, and vsum_each adds up
+// all kLanes accumulators at once.
+
+// scores[r][k] = scale * q_r . key_k for RB rows of float32 queries (stride head_dim) and kLanes / RB
+// keys (each at offset in its slot)
+template <int RB, typename T>
+void dot_block(const float* q, const void* const* keys, int64_t offset, int64_t head_dim, float scale,
+               float* scores) {
+  constexpr int KB = kLanes / RB;
+  VecF acc[kLanes];
+  for (auto& a : acc) a = vzero();
+  for (int64_t d = 0; d < head_dim; d += kLanes) {
+    for (int k = 0; k < KB; ++k) {
+      const VecF kv = vload(static_cast<const T*>(keys[k]) + offset + d);  // converted once for RB rows
+      for (int r = 0; r < RB; ++r) acc[r * KB + k] = vfma(vload(q + r * head_dim + d), kv, acc[r * KB + k]);
+    }
+  }
+  alignas(64) float sums[kLanes];
+  vstore(sums, vmul(vsum_each(acc), vset1(scale)));
+  for (int r = 0; r < RB; ++r) std::copy(sums + r * KB, sums + (r + 1) * KB, scores + r * kStride);
+}
+
+#if defined(__AVX512BF16__)
+// The same from bfloat16 queries and keys: vdpbf16ps multiplies 32 bf16 pairs and adds each two adjacent
+// products into one of 16 float32 lanes, with no conversion. A head_dim of 16 mod 32 ends with a
+// half-width load (the other half zero).
+inline __m512bh load_bf16(const c10::BFloat16* p, int64_t left) {
+  return (__m512bh)(left >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(0xFFFF, p));
+}
+
+template <int RB>
+void dot_block_bf16(const c10::BFloat16* q, const void* const* keys, int64_t offset, int64_t head_dim,
+                    float scale, float* scores) {
+  constexpr int KB = 16 / RB;
+  __m512 acc[16];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 32) {
+    for (int k = 0; k < KB; ++k) {
+      const auto* key = static_cast<const c10::BFloat16*>(keys[k]) + offset;
+      const __m512bh kv = load_bf16(key + d, head_dim - d);
+      for (int r = 0; r < RB; ++r) {
+        const __m512bh qv = load_bf16(q + r * head_dim + d, head_dim - d);
+        acc[r * KB + k] = _mm512_dpbf16_ps(acc[r * KB + k], qv, kv);
+      }
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, _mm512_mul_ps(vsum_each(acc), _mm512_set1_ps(scale)));
+  for (int r = 0; r < RB; ++r) std::copy(sums + r * KB, sums + (r + 1) * KB, scores + r * kStride);
+}
+#endif
+
+// rows r .. r + RB over the tile's keys; `ahead` issues its prefetches along the way
+template <int RB, typename T>
+void dot_rows(Workspace& ws, int64_t r, int64_t count, int64_t offset, int64_t head_dim, float scale,
+              Prefetcher* ahead) {
+  constexpr int KB = kLanes / RB;
+  float* scores = ws.scores.data() + r * kStride;
+  if (ahead) ahead->spread_over((count + KB - 1) / KB);
+  for (int64_t j = 0; j < count; j += KB) {
+    if (ahead) ahead->step();
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const c10::BFloat16* q = ws.q_bf16.data() + r * head_dim;
+      dot_block_bf16<RB>(q, &ws.keys[j], offset, head_dim, scale, scores + j);
+      continue;
+    }
+#endif
+    dot_block<RB, T>(ws.q.data() + r * head_dim, &ws.keys[j], offset, head_dim, scale, scores + j);
+  }
+}
+
+// The tile's scores of rows r0 .. r0 + rows, in blocks of 8, 4, 2, 1 rows. The slots past count repeat
+// the last one, so that a block of keys needs no tail; their scores land in the padding of kStride.
+template <typename T>
+void tile_scores(Workspace& ws, int64_t r0, int64_t rows, int64_t count, int64_t offset, int64_t head_dim,
+                 float scale, Prefetcher* ahead) {
+  std::fill(ws.keys.begin() + count, ws.keys.begin() + count + kLanes, ws.keys[count - 1]);
+  for (int64_t r = r0, left = rows; left > 0; ahead = nullptr) {  // the first block prefetches
+    const int64_t n = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    if (n == 8) dot_rows<8, T>(ws, r, count, offset, head_dim, scale, ahead);
+    else if (n == 4) dot_rows<4, T>(ws, r, count, offset, head_dim, scale, ahead);
+    else if (n == 2) dot_rows<2, T>(ws, r, count, offset, head_dim, scale, ahead);
+    else dot_rows<1, T>(ws, r, count, offset, head_dim, scale, ahead);
+    r += n;
+    left -= n;
+  }
+}
+
+// ---- values: acc[r] += sum_j p[r][j] * v_j ----
+//
+// NR rows x NC vectors of head_dim stay in registers while the tile's values stream by once: each
+// value vector is loaded (and converted) once for NR rows.
+
+template <int NR, int NC, typename T>
+void accumulate_block(const float* p, const void* const* values, int64_t count, int64_t offset, int64_t d0,
+                      int64_t head_dim, float* acc) {
+  VecF a[NR][NC];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) a[r][c] = vload(acc + r * head_dim + d0 + c * kLanes);
+  for (int64_t j = 0; j < count; ++j) {
+    const T* v = static_cast<const T*>(values[j]) + offset + d0;
+    VecF vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = vload(v + c * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const VecF pr = vset1(p[r * kStride + j]);
+      for (int c = 0; c < NC; ++c) a[r][c] = vfma(pr, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NC; ++c) vstore(acc + r * head_dim + d0 + c * kLanes, a[r][c]);
+}
+
+template <int NC, typename T>
+void accumulate_rows(Workspace& ws, int64_t r, int64_t nr, int64_t count, int64_t offset, int64_t d0,
+                     int64_t head_dim) {
+  const float* p = ws.scores.data() + r * kStride;
+  const void* const* v = ws.values.data();
+  float* acc = ws.acc.data() + r * head_dim;
+  switch (nr) {
+    case 4: accumulate_block<4, NC, T>(p, v, count, offset, d0, head_dim, acc); break;
+    case 3: accumulate_block<3, NC, T>(p, v, count, offset, d0, head_dim, acc); break;
+    case 2: accumulate_block<2, NC, T>(p, v, count, offset, d0, head_dim, acc); break;
+    default: accumulate_block<1, NC, T>(p, v, count, offset, d0, head_dim, acc);
+  }
+}
+
+// rows r0 .. r0 + rows of acc += their probabilities @ the tile's values (at offset in each slot)
+template <typename T>
+void tile_values(Workspace& ws, int64_t r0, int64_t rows, int64_t count, int64_t offset, int64_t head_dim) {
+  // AVX-512's 32 registers hold 4 rows x 4 vectors of accumulators; AVX2's 16, 2 rows x 4 vectors
+  constexpr int64_t kRows = kLanes == 16 ? 4 : 2;
+  for (int64_t d0 = 0; d0 < head_dim;) {
+    const int64_t left = (head_dim - d0) / kLanes;
+    const int64_t nc = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    for (int64_t r = r0; r < r0 + rows; r += kRows) {
+      const int64_t nr = std::min(kRows, r0 + rows - r);
+      if (nc == 4) accumulate_rows<4, T>(ws, r, nr, count, offset, d0, head_dim);
+      else if (nc == 2) accumulate_rows<2, T>(ws, r, nr, count, offset, d0, head_dim);
+      else accumulate_rows<1, T>(ws, r, nr, count, offset, d0, head_dim);
+    }
+    d0 += nc * kLanes;
+  }
+}
+
+// Online softmax over one tile for one row: scores -> probabilities against the running max, the row's
+// earlier sum and output rescaled when the max grows. A row that sees no key of the tile (a chunk's early
+// query, a window) gets probabilities 0.
+void softmax_row(float* s, int64_t count, float& max, float& sum, float* acc, int64_t head_dim) {
+  const int64_t padded = (count + kLanes - 1) / kLanes * kLanes;
+  std::fill(s + count, s + padded, kNegInf);
+  VecF m = vset1(kNegInf);
+  for (int64_t j = 0; j < padded; j += kLanes) m = vmax(m, vload(s + j));
+  const float tile_max = vhmax(m);
+  if (tile_max == kNegInf) {
+    std::fill(s, s + count, 0.f);
+    return;
+  }
+  const float new_max = std::max(max, tile_max);
+  if (new_max > max && sum > 0.f) {
+    const float alpha = std::exp(max - new_max);
+    sum *= alpha;
+    for (int64_t d = 0; d < head_dim; d += kLanes) vstore(acc + d, vmul(vload(acc + d), vset1(alpha)));
+  }
+  VecF total = vzero();
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const VecF p = vexp(vadd(vload(s + j), vset1(-new_max)));
+    vstore(s + j, p);
+    total = vadd(total, p);
+  }
+  sum += vsum(total);
+  max = new_max;
+}
+
+// ---- items ----
+
+template <typename T>
+void run_item(const Problem& P, const Item& item) {
+  Workspace& ws = workspace;
+  const int64_t s = item.seq, D = P.head_dim, G = P.group, num_kv_heads = P.num_kv_heads;
+  const int64_t q_len = P.query_len(s), seq_len = P.seq_lens[s];
+  const int64_t head_rows = G * q_len, rows = num_kv_heads * head_rows;
+  ws.reserve(rows, D);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = static_cast<const T*>(P.q) + P.token_of(s, r) * P.q_token_stride;
+    src += P.head_of(s, r) * P.q_head_stride;
+    std::transform(src, src + D, ws.q.begin() + r * D, [](T x) { return static_cast<float>(x); });
+    if constexpr (std::is_same_v<T, c10::BFloat16>) std::copy(src, src + D, ws.q_bf16.begin() + r * D);
+  }
+  std::fill(ws.max.begin(), ws.max.begin() + rows, kNegInf);
+  std::fill(ws.sum.begin(), ws.sum.begin() + rows, 0.f);
+  std::fill(ws.acc.begin(), ws.acc.begin() + rows * D, 0.f);
+
+  const int64_t slot_stride = num_kv_heads * D;
+  const int64_t* table = P.block_tables + s * P.table_stride;
+  // the slots of positions [start, start + count): position p is in slot
+  // table[p / block_size] * block_size + p % block_size; block by block
+  auto find_slots = [&](int64_t start, int64_t count, std::vector<const void*>& keys,
+                        std::vector<const void*>& values) {
+    for (int64_t j = 0; j < count;) {
+      const int64_t pos = start + j, offset = pos % P.block_size;
+      const int64_t n = std::min(P.block_size - offset, count - j);
+      const int64_t first = (table[pos / P.block_size] * P.block_size + offset) * slot_stride;
+      for (int64_t i = 0; i < n; ++i, ++j) {
+        keys[j] = static_cast<const T*>(P.key_cache) + first + i * slot_stride;
+        values[j] = static_cast<const T*>(P.value_cache) + first + i * slot_stride;
+      }
+    }
+  };
+  const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
+  find_slots(item.begin, std::min(kTile, item.end - item.begin), ws.next_keys, ws.next_values);
+  for (int64_t start = item.begin; start < item.end; start += kTile) {
+    const int64_t count = std::min(kTile, item.end - start);
+    std::swap(ws.keys, ws.next_keys);
+    std::swap(ws.values, ws.next_values);
+    if (start == item.begin) {  // the first tile: all of it at once
+      Prefetcher first{ws.keys.data(), ws.values.data(), 0, count, count, slot_bytes};
+      first.step();
+    }
+    const int64_t next_count = std::max<int64_t>(0, std::min(kTile, item.end - start - count));
+    if (next_count > 0) find_slots(start + count, next_count, ws.next_keys, ws.next_values);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {  // each kv head prefetches its share of the next tile
+      const int64_t r0 = h * head_rows;
+      Prefetcher ahead{ws.next_keys.data(), ws.next_values.data(), next_count * h / num_kv_heads,
+                       next_count * (h + 1) / num_kv_heads, 0, slot_bytes};
+      tile_scores<T>(ws, r0, head_rows, count, h * D, D, P.scale, &ahead);
+      if (q_len > 1) {  // a chunk: query t sees the keys up to its own position (within the window)
+        for (int64_t r = 0; r < head_rows; ++r) {
+          const int64_t q_pos = seq_len - q_len + r / G;
+          const int64_t lo = P.window > 0 ? q_pos - P.window + 1 : 0;
+          float* scores = ws.scores.data() + (r0 + r) * kStride;
+          for (int64_t j = 0; j < count; ++j)
+            if (start + j > q_pos || start + j < lo) scores[j] = kNegInf;
+        }
+      }
+      for (int64_t r = r0; r < r0 + head_rows; ++r)
+        softmax_row(ws.scores.data() + r * kStride, count, ws.max[r], ws.sum[r], ws.acc.data() + r * D, D);
+      tile_values<T>(ws, r0, head_rows, count, h * D, D);
+    }
+  }
+
+  if (item.partial >= 0) {  // one part of a split context: (max, sum, unnormalized output) per row
+    float* dst = P.partials + item.partial;
+    std::copy(ws.max.begin(), ws.max.begin() + rows, dst);
+    std::copy(ws.sum.begin(), ws.sum.begin() + rows, dst + rows);
+    std::copy(ws.acc.begin(), ws.acc.begin() + rows * D, dst + 2 * rows);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.f / ws.sum[r];
+    T* dst = P.out_row<T>(s, r);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(ws.acc[r * D + d] * inv);
+  }
+}
+
+// The parts of one split context into its rows of out: each part's output weighted by exp(its max - the
+// overall max), over the weighted sum. A part may hold no key of a row (its max is -inf): weight 0.
+template <typename T>
+void merge_parts(const Problem& P, int64_t s, const std::vector<int64_t>& offsets) {
+  const int64_t D = P.head_dim, rows = P.num_kv_heads * P.group * P.query_len(s);
+  std::vector<float> out(D);
+  for (int64_t r = 0; r < rows; ++r) {
+    float max = kNegInf, sum = 0.f;
+    for (int64_t o : offsets) max = std::max(max, P.partials[o + r]);
+    std::fill(out.begin(), out.end(), 0.f);
+    for (int64_t o : offsets) {
+      const float m = P.partials[o + r];
+      if (m == kNegInf) continue;
+      const float w = std::exp(m - max);
+      sum += w * P.partials[o + rows + r];
+      const float* acc = P.partials + o + 2 * rows + r * D;
+      for (int64_t d = 0; d < D; ++d) out[d] += w * acc[d];
+    }
+    T* dst = P.out_row<T>(s, r);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(out[d] / sum);
+  }
+}
+
+using Splits = std::vector<std::pair<int64_t, std::vector<int64_t>>>;  // (sequence, its parts' offsets)
+
+template <typename T>
+void run(const Problem& P, std::vector<Item>& items, const Splits& splits) {
+  // longest first, then each thread takes the next item: the threads finish close together
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& a, const Item& b) { return a.end - a.begin > b.end - b.begin; });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1)) < num_items;) run_item<T>(P, items[i]);
+  });
+  for (const auto& [s, offsets] : splits) merge_parts<T>(P, s, offsets);
+}
+
+// ---- the op ----
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const std::optional<at::Tensor>& query_starts, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [num_tokens, num_heads, head_dim], last dim contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() && q.scalar_type() == value_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
+                  block_tables.stride(1) == 1,
+              "block_tables: int64 [num_seqs, max_blocks], rows contiguous");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+              "seq_lens: int32 [num_seqs]");
+  const int64_t num_seqs = seq_lens.size(0), num_tokens = q.size(0), num_heads = q.size(1), D = q.size(2);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == D && D % 16 == 0, "head_dim: the same in q and caches, a multiple of 16");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "one block table row per sequence");
+  const int32_t* starts = nullptr;
+  if (query_starts.has_value()) {
+    TORCH_CHECK(query_starts->scalar_type() == at::kInt && query_starts->is_contiguous() &&
+                    query_starts->numel() == num_seqs + 1,
+                "query_starts: int32 [num_seqs + 1]");
+    starts = query_starts->data_ptr<int32_t>();
+    TORCH_CHECK(starts[0] == 0, "query_starts must start at 0");
+  }
+  TORCH_CHECK((starts ? starts[num_seqs] : num_seqs) == num_tokens, "q must hold every sequence's queries");
+  at::Tensor out = at::empty({num_tokens, num_heads, D}, q.options());
+
+  Problem P{};
+  P.q = q.data_ptr();
+  P.q_token_stride = q.stride(0);
+  P.q_head_stride = q.stride(1);
+  P.key_cache = key_cache.data_ptr();
+  P.value_cache = value_cache.data_ptr();
+  P.block_size = block_size;
+  P.num_kv_heads = num_kv_heads;
+  P.head_dim = D;
+  P.group = num_heads / num_kv_heads;
+  P.block_tables = block_tables.data_ptr<int64_t>();
+  P.table_stride = block_tables.stride(0);
+  P.seq_lens = seq_lens.data_ptr<int32_t>();
+  P.query_starts = starts;
+  P.scale = static_cast<float>(scale);
+  P.window = std::max<int64_t>(window, 0);
+  P.out = out.data_ptr();
+
+  // Each sequence's keys: [the first its first query sees, seq_len), their blocks checked.
+  std::vector<int64_t> begins(num_seqs);
+  int64_t total_keys = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t seq_len = P.seq_lens[s], q_len = P.query_len(s);
+    TORCH_CHECK(q_len >= 1 && seq_len >= q_len, "every sequence needs 1 <= query_len <= seq_len");
+    TORCH_CHECK(seq_len <= block_tables.size(1) * block_size, "a block table is too short for its seq_len");
+    begins[s] = P.window > 0 ? std::max<int64_t>(0, seq_len - q_len - P.window + 1) : 0;
+    for (int64_t b = begins[s] / block_size; b * block_size < seq_len; ++b) {
+      const int64_t block = P.block_tables[s * P.table_stride + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
+    }
+    total_keys += seq_len - begins[s];
+  }
+  // Items: a sequence, or parts of it when the sequences would be too few for the threads: at least 4
+  // items per thread, each at least kMinPart keys long.
+  const int64_t target = 4 * at::get_num_threads();
+  const int64_t part_len = std::max(kMinPart, (total_keys + target - 1) / target);
+  std::vector<Item> items;
+  Splits splits;
+  int64_t partial_floats = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t seq_len = P.seq_lens[s], rows = num_heads * P.query_len(s);
+    const int64_t num_parts = (seq_len - begins[s] + part_len - 1) / part_len;
+    if (num_parts == 1) {
+      items.push_back({s, begins[s], seq_len, -1});
+      continue;
+    }
+    splits.emplace_back(s, std::vector<int64_t>());
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const int64_t b = begins[s] + p * part_len;
+      items.push_back({s, b, std::min(seq_len, b + part_len), partial_floats});
+      splits.back().second.push_back(partial_floats);
+      partial_floats += rows * (2 + D);
+    }
+  }
+  at::Tensor partials = at::empty({partial_floats}, q.options().dtype(at::kFloat));
+  P.partials = partials.data_ptr<float>();
+
+  switch (q.scalar_type()) {
+    case at::kFloat: run<float>(P, items, splits); break;
+    case at::kBFloat16: run<c10::BFloat16>(P, items, splits); break;
+    case at::kHalf: run<c10::Half>(P, items, splits); break;
+    default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+// The vector ISA of this build, for logs and tests.
+std::string isa() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  return std::string(kIsa) + "+bf16";
+#else
+  return kIsa;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(infer_kernels, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens,"
+      " Tensor? query_starts, float scale, int window) -> Tensor",
+      &paged_attention);
+  m.def("isa() -> str", &isa);
+}

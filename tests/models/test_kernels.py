@@ -1,0 +1,236 @@
+"""The C++ paged-attention kernel (infer/kernels) against a float64 reference and the Python path it
+replaces, its other ISAs (AVX2, plain C++) built beside the host's, and the loader's fallbacks."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from infer import kernels
+from infer.layers import attention as attention_module
+from infer.layers.attention import AttentionMetadata, attention
+
+BLOCK = 16
+
+
+def _ops():
+    if os.environ.get("INFER_NO_KERNELS", "") not in ("", "0"):
+        pytest.skip("INFER_NO_KERNELS is set")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    ops = kernels.load()
+    assert ops is not None, "the kernel did not build: see the warning logged by infer.kernels"
+    return ops
+
+
+def make_step(num_heads, num_kv_heads, head_dim, query_lens, seq_lens, dtype, seed=0):
+    """A step over a cache of scattered blocks holding random earlier keys: q, k, v of its new tokens,
+    metadata, and each sequence's block ids."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // BLOCK) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for b in blocks_per_seq:
+        tables.append(ids[start : start + b])
+        start += b
+    width = max(blocks_per_seq) + 1  # a padded table, as the runner's
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    shape = (num_blocks, BLOCK, num_kv_heads, head_dim)
+    cache = tuple(torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    slots = [
+        tables[i][p // BLOCK] * BLOCK + p % BLOCK
+        for i, (q, s) in enumerate(zip(query_lens, seq_lens, strict=True))
+        for p in range(s - q, s)
+    ]
+    num_tokens = sum(query_lens)
+    # q as the models make it: a view of a wider projection (strided tokens)
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    meta = AttentionMetadata(list(query_lens), list(seq_lens), torch.tensor(slots), block_tables, [cache])
+    return q, k, v, meta, tables
+
+
+def reference(q, meta: AttentionMetadata, tables, scale, window):
+    """Each sequence's queries over its causal context (within the window), slot by slot, in float64."""
+    num_kv_heads, head_dim = meta.kv_caches[0][0].shape[2:]
+    group = q.shape[1] // num_kv_heads
+    key_cache, value_cache = (c.double().view(-1, num_kv_heads, head_dim) for c in meta.kv_caches[0])
+    out, row = [], 0
+    for table, query_len, seq_len in zip(tables, meta.query_lens, meta.seq_lens, strict=True):
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(seq_len)])
+        keys, values = (c[slots].repeat_interleave(group, dim=1) for c in (key_cache, value_cache))
+        scores = torch.einsum("qhd,khd->hqk", q[row : row + query_len].double(), keys) * scale
+        q_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len)
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= q_pos - k_pos < window
+        probs = scores.masked_fill(~allowed, -math.inf).softmax(-1)
+        out.append(torch.einsum("hqk,khd->qhd", probs, values))
+        row += query_len
+    return torch.cat(out)
+
+
+def run_both(q, k, v, meta_args, scale, window, monkeypatch):
+    """The step through the kernel and through the Python path (the matmuls), each on fresh metadata."""
+    out = {}
+    for path in ("kernel", "python"):
+        with monkeypatch.context() as m:
+            if path == "python":
+                m.setattr(kernels, "load", lambda: None)
+            else:  # no silent fallback
+                m.setattr(attention_module, "_matmul_batched", None)
+            meta = AttentionMetadata(*meta_args)
+            out[path] = attention(q, k, v, meta, 0, scale, window)
+    return out["kernel"], out["python"]
+
+
+# bfloat16: the output is rounded to 8 bits (the Python path also rounds scores and probabilities)
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 33])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_matches_reference_and_python_path(dtype, group, head_dim, window, batch, monkeypatch):
+    _ops()
+    num_kv_heads = 2
+    gen = torch.Generator().manual_seed(batch * 1000 + group * 10 + head_dim)
+    seq_lens = torch.randint(1, 2001, (batch,), generator=gen).tolist()
+    seq_lens[0] = 2000 if batch > 1 else seq_lens[0]  # the longest, split across the threads
+    if batch > 2:
+        seq_lens[1] = 1  # a first decode of a one-token prompt
+    heads = (group * num_kv_heads, num_kv_heads, head_dim)
+    q, k, v, meta, tables = make_step(*heads, [1] * batch, seq_lens, dtype)
+    meta_args = (meta.query_lens, meta.seq_lens, meta.slot_mapping, meta.block_tables, meta.kv_caches)
+    scale = head_dim**-0.5
+    got, python = run_both(q, k, v, meta_args, scale, window, monkeypatch)
+    assert got.dtype == dtype and got.shape == q.shape
+    expected = reference(q, meta, tables, scale, window)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.double(), python.double(), atol=2 * tol, rtol=2 * tol)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_long_stream_split_across_threads(threads):
+    """One sequence: its context is split into parts, one or more per thread, merged at the end."""
+    ops = _ops()
+    q, _, _, meta, tables = make_step(8, 1, 64, [1], [1999], torch.float32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+        got = ops.paged_attention(q, *meta.kv_caches[0], meta.block_tables, seq_lens, None, 0.125, 0)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got.double(), reference(q, meta, tables, 0.125, None), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("dtype", list(TOL), ids=["fp32", "bf16", "fp16"])
+def test_chunks_with_decodes(dtype, window, monkeypatch):
+    """Queries longer than one (chunks of a prompt) beside decodes: each query sees its causal context."""
+    _ops()
+    monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 1 << 30)  # chunks ride in the batch
+    monkeypatch.setattr(attention_module, "KERNEL_MAX_QUERY_LEN", 1 << 30)  # and in the kernel
+    query_lens, seq_lens = [1, 7, 1, 16, 3], [300, 700, 9, 16, 60]  # seq 3 is a fresh prompt
+    q, k, v, meta, tables = make_step(8, 2, 64, query_lens, seq_lens, dtype)
+    assert not meta.loop_seqs and meta.max_query_len == 16
+    meta_args = (meta.query_lens, meta.seq_lens, meta.slot_mapping, meta.block_tables, meta.kv_caches)
+    got, python = run_both(q, k, v, meta_args, 0.125, window, monkeypatch)
+    expected = reference(q, meta, tables, 0.125, window)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.double(), python.double(), atol=2 * tol, rtol=2 * tol)
+
+
+def test_bad_arguments_raise():
+    ops = _ops()
+    q, _, _, meta, _ = make_step(4, 2, 64, [1, 1], [20, 5], torch.float32)
+    key_cache, value_cache = meta.kv_caches[0]
+    seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.paged_attention(q, key_cache, value_cache, meta.block_tables + 1000, seq_lens, None, 1.0, 0)
+    with pytest.raises(RuntimeError, match="too short"):
+        ops.paged_attention(q, key_cache, value_cache, meta.block_tables, seq_lens * 100, None, 1.0, 0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.paged_attention(q.double(), key_cache, value_cache, meta.block_tables, seq_lens, None, 1.0, 0)
+
+
+def check_shapes(ops) -> None:
+    """Every dtype over a few head shapes (GQA groups 1 to 8, head_dim 16 to 256, windows) in one step of
+    a long, a one-token and a short context."""
+    heads = ((1, 64, None), (4, 128, 50), (2, 16, None), (2, 80, 7), (8, 256, None))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for group, head_dim, window in heads:
+            q, _, _, meta, tables = make_step(2 * group, 2, head_dim, [1, 1, 1], [700, 1, 33], dtype)
+            seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+            args = (*meta.kv_caches[0], meta.block_tables, seq_lens, None, 0.1, window or 0)
+            got = ops.paged_attention(q, *args)
+            expected = reference(q, meta, tables, 0.1, window)
+            torch.testing.assert_close(got.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_shapes():
+    check_shapes(_ops())
+
+
+ISA_CHECK = """
+from infer import kernels
+from tests.models.test_kernels import check_shapes
+ops = kernels.load()
+check_shapes(ops)
+print(ops.isa())
+"""
+
+
+@pytest.mark.parametrize("march, isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
+def test_other_isas(march, isa):
+    """The AVX2 and plain C++ paths, built for a lesser x86-64 than this one (in their own build
+    directory; the first run compiles each, ~15 s)."""
+    _ops()
+    if os.uname().machine != "x86_64":
+        pytest.skip("x86-64 only")
+    env = dict(os.environ, INFER_KERNELS_MARCH=march)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-c", ISA_CHECK], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == isa
+
+
+def test_disabled_by_env(monkeypatch):
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setenv("INFER_NO_KERNELS", "1")
+    assert kernels.load() is None
+
+
+def test_failed_build_falls_back_once_and_is_not_retried(tmp_path, monkeypatch, caplog):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error this kernel does not compile\n")
+    monkeypatch.delenv("INFER_NO_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setattr(kernels, "build_root", lambda: tmp_path / "build")
+    monkeypatch.setattr(kernels, "_state", {})
+    with caplog.at_level(logging.WARNING, logger="infer.kernels"):
+        assert kernels.load() is None
+        assert kernels.load() is None  # cached: no second attempt, no second warning
+    assert sum("Python path" in r.getMessage() for r in caplog.records) == 1
+    assert (kernels.build_dir() / "FAILED").exists()
+    monkeypatch.setattr(kernels, "_state", {})  # a later process: no rebuild, one warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="infer.kernels"):
+        assert kernels.load() is None
+    assert [r.getMessage() for r in caplog.records if "building" in r.getMessage()] == []
