@@ -65,11 +65,13 @@ def read_config(path: Path) -> dict:
 
 
 def pick_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
-    """`auto` follows the checkpoint, except on a CPU with bf16 matrix units (AMX), where bfloat16 wins.
+    """`auto` follows the checkpoint, except on a CPU with bf16 hardware (AMX, or AVX-512 BF16), where
+    bfloat16 wins everything, and for float16, which has no fast CPU path at all.
 
-    Measured here (benchmarks/bench_dtype.py, docs/benchmarks.md), with bf16 weights prepacked: bf16
-    prefills 2-3x faster than fp32 and decodes a batch of 8 1.5-2x faster; at batch 1 it wins on
-    llama-50m and ties on the small embedded model. float16 has no fast CPU path at all.
+    Measured (benchmarks/bench_dtype.py, docs/benchmarks.md), bf16 weights prepacked for oneDNN: on an
+    Intel Xeon with AMX, bf16 prefills 2-3x faster than fp32 and decodes a batch of 8 1.5-2x faster; on an
+    AMD EPYC with AVX-512 BF16 and no AMX, 2.2-2.8x faster prefill and 2.5-3.6x faster decode at batch 1
+    and 8. A CPU with neither keeps the checkpoint's dtype (not measured: no such machine here).
     """
     if dtype != "auto":
         return to_torch_dtype(dtype)
@@ -80,8 +82,9 @@ def pick_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
 
 
 def _cpu_has_fast_bf16() -> bool:
-    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(is_amx and is_amx())
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return bool((amx or avx512_bf16) and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def load_model(
