@@ -34,46 +34,22 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     )
     traffic.add_argument("--only", default=None, help="comma-separated experiment names to run")
     traffic.set_defaults(func=cmd_traffic)
-    from infer.bench import client_tests
+    from infer.bench import client_tests, race, roofline, stress
 
-    client = sub.add_parser(
-        "client",
-        help="seed 003: cold/warm prefix-cache TTFT; sequential vs concurrent batches",
-        description=client_tests.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    client_tests.add_arguments(client)
-    client.set_defaults(func=client_tests.cmd_client)
-    from infer.bench import roofline
-
-    roof = sub.add_parser(
-        "roofline",
-        help="seed 004: a model's decode/prefill ceilings on this machine",
-        description=roofline.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    roofline.add_arguments(roof)
-    roof.set_defaults(func=roofline.cmd_roofline)
-    from infer.bench import race
-
-    race_parser = sub.add_parser(
-        "race",
-        help="issue 10: infer serve against a peer (vLLM), alternated, same prompts and load",
-        description=race.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    race.add_arguments(race_parser)
-    race_parser.set_defaults(func=race.cmd_race)
-    from infer.bench import stress
-
-    stress_parser = sub.add_parser(
-        "stress",
-        help="issue 14: storms of aborts, an overload, a soak; the server must give everything back",
-        description=stress.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    stress.add_arguments(stress_parser)
-    stress_parser.set_defaults(func=stress.cmd_stress)
+    for name, module, func, help_text in [
+        ("client", client_tests, client_tests.cmd_client, "seed 003: cold/warm prefix TTFT; batches"),
+        ("roofline", roofline, roofline.cmd_roofline, "seed 004: a model's ceilings on this machine"),
+        ("race", race, race.cmd_race, "issue 10: infer serve against a peer (vLLM), same load"),
+        ("stress", stress, stress.cmd_stress, "issue 14: aborts, overload, soak; nothing may leak"),
+    ]:
+        parser = sub.add_parser(
+            name,
+            help=help_text,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(parser)
+        parser.set_defaults(func=func)
     from infer.bench.micro import add_micro_parser
 
     add_micro_parser(sub)

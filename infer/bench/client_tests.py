@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import secrets
 import statistics
 import sys
@@ -28,7 +27,7 @@ from infer.bench.arrivals import Arrivals
 from infer.bench.client import BenchError, RequestSpec, StreamingClient, run_requests
 from infer.bench.metrics import RequestRecord, run_duration, ttft
 from infer.bench.prompts import PromptFactory
-from infer.bench.report import machine_info, render_table, server_info
+from infer.bench.report import machine_info, render_table, server_info, write_report
 from infer.bench.serving import resolve_model
 
 SHORT_PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -173,6 +172,5 @@ def cmd_client(args: argparse.Namespace, out=None) -> int:
             **result,
         }
         path = args.report_dir / f"client-{model.replace('/', '_')}-{started.strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(json.dumps(report, indent=1))
-        print(f"\nreport: {path}", file=out)
+        write_report(path, report, out)
     return 0

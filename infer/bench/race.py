@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import shlex
 import shutil
 import statistics
@@ -39,7 +38,7 @@ from infer.bench.client import BenchError, RequestSpec, StreamingClient, run_req
 from infer.bench.launch import LaunchedServer, free_port
 from infer.bench.metrics import RequestRecord, summarize
 from infer.bench.prompts import exact_prompts
-from infer.bench.report import machine_info, progress_bar, render_table, server_info
+from infer.bench.report import machine_info, progress_bar, render_table, server_info, write_report
 from infer.bench.serving import resolve_model
 
 SIDES = ("infer", "peer")
@@ -328,11 +327,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
     servers = {side: specs[side].describe() if side in specs else None for side in SIDES}
     command = shlex.join([Path(sys.argv[0]).name, *argv])
     report = build_report(started.isoformat(), command, config, servers, runs, figures)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
-    report["path"] = str(path)
-    print(f"\nreport: {path}", file=out)
-    return report
+    return write_report(path, report, out)
 
 
 def cmd_race(args: argparse.Namespace) -> int:

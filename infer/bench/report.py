@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
 import sys
 from collections.abc import Sequence
 from importlib import metadata
+from pathlib import Path
 
 import httpx
 
@@ -133,3 +135,13 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence], title: str | 
     out = [title] if title else []
     out += [line(cells[0]), "  ".join("-" * w for w in widths), *(line(r) for r in cells[1:])]
     return "\n".join(out)
+
+
+def write_report(path: Path, report: dict, out) -> dict:
+    """Write a benchmark's JSON report (its folder made as needed), say where on `out`; the report gains
+    its "path"."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    report["path"] = str(path)
+    print(f"\nreport: {path}", file=out)
+    return report

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import secrets
 import shlex
 import sys
@@ -31,6 +30,7 @@ from infer.bench.report import (
     render_table,
     scrape_metrics,
     server_info,
+    write_report,
 )
 from infer.bench.workloads import SCALES, WORKLOADS, Workload, get_workloads
 
@@ -275,9 +275,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
             args.report_dir
             / f"serving-{model.replace('/', '_')}-{args.workload.replace(',', '+')}-{stamp}.json"
         )
-        path.write_text(json.dumps(report, indent=1))
-        report["path"] = str(path)
-        print(f"\nreport: {path}", file=out)
+        write_report(path, report, out)
     return report
 
 

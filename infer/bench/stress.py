@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -45,7 +44,7 @@ import httpx
 
 from infer.bench.client import BenchError, check_server
 from infer.bench.launch import LaunchedServer
-from infer.bench.report import machine_info, render_table
+from infer.bench.report import machine_info, render_table, write_report
 from infer.bench.stress_checks import LeakLimits
 from infer.bench.stress_phases import run_aborts, run_overload, run_soak
 
@@ -196,11 +195,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
         "phases": results,
         "passed": not any(r["problems"] for r in results.values()),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
-    report["path"] = str(path)
-    print(f"\nreport: {path}", file=out)
-    return report
+    return write_report(path, report, out)
 
 
 def cmd_stress(args: argparse.Namespace) -> int:
