@@ -87,15 +87,16 @@ def use_path(path: str, monkeypatch) -> None:
         monkeypatch.setattr(kernels, "load", lambda: None)
 
 
-@pytest.mark.parametrize("path", ["kernel", "python"])
-@pytest.mark.parametrize("tuning", sorted(TUNINGS))
+# the tunings are the Python path's: the kernel runs as it is
+PATH_TUNINGS = [("kernel", "as_is")] + [("python", tuning) for tuning in sorted(TUNINGS)]
+
+
+@pytest.mark.parametrize(("path", "tuning"), PATH_TUNINGS)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("consecutive", [False, True], ids=["scattered", "consecutive"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("step", sorted(STEPS))
 def test_batched_attention_matches_reference(step, dtype, consecutive, window, tuning, path, monkeypatch):
-    if path == "kernel" and tuning != "as_is":
-        pytest.skip("the tunings are the Python path's")
     use_path(path, monkeypatch)
     monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 1 << 30)  # chunks ride in the batch
     for name, value in TUNINGS[tuning].items():
