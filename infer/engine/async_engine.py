@@ -148,7 +148,7 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             if outputs:  # one wake-up of the event loop per step, not one per request
-                self._loop.call_soon_threadsafe(self._put_all, outputs)
+                self._loop.call_soon_threadsafe(self._put_all, [(out.req_id, out) for out in outputs])
 
     def _apply_commands(self) -> None:
         while True:
@@ -168,17 +168,15 @@ class AsyncEngine:
                 for out in self.engine.abort(payload):
                     self._deliver(out.req_id, out)
 
-    def _put_all(self, outputs: list[StepOutput]) -> None:
-        """On the event loop: hand each output of a step to its request's stream."""
-        for out in outputs:
-            stream = self._streams.get(out.req_id)
+    def _put_all(self, items: list[tuple[str, object]]) -> None:
+        """On the event loop, which owns the streams: hand each (req_id, output or error) to its stream."""
+        for req_id, item in items:
+            stream = self._streams.get(req_id)
             if stream is not None:
-                stream.put_nowait(out)
+                stream.put_nowait(item)
 
     def _deliver(self, req_id: str, item) -> None:
-        stream = self._streams.get(req_id)
-        if stream is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, item)
+        self._loop.call_soon_threadsafe(self._put_all, [(req_id, item)])
 
     def _fail_all(self, exc: Exception) -> None:
         """A step failed outside any one request's work (LLMEngine attributes the rest): a bug in the
