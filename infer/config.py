@@ -108,6 +108,9 @@ def _positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+QUANTIZATION_METHODS = ("none", "int8", "int4")
+
+
 def _one_of(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
@@ -125,6 +128,9 @@ class EngineConfig:
         baseline); the scheduler is unchanged.
     prepack_weights: bf16 linear weights reordered once for oneDNN where the CPU does bf16 (False: the
         plain F.linear path, for comparison).
+    quantization: none, int8 (per output channel) or int4 (groups of 128): weight-only, done at load on
+        a bf16/fp32 checkpoint (infer/quant). A pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors)
+        is recognised from its config.json whatever this says, unless it asks for another method.
     """
 
     model: str | None = None
@@ -145,6 +151,7 @@ class EngineConfig:
     max_model_len: int | None = None
     use_kv_cache: bool = True
     prepack_weights: bool = True
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.num_kv_blocks is not None:
@@ -153,3 +160,4 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
+        _one_of("quantization", self.quantization, QUANTIZATION_METHODS)

@@ -31,7 +31,7 @@ from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.tokenizer import Tokenizer
-from infer.models.loader import EMBEDDED_MODEL, load_model
+from infer.models.loader import EMBEDDED_MODEL, load_model, weight_bytes
 from infer.runner.kv_cache import kv_bytes_per_token
 from infer.runner.model_runner import ModelRunner
 from infer.sampling_params import SamplingParams
@@ -75,7 +75,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         model, self.model_config, path = load_model(
-            config.model, config.dtype, config.load_format, config.seed, config.prepack_weights
+            config.model,
+            config.dtype,
+            config.load_format,
+            config.seed,
+            config.prepack_weights,
+            config.quantization,
         )
         tokenizer_path = path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_path)
@@ -109,6 +114,7 @@ class LLMEngine:
             config.use_kv_cache,
             self.tokenizer.eos_token_ids,
         )
+        self.quantization = {**model.quantization, "weight_mib": round(weight_bytes(model) / 2**20, 1)}
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.last_stats = StepStats()

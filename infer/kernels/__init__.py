@@ -3,6 +3,8 @@ as the fallback.
 
 `paged_attention.cpp`: attention of decodes (and small chunks) straight over the paged KV cache,
 both cores working (see infer/layers/attention.py for where it is used and what it gained).
+`quant_linear.cpp`: int8 and int4 weights times bf16 activations, for quantized models
+(infer/quant/linear.py); AVX-512 BF16 CPUs only (`isa()` ends in "+bf16"), torch's kernels elsewhere.
 
 The build goes through `torch.utils.cpp_extension` (g++ and ninja, -O3 -march=native -fopenmp) into
 `.build/kernels/<key>/` under the repository (~/.cache/infer/kernels when installed elsewhere), where
@@ -31,7 +33,7 @@ import torch
 logger = logging.getLogger("infer.kernels")
 
 NAME = "infer_kernels"
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "quant_linear.cpp")]
 HEADERS = [Path(__file__).with_name("vec.h")]
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -61,14 +63,14 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     key = hashlib.sha256()
-    sources = [p.read_bytes() for p in (SOURCE, *HEADERS)]
+    sources = [p.read_bytes() for p in (*SOURCES, *HEADERS)]
     for part in (*sources, " ".join(_flags()), torch.__version__, sys.version, _cpu_flags()):
         key.update(part if isinstance(part, bytes) else part.encode())
     return build_root() / key.hexdigest()[:16]
 
 
 def load():
-    """torch.ops.infer_kernels (paged_attention, isa), or None: disabled, or could not be built."""
+    """torch.ops.infer_kernels (paged_attention, quant_linear, isa), or None: disabled or not built."""
     if "ops" not in _state:
         with _lock:
             if "ops" not in _state:
@@ -113,7 +115,7 @@ def _build(directory: Path) -> None:
     try:
         cpp_extension.load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=_flags(),
             extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(p.parent) for p in HEADERS],

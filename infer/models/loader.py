@@ -17,6 +17,8 @@ from infer.layers.linear import can_prepack, prepack_linears
 from infer.models.config import ModelConfig
 from infer.models.dtypes import to_torch_dtype
 from infer.models.registry import model_class
+from infer.quant.formats import CheckpointQuant, parse_quantization_config, quantized_linear_prefix
+from infer.quant.linear import quantize_model, summarize, swap_quantized
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED_MODEL = ASSETS / "embedded"
@@ -93,9 +95,12 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     prepack: bool = True,
+    quantization: str = "none",
 ) -> tuple[nn.Module, ModelConfig, Path]:
-    """Returns (model in eval mode on CPU, its config, its folder). With `prepack`, bf16 linear layers get
-    their weights reordered once for oneDNN where the CPU supports it (infer.layers.linear)."""
+    """Returns (model in eval mode on CPU, its config, its folder). `quantization` int8 or int4 swaps the
+    linear layers for quantized ones (infer.quant; `model.quantization` summarises what was done). With
+    `prepack`, the remaining bf16 linear layers get their weights reordered once for oneDNN where the CPU
+    supports it (infer.layers.linear)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unknown load format {load_format!r}; choose auto, safetensors or dummy")
     path = resolve_model_path(model, load_format)
@@ -108,11 +113,18 @@ def load_model(
     for module in net.modules():  # buffers (rope tables) were left uninitialised by to_empty
         if hasattr(module, "init_buffers"):
             module.init_buffers()
+    quant = None if load_format == "dummy" else parse_quantization_config(read_config(path))
+    if quant is not None and quantization != "none":
+        raise ValueError(
+            f"{path.name} is already quantized ({quant.method}): drop --quantization {quantization}"
+        )
+    swapped = {}
     if load_format == "dummy":
         init_dummy_weights(net, seed)
     else:
-        load_weights(net, path)
+        swapped = load_weights(net, path, quant)
     net = net.eval().requires_grad_(False)
+    net.quantization = summarize(quant, swapped) if quant else quantize_model(net, quantization)
     if prepack and can_prepack(torch_dtype):
         prepack_linears(net)
     return net, cfg, path
@@ -130,13 +142,23 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def load_weights(net: nn.Module, path: Path) -> None:
+def load_weights(net: nn.Module, path: Path, quant: CheckpointQuant | None = None) -> dict:
+    """Copy the checkpoint's tensors into `net`. With `quant` (a pre-quantized checkpoint), the tensors of
+    its quantized linears are unpacked instead, and those linears swapped for QuantizedLinear layers;
+    returns what was swapped (infer.quant.linear.swap_quantized)."""
     params = dict(net.named_parameters())
     packed = {ckpt: (fused, i) for fused, names in net.packed_modules.items() for i, ckpt in enumerate(names)}
     loaded: set[str] = set()
-    for file in safetensors_files(path):
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # quantized linear prefix -> its tensors by leaf
+    files = safetensors_files(path)
+    names = _tensor_names(files) if quant is not None else None
+    for file in files:
         with safe_open(file, framework="pt") as f:
             for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                hit = quant and quantized_linear_prefix(quant, ckpt_name, names)
+                if hit:
+                    pending.setdefault(hit[0], {})[hit[1]] = f.get_tensor(ckpt_name)
+                    continue
                 remapped = net.remap_weight(ckpt_name, f.get_tensor(ckpt_name))
                 if remapped is None:
                     continue
@@ -158,11 +180,22 @@ def load_weights(net: nn.Module, path: Path) -> None:
                     loaded.add(name)
                 else:
                     raise ValueError(f"unexpected weight {ckpt_name!r} in {file.name}")
+    swapped = swap_quantized(net, quant, pending, packed) if pending else {}
+    loaded |= {f"{prefix}.weight" for prefix in pending}
     missing = set(_checkpoint_names(net, params)) - loaded
     if net.config.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"weights missing from {path}: {', '.join(sorted(missing)[:8])}")
+    return swapped
+
+
+def _tensor_names(files: list[Path]) -> set[str]:
+    names: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.update(f.keys())
+    return names
 
 
 def _checkpoint_names(net: nn.Module, params: dict) -> list[str]:
@@ -194,3 +227,12 @@ def num_parameters(net: nn.Module) -> int:
     """Parameters, counting the weights of prepacked layers (which are not parameters any more)."""
     packed = sum(getattr(m, "num_packed_params", 0) for m in net.modules())
     return sum(p.numel() for p in net.parameters()) + packed
+
+
+def weight_bytes(net: nn.Module) -> int:
+    """Bytes the weights take: parameters and buffers (quantized codes, scales), and prepacked bf16
+    weights (opaque to torch, counted by their element count)."""
+    held = sum(t.nbytes for t in (*net.parameters(), *net.buffers()))
+    return held + 2 * sum(
+        getattr(m, "num_packed_params", 0) for m in net.modules() if hasattr(m, "packed_weight")
+    )

@@ -20,6 +20,7 @@ from infer.config import (
     BATCHING_MODES,
     KV_CACHE_BACKENDS,
     POLICIES,
+    QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -102,6 +103,14 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         default=d["load_format"],
         choices=["auto", "safetensors", "dummy"],
         help="dummy: random weights in the model's shape",
+    )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=d["quantization"],
+        choices=QUANTIZATION_METHODS,
+        help="weight-only, at load: int8 per channel, int4 in groups of 128 (pre-quantized AWQ/GPTQ/"
+        "compressed-tensors checkpoints are recognised without it)",
     )
     parser.add_argument(
         "--seed", type=int, default=d["seed"], help="engine seed (dummy weights, unseeded sampling)"

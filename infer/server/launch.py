@@ -92,6 +92,15 @@ def log_config(args: ServerArgs, state: ServerState) -> None:
         "on" if cache.prefix_caching else "off",
         llm.scheduler_config,
     )
+    quant = llm.quantization
+    logger.info(
+        "weights: %.1f MiB; quantization %s%s",
+        quant["weight_mib"],
+        quant["method"],
+        f" ({quant['layers']} linear layers, kernels {quant['backends']}, LM head {quant['lm_head']})"
+        if quant["layers"]
+        else "",
+    )
     if args.cuda_graphs:
         logger.warning("--cuda-graphs: the engine has no GPU path yet; the flag has no effect")
     logger.info("ready on http://%s:%d (OpenAI API under /v1)", args.host, args.port)

@@ -221,7 +221,7 @@ def test_failed_build_falls_back_once_and_is_not_retried(tmp_path, monkeypatch, 
     broken = tmp_path / "broken.cpp"
     broken.write_text("#error this kernel does not compile\n")
     monkeypatch.delenv("INFER_NO_KERNELS", raising=False)
-    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setattr(kernels, "SOURCES", [broken])
     monkeypatch.setattr(kernels, "build_root", lambda: tmp_path / "build")
     monkeypatch.setattr(kernels, "_state", {})
     with caplog.at_level(logging.WARNING, logger="infer.kernels"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -208,3 +209,21 @@ def test_a_model_that_cannot_load_exits_1(tmp_path):
         )
     assert proc.returncode == 1
     assert "could not load the model" in log.read_text()
+
+
+def test_quantization_flag_reaches_the_engine_and_server_info(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("quantization: int8\n")
+    assert _parse(["--config", str(config)]).engine.quantization == "int8"
+    with pytest.raises(SystemExit):
+        _parse(["--quantization", "int3"])
+    with TestClient(create_app(_parse(["--quantization", "int4"]))) as http:
+        deadline = time.monotonic() + 120
+        while http.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the model loads in the background
+        info = http.get("/server_info").json()
+        quant = info["quantization"]
+        assert info["engine"]["quantization"] == "int4" and quant["method"] == "int4"
+        assert quant["bits"] == 4 and quant["lm_head"] == "int8" and quant["layers"] > 0
+        reply = http.post(CMPL, json={"prompt": "In the beginning", "max_tokens": 4})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4

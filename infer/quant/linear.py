@@ -1,0 +1,244 @@
+"""Quantized linear layers: a swap of nn.Linear, done once at load (as gpt-fast does it).
+
+Each QuantizedLinear repacks its `QuantizedWeight` for the fastest path this machine has, chosen once:
+
+    "infer"   the C++ kernel (infer/kernels/quant_linear.cpp): bf16 activations on an AVX-512 BF16 CPU.
+              Weights are read once per call whatever the number of rows, converted to bf16 in tiles
+              that stay in cache, multiplied with vdpbf16ps. Every step uses it, decode and prefill.
+    "torch"   torch's weight-only kernels (`_weight_int8pack_mm` for int8 per channel without zero points,
+              `_weight_int4pack_mm_for_cpu` for int4 in groups of 32..256): other CPUs, float32 models.
+    "dequant" anything else (e.g. int8 in groups, on a CPU without AVX-512 BF16): the weight dequantized
+              once into the model's dtype. Correct, but saves neither memory nor time: logged at load.
+
+The measurements behind the choice are in docs/benchmarks.md ("Quantization").
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from infer import kernels
+from infer.config import QUANTIZATION_METHODS
+from infer.layers.linear import MergedLinear
+from infer.quant.weights import QuantizedWeight, concat, quantize
+
+logger = logging.getLogger("infer.quant")
+
+GROUP_SIZE = 128  # int4's group: AWQ's and GPTQ's default, what torch's int4 kernel was tuned for
+HEAD_BITS = 8  # the LM head: int8 per channel with either method (docs/benchmarks.md: perplexity)
+
+
+def _kernel_ops():
+    ops = kernels.load()
+    return ops if ops is not None and ops.isa().endswith("+bf16") else None
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T + b with W held as int8 or int4 codes (see module docstring for the paths)."""
+
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        output_sizes=None,
+        backend: str | None = None,
+    ):
+        """`backend` None picks the fastest path (module docstring); naming one forces it (tests, A/B)."""
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.bits, self.group_size = weight.bits, weight.group_size
+        if output_sizes is not None:
+            self.output_sizes = list(output_sizes)  # the model splits a merged projection's output by them
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        supported = _backends(weight, dtype)
+        if backend is not None and backend not in supported:
+            raise ValueError(f"backend {backend!r} cannot run this weight here; these can: {supported}")
+        self.backend = backend or supported[0]
+        pack = {"infer": self._pack_kernel, "torch": self._pack_torch, "dequant": self._pack_dequant}
+        pack[self.backend](weight, dtype)
+        self.num_packed_params = self.in_features * self.out_features
+
+    # ---- packing, once ----
+
+    def _pack_kernel(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        self._ops = _kernel_ops()
+        q, zeros = w.q, w.zeros
+        if w.bits == 4 and zeros is None:  # signed codes -8..7 become 0..15 around a zero of 8
+            q, zeros = q + 8, torch.full_like(w.scales, 8.0)
+        self.register_buffer("qweight", pack_int4(q) if w.bits == 4 else q.contiguous(), persistent=False)
+        self.register_buffer("scales", w.scales.contiguous(), persistent=False)
+        offsets = None if zeros is None else (-zeros * w.scales).contiguous()
+        self.register_buffer("offsets", offsets, persistent=False)
+
+    def _pack_torch(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        if w.bits == 8:
+            self.register_buffer("qweight", w.q.contiguous(), persistent=False)
+            self.register_buffer("scales", w.scales.view(-1).to(dtype), persistent=False)
+            return
+        q, zeros = (w.q + 8, torch.full_like(w.scales, 8.0)) if w.zeros is None else (w.q, w.zeros)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        # torch's int4 dequantization is (code - 8) * scale + zero: zero = (8 - our zero) * scale
+        scales_and_zeros = torch.stack([w.scales, (8 - zeros) * w.scales], -1)  # [out, groups, 2]
+        self.register_buffer("qweight", packed, persistent=False)
+        self.register_buffer(
+            "scales", scales_and_zeros.transpose(0, 1).contiguous().to(dtype), persistent=False
+        )
+
+    def _pack_dequant(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.register_buffer("weight", w.dequantize(dtype), persistent=False)
+
+    # ---- the forward ----
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)  # [num_tokens, in]
+        if self.backend == "infer":
+            y = self._ops.quant_linear(
+                flat.contiguous(),
+                self.qweight,
+                self.scales,
+                self.offsets,
+                self.bias,
+                self.bits,
+                self.group_size,
+            )
+        else:
+            if self.backend == "dequant":
+                y = nn.functional.linear(flat, self.weight)
+            elif self.bits == 8:
+                y = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
+            else:
+                y = torch._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales)
+            if self.bias is not None:
+                y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        shape = f"{self.in_features} -> {self.out_features}"
+        return f"{shape}, int{self.bits}, group {self.group_size}, {self.backend}"
+
+
+def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
+    """The paths that can run `w` with activations of `dtype`, fastest first."""
+    out_features, in_features = w.shape
+    found = []
+    kernel_shape = out_features % 4 == 0 and in_features % 32 == 0 and w.group_size % 32 == 0
+    if dtype == torch.bfloat16 and kernel_shape and _kernel_ops() is not None:
+        found.append("infer")
+    if w.bits == 8 and w.zeros is None and w.group_size == in_features:
+        found.append("torch")
+    if w.bits == 4 and w.group_size in (32, 64, 128, 256):
+        found.append("torch")
+    return [*found, "dequant"]
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [out, in] -> uint8 [out, in / 2]: in each 32 inputs, byte j holds input j (low nibble)
+    and input 16 + j (high nibble), so that the kernel unpacks 32 inputs in order with two operations."""
+    out_features, in_features = q.shape
+    codes = q.to(torch.uint8).view(out_features, in_features // 32, 2, 16)
+    return (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int = GROUP_SIZE) -> dict:
+    """Swap every nn.Linear of `model` for a QuantizedLinear of its weight, quantized here (round to
+    nearest): int8 per output channel, or int4 in groups of `group_size` (see _group_for); the LM head
+    in int8 either way. A tied head gets its own codes (the embedding keeps its weight for lookups).
+    Returns a summary for logs and /server_info."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZATION_METHODS)}")
+    if method == "none":
+        return summarize(None, {})
+    bits = 8 if method == "int8" else 4
+    swapped = {}
+    for path, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            if type(child) not in (nn.Linear, MergedLinear):
+                continue
+            layer_bits = HEAD_BITS if name == "lm_head" else bits
+            group = None if layer_bits == 8 else _group_for(child.in_features, group_size)
+            qweight = quantize(child.weight, layer_bits, group)
+            new = QuantizedLinear(
+                qweight, child.bias, child.weight.dtype, getattr(child, "output_sizes", None)
+            )
+            setattr(module, name, new)
+            swapped[f"{path}.{name}" if path else name] = new
+    return summarize(method, swapped)
+
+
+def _group_for(in_features: int, group_size: int) -> int:
+    """group_size, or the largest of its halves down to 32 that divides the inputs (tiny test models),
+    or one group per row."""
+    while group_size >= 32:
+        if in_features % group_size == 0:
+            return group_size
+        group_size //= 2
+    return in_features
+
+
+def swap_quantized(net: nn.Module, quant, pending: dict[str, dict[str, torch.Tensor]], packed: dict) -> dict:
+    """The quantized linears of a pre-quantized checkpoint: `pending` holds each one's tensors (by the
+    checkpoint's linear prefix and leaf), `packed` maps a checkpoint projection to (fused module, shard).
+    Unpacks each (infer.quant.formats), joins the shards of fused projections (q/k/v, gate/up) and swaps
+    the module for a QuantizedLinear. Returns {module path: QuantizedLinear}."""
+    from infer.quant.formats import unpack
+
+    shards: dict[str, dict[int, QuantizedWeight]] = {}
+    for prefix, tensors in pending.items():
+        probe = torch.empty(0)
+        remapped = net.remap_weight(f"{prefix}.weight", probe)
+        if remapped is None or remapped[1] is not probe:
+            raise ValueError(f"{prefix}: quantized weights are not supported for {net.config.architecture}")
+        module_path = remapped[0].removesuffix(".weight")
+        parent, _, child = module_path.rpartition(".")
+        target, shard = (
+            (f"{parent}.{packed[child][0]}" if parent else packed[child][0], packed[child][1])
+            if (child in packed)
+            else (module_path, 0)
+        )
+        try:
+            module = net.get_submodule(target)
+        except AttributeError:
+            raise ValueError(f"{prefix}: quantized weights for a layer the model does not have") from None
+        out_features = module.output_sizes[shard] if child in packed else module.out_features
+        shards.setdefault(target, {})[shard] = unpack(
+            quant, prefix, tensors, (out_features, module.in_features)
+        )
+    swapped = {}
+    for target, parts in shards.items():
+        module = net.get_submodule(target)
+        sizes = getattr(module, "output_sizes", None)
+        if len(parts) != len(sizes or [0]):
+            raise ValueError(
+                f"{target}: only {len(parts)} of its {len(sizes)} fused projections are quantized"
+            )
+        weight = concat([parts[i] for i in range(len(parts))])
+        new = QuantizedLinear(weight, module.bias, module.weight.dtype, sizes)
+        parent, _, child = target.rpartition(".")
+        setattr(net.get_submodule(parent) if parent else net, child, new)
+        swapped[target] = new
+    return swapped
+
+
+def summarize(method, swapped: dict[str, QuantizedLinear]) -> dict:
+    """What was quantized, for the start-up log and /server_info. `method`: ours (int8/int4), a
+    checkpoint's CheckpointQuant, or None."""
+    backends: dict[str, int] = {}
+    for layer in swapped.values():
+        backends[layer.backend] = backends.get(layer.backend, 0) + 1
+    body = [layer for name, layer in swapped.items() if not name.endswith("lm_head")]
+    head = next((layer for name, layer in swapped.items() if name.endswith("lm_head")), None)
+    if "dequant" in backends:
+        logger.warning("%d layers have no quantized kernel here: dequantized at load", backends["dequant"])
+    name = method if isinstance(method, str) or method is None else f"{method.method} ({method.format})"
+    return {
+        "method": name or "none",
+        "layers": len(swapped),
+        "bits": body[0].bits if body else None,
+        "group_size": body[0].group_size if body else None,
+        "lm_head": f"int{head.bits}" if head else None,
+        "backends": backends,
+    }

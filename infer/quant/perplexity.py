@@ -1,0 +1,52 @@
+"""Perplexity of a model on a text: how much quantization costs in quality.
+
+The text is cut into windows of `window` tokens, each scored on its own (one packed prefill through the
+model's own paged attention, as the engine runs it), and the loss is averaged over every predicted token.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from infer.layers.attention import AttentionMetadata
+from infer.runner.kv_cache import allocate_kv_cache
+
+BLOCK_SIZE = 16
+GENESIS = Path(__file__).resolve().parents[1] / "assets" / "toy" / "genesis.txt"
+HELD_OUT = (1121, 1150)  # Genesis 38 in genesis.txt (1-based lines, inclusive): held out from training
+
+
+def held_out_text() -> str:
+    """Text the embedded model never trained on (infer/assets/embedded/README.md: its eval chapters)."""
+    lines = GENESIS.read_text().splitlines()
+    return "\n".join(lines[HELD_OUT[0] - 1 : HELD_OUT[1]])
+
+
+@torch.inference_mode()
+def perplexity(model, token_ids: list[int], window: int = 512) -> float:
+    """exp(mean negative log-likelihood of each token given the ones before it in its window)."""
+    if len(token_ids) < 2:
+        raise ValueError("perplexity needs at least 2 tokens")
+    window = min(window, model.config.max_position_embeddings)
+    num_blocks = -(-window // BLOCK_SIZE)
+    kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, next(model.parameters()).dtype)
+    total_nll, total_tokens = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        ids = torch.tensor(token_ids[start : start + window + 1])
+        inputs, targets = ids[:-1], ids[1:]
+        n = len(inputs)
+        meta = AttentionMetadata(
+            query_lens=[n],
+            seq_lens=[n],
+            slot_mapping=torch.arange(n),
+            block_tables=torch.arange(num_blocks).view(1, num_blocks),
+            kv_caches=kv_caches,
+        )
+        hidden = model(inputs, torch.arange(n), meta)  # [n, hidden]
+        logits = model.compute_logits(hidden).float()  # [n, vocab]
+        total_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+        total_tokens += n
+    return math.exp(total_nll / total_tokens)

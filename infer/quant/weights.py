@@ -1,0 +1,102 @@
+"""The one form every quantized weight takes inside `infer`, whatever it was read from.
+
+A checkpoint format (AWQ, GPTQ, compressed-tensors: infer/quant/formats.py) or our own quantizer
+(`quantize`, for `--quantization int8|int4` on a bf16/fp32 checkpoint) produces a `QuantizedWeight`;
+infer/quant/linear.py repacks it once into the layout of the kernel that will run it.
+
+    weight[n, k] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size]
+
+    q       int8 [out, in]          integer codes: 0 .. 2^bits - 1 with zeros, or signed
+                                    -2^(bits-1) .. 2^(bits-1) - 1 without (symmetric)
+    scales  float32 [out, in / group_size]
+    zeros   float32 [out, in / group_size] of integers, or None (symmetric: zero is 0)
+
+Per output channel is the case group_size == in (one group per row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (4, 8)
+
+
+@dataclass
+class QuantizedWeight:
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group_size: int
+
+    def __post_init__(self):
+        out_features, in_features = self.q.shape
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"{self.bits}-bit weights are not supported (only {SUPPORTED_BITS})")
+        if self.group_size <= 0 or in_features % self.group_size:
+            raise ValueError(f"group size {self.group_size} does not divide the input size {in_features}")
+        groups = (out_features, in_features // self.group_size)
+        for name in ("scales", "zeros"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != groups:
+                raise ValueError(f"{name}: expected shape {groups}, got {tuple(t.shape)}")
+        assert self.q.dtype == torch.int8 and self.scales.dtype == torch.float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight these codes stand for, [out, in], computed in float32."""
+        out_features, in_features = self.q.shape
+        codes = self.q.float().view(out_features, -1, self.group_size)  # [out, groups, group_size]
+        if self.zeros is not None:
+            codes = codes - self.zeros[..., None]
+        return (codes * self.scales[..., None]).view(out_features, in_features).to(dtype)
+
+
+def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights along the output dimension (q/k/v into one merged projection)."""
+    first = parts[0]
+    if any(
+        (p.bits, p.group_size, p.zeros is None) != (first.bits, first.group_size, first.zeros is None)
+        for p in parts
+    ):
+        raise ValueError("merged projections must share bits, group size and zero-point scheme")
+    zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+    return QuantizedWeight(
+        torch.cat([p.q for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        zeros,
+        first.bits,
+        first.group_size,
+    )
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> QuantizedWeight:
+    """Round-to-nearest weight-only quantization of a [out, in] matrix.
+
+    int8: symmetric, one scale per output channel (group_size None = the whole row), codes -127..127.
+    int4: asymmetric per group of `group_size` inputs (AWQ's and GPTQ's default scheme), codes 0..15 with
+    an integer zero point, which keeps the group's min and max representable.
+    """
+    out_features, in_features = weight.shape
+    group_size = group_size or in_features
+    if in_features % group_size:
+        raise ValueError(f"group size {group_size} does not divide the input size {in_features}")
+    w = weight.detach().float().view(out_features, -1, group_size)  # [out, groups, group_size]
+    if bits == 8:
+        scales = (w.abs().amax(-1) / 127).clamp(min=1e-10)
+        q = torch.round(w / scales[..., None]).clamp(-127, 127)
+        zeros = None
+    elif bits == 4:
+        lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+        scales = ((hi - lo) / 15).clamp(min=1e-10)
+        zeros = torch.round(-lo / scales).clamp(0, 15)
+        q = (torch.round(w / scales[..., None]) + zeros[..., None]).clamp(0, 15)
+    else:
+        raise ValueError(f"{bits}-bit quantization is not supported (only {SUPPORTED_BITS})")
+    q = q.to(torch.int8).view(out_features, in_features)
+    return QuantizedWeight(q, scales.contiguous(), zeros, bits, group_size)
