@@ -6,7 +6,7 @@
 // multiply row by row. Here each thread owns a slice of output channels and, for tiles of 4 channels:
 //
 //   codes of 4 rows of W, all of K  --convert once-->  bf16 tile in a small buffer (L1/L2)
-//   (3 or 4 rows of x: each chunk converted in registers and used at once, no buffer; measured)
+//   (a decode, up to 4 rows of x: each chunk converted in registers and used at once)
 //   for each 4 rows of x:  16 accumulators (4 x 4) += vdpbf16ps(x chunk, w chunk), 32 inputs per step
 //   sum each accumulator's lanes (vsum_each), scale, add the bias, store bf16
 //
@@ -15,10 +15,10 @@
 // uses. Conversion: codes -> float32 -> (q - z) * s per group -> bf16, except for int8 with one scale
 // per channel and no zero, where the integer codes are exact in bf16 and the scale multiplies the sum.
 //
-// Layouts (infer/quant/linear.py packs them):
-//   int8   int8 [N, K], codes as they are
-//   int4   uint8 [N, K / 2], unsigned codes 0..15; in each 32 inputs k0..k0+31, byte j holds input
-//          k0 + j in its low nibble and k0 + 16 + j in its high nibble
+// Layouts (infer/quant/linear.py packs them), in tiles of 4 rows (see chunk()):
+//   int8   int8, a chunk = 32 codes of one row as they are
+//   int4   uint8, a chunk = 16 bytes for 32 inputs k0..k0+31 of one row, unsigned codes 0..15: byte j
+//          holds input k0 + j in its low nibble and k0 + 16 + j in its high nibble
 //   scales float32 [N, K / group]; offsets float32 [N, K / group] = -zero * scale (or absent)
 // Requires K and the group size to be multiples of 32 and N a multiple of 4; the caller checks.
 
@@ -50,38 +50,47 @@ struct Problem {
   bool scale_after;  // int8 per channel, symmetric: exact codes, the scale multiplies the sum
 };
 
-// 32 codes of row n starting at input k, as float32 halves: lo = inputs k..k+15, hi = k+16..k+31
+// 32 codes of row n starting at input k, as float32 halves: lo = inputs k..k+15, hi = k+16..k+31.
+// Layout: tiles of kN rows, each tile's chunks in input order and, within a chunk, its kN rows side by
+// side: the kernel reads a tile as one sequential stream (4 rows read apart, each a stream of its own,
+// ran 1.6x slower from DRAM for rows of 8 KB)
+template <int BITS>
+inline const uint8_t* chunk(const Problem& P, int64_t n, int64_t k) {
+  constexpr int64_t bytes = BITS == 8 ? kK : kK / 2;
+  return P.w + (((n / kN) * (P.K / kK) + k / kK) * kN + n % kN) * bytes;
+}
+
 template <int BITS>
 inline void codes(const Problem& P, int64_t n, int64_t k, __m512& lo, __m512& hi) {
+  const uint8_t* p = chunk<BITS>(P, n, k);
   if constexpr (BITS == 8) {
-    const int8_t* p = reinterpret_cast<const int8_t*>(P.w) + n * P.K + k;
     __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
   } else {
-    const uint8_t* p = P.w + n * (P.K / 2) + k / 2;
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
   }
 }
 
-// rows n0..n0+kN-1 of W, all K inputs, into buf as bf16 (row-major, K per row)
+// rows n0..n0+kN-1 of W, inputs [k0, k1), into buf as bf16 (row-major, k1 - k0 per row); k0 and k1 are
+// multiples of the group size (or anything, for scale_after)
 template <int BITS>
-void convert_tile(const Problem& P, int64_t n0, __m512bh* buf) {
-  const int64_t groups = P.K / P.group, per_group = P.group / kK;
+void convert_tile(const Problem& P, int64_t n0, int64_t k0, int64_t k1, __m512bh* buf) {
+  const int64_t groups = P.K / P.group, per_group = P.group / kK, steps = (k1 - k0) / kK;
   for (int64_t i = 0; i < kN; ++i) {
     const int64_t n = n0 + i;
-    __m512bh* out = buf + i * (P.K / kK);
+    __m512bh* out = buf + i * steps;
     if (P.scale_after) {
-      for (int64_t k = 0; k < P.K; k += kK, ++out) {
+      for (int64_t k = k0; k < k1; k += kK, ++out) {
         __m512 lo, hi;
         codes<BITS>(P, n, k, lo, hi);
         *out = _mm512_cvtne2ps_pbh(hi, lo);
       }
       continue;
     }
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = k0 / P.group; g < k1 / P.group; ++g) {
       const __m512 scale = _mm512_set1_ps(P.scales[n * groups + g]);
       const __m512 offset = _mm512_set1_ps(P.offsets ? P.offsets[n * groups + g] : 0.0f);
       for (int64_t s = 0; s < per_group; ++s, ++out) {
@@ -126,10 +135,10 @@ void multiply_tile(const Problem& P, int64_t n0, const __m512bh* buf, int64_t m0
   store_tile<ROWS>(P, n0, m0, acc);
 }
 
-// For a decode of 3 or 4 rows: convert each chunk of weights in registers and use it at once, no
-// buffer (the weights are read once anyway; the store and reload of the tile would be the extra cost)
+// A decode of up to kM rows: each chunk of the tile converted in registers and used at once (the
+// tile is one sequential stream; no buffer to write and read back)
 template <int BITS, int ROWS>
-void direct_tile(const Problem& P, int64_t n0) {
+void decode_tile(const Problem& P, int64_t n0) {
   const int64_t groups = P.K / P.group, per_group = P.group / kK;
   __m512 acc[kM * kN];
   for (auto& a : acc) a = _mm512_setzero_ps();
@@ -159,10 +168,12 @@ void direct_tile(const Problem& P, int64_t n0) {
 }
 
 template <int BITS>
-void direct_rows(const Problem& P, int64_t n0) {
+void decode_rows(const Problem& P, int64_t n0) {
   switch (P.M) {
-    case 3: return direct_tile<BITS, 3>(P, n0);
-    default: return direct_tile<BITS, 4>(P, n0);
+    case 1: return decode_tile<BITS, 1>(P, n0);
+    case 2: return decode_tile<BITS, 2>(P, n0);
+    case 3: return decode_tile<BITS, 3>(P, n0);
+    default: return decode_tile<BITS, 4>(P, n0);
   }
 }
 
@@ -177,11 +188,11 @@ void multiply_rows(const Problem& P, int64_t n0, const __m512bh* buf, int64_t m0
 
 void run(const Problem& P) {
   const int64_t tiles = P.N / kN, steps = P.K / kK;
-  if (P.M > 2 && P.M <= kM) {  // 1-2 rows: the buffered path measured faster (int4 1.5x, int8 equal)
+  if (P.M <= kM) {
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        if (P.bits == 8) direct_rows<8>(P, t * kN);
-        else direct_rows<4>(P, t * kN);
+        if (P.bits == 8) decode_rows<8>(P, t * kN);
+        else decode_rows<4>(P, t * kN);
       }
     });
     return;
@@ -189,8 +200,8 @@ void run(const Problem& P) {
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512bh> buf(kN * steps);
     for (int64_t t = begin; t < end; ++t) {
-      if (P.bits == 8) convert_tile<8>(P, t * kN, buf.data());
-      else convert_tile<4>(P, t * kN, buf.data());
+      if (P.bits == 8) convert_tile<8>(P, t * kN, 0, P.K, buf.data());
+      else convert_tile<4>(P, t * kN, 0, P.K, buf.data());
       for (int64_t m0 = 0; m0 < P.M; m0 += kM) multiply_rows(P, t * kN, buf.data(), m0, std::min(kM, P.M - m0));
     }
   });

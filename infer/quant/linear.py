@@ -69,7 +69,7 @@ class QuantizedLinear(nn.Module):
         q, zeros = w.q, w.zeros
         if w.bits == 4 and zeros is None:  # signed codes -8..7 become 0..15 around a zero of 8
             q, zeros = q + 8, torch.full_like(w.scales, 8.0)
-        self.register_buffer("qweight", pack_int4(q) if w.bits == 4 else q.contiguous(), persistent=False)
+        self.register_buffer("qweight", pack_kernel(q, w.bits), persistent=False)
         self.register_buffer("scales", w.scales.contiguous(), persistent=False)
         offsets = None if zeros is None else (-zeros * w.scales).contiguous()
         self.register_buffer("offsets", offsets, persistent=False)
@@ -135,12 +135,17 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
     return [*found, "dequant"]
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 [out, in] -> uint8 [out, in / 2]: in each 32 inputs, byte j holds input j (low nibble)
-    and input 16 + j (high nibble), so that the kernel unpacks 32 inputs in order with two operations."""
+def pack_kernel(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [out, in] -> the kernel's layout: tiles of 4 rows, each tile's chunks of 32 inputs in order,
+    a chunk's 4 rows side by side (one sequential stream per tile). An int4 chunk is 16 bytes: byte j
+    holds input j (low nibble) and input 16 + j (high nibble), so that two operations unpack 32 inputs
+    in order."""
     out_features, in_features = q.shape
-    codes = q.to(torch.uint8).view(out_features, in_features // 32, 2, 16)
-    return (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(out_features, in_features // 2).contiguous()
+    if bits == 4:
+        codes = q.to(torch.uint8).view(out_features, in_features // 32, 2, 16)
+        q = codes[:, :, 0] | (codes[:, :, 1] << 4)  # [out, in / 32, 16]
+    chunks = q.reshape(out_features // 4, 4, in_features // 32, -1)  # [tiles, 4 rows, chunks, bytes]
+    return chunks.transpose(1, 2).contiguous().view(out_features, -1)
 
 
 def quantize_model(model: nn.Module, method: str, group_size: int = GROUP_SIZE) -> dict:
