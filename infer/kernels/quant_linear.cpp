@@ -2,31 +2,35 @@
 // model (infer/quant/linear.py), for every number of rows from a one-token decode to a prefill chunk.
 //
 // torch's own weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) beat a bf16
-// matmul at one row but lose 1.3x at 8 rows and 2.3x at 32 (docs/benchmarks.md): they dequantize and
-// multiply row by row. Here each thread owns a slice of output channels and, for tiles of 4 channels:
+// matmul at one row but lose 1.3x at 8 rows and 2.3x at 32: they dequantize and multiply row by row.
+// Here the weights are laid out as oneDNN lays out bf16 weights for vdpbf16ps (blocks of 16 output
+// channels, the two inputs of each pair side by side), so one vector of codes, converted, is one
+// operand of vdpbf16ps whose 16 lanes are 16 output channels, and x enters as one broadcast pair:
 //
-//   codes of 4 rows of W, all of K  --convert once-->  bf16 tile in a small buffer (L1/L2)
-//   (a decode, up to 4 rows of x: each chunk converted in registers and used at once)
-//   for each 4 rows of x:  16 accumulators (4 x 4) += vdpbf16ps(x chunk, w chunk), 32 inputs per step
-//   sum each accumulator's lanes (vsum_each), scale, add the bias, store bf16
+//   decode (M <= 4 rows): per tile of up to 4 blocks (64 channels), per input pair:
+//       convert each block's 32 codes in registers -> bf16; acc[row][block] += dp(x pair, w)
+//   batch (M > 4): per tile of 2 blocks (32 channels), per block of 512 inputs:
+//       convert the tile's codes once into a 32 KB buffer (L1) -> for each 12 rows of x:
+//       24 accumulators (kept in a small float tile between blocks of inputs) += dp(x pair, w)
 //
-// so the weights are read from memory once per call, whatever M, and the multiply-adds run at the bf16
-// dot-product rate of the CPU (AVX-512 BF16: Zen 4, Sapphire Rapids), which is what oneDNN's bf16 matmul
-// uses. Conversion: codes -> float32 -> (q - z) * s per group -> bf16, except for int8 with one scale
-// per channel and no zero, where the integer codes are exact in bf16 and the scale multiplies the sum.
+// No horizontal sums: lanes are channels, an output row is one vector store. Conversion: codes ->
+// float32 -> (q - z) * s per group -> bf16, except for int8 with one scale per channel and no zero,
+// where the codes are exact in bf16 and the scale multiplies the sum.
 //
-// Layouts (infer/quant/linear.py packs them), in tiles of 4 rows (see chunk()):
-//   int8   int8, a chunk = 32 codes of one row as they are
-//   int4   uint8, a chunk = 16 bytes for 32 inputs k0..k0+31 of one row, unsigned codes 0..15: byte j
-//          holds input k0 + j in its low nibble and k0 + 16 + j in its high nibble
-//   scales float32 [N, K / group]; offsets float32 [N, K / group] = -zero * scale (or absent)
-// Requires K and the group size to be multiples of 32 and N a multiple of 4; the caller checks.
+// Layouts (infer/quant/linear.py packs them); a chunk is 16 channels x 2 inputs = 32 codes:
+//   int8   [N / 16][K / 2][16 channels][2 inputs] int8
+//   int4   [N / 16][K / 2][16 bytes] uint8, codes 0..15: byte j holds code j of the chunk (low nibble)
+//          and code 16 + j (high nibble), codes in the int8 order
+//   scales float32 [K / group][N] (inputs-major, so that 16 channels are one load); offsets alike,
+//          = -zero * scale, or absent
+// Requires N a multiple of 16, K and the group size multiples of 32; the caller checks.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "vec.h"
@@ -35,174 +39,214 @@ namespace {
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 
-constexpr int64_t kN = 4;   // output channels per tile
-constexpr int64_t kM = 4;   // rows of x per tile: kN * kM = 16 accumulators, one vsum_each
-constexpr int64_t kK = 32;  // inputs per dot-product step (one 512-bit bf16 vector)
+constexpr int64_t kLanes = 16;    // channels per block: one fp32 vector
+constexpr int64_t kDecode = 4;    // most rows of x on the decode path; blocks per decode tile
+constexpr int64_t kRows = 12;     // rows of x per batch micro-tile (x 2 blocks = 24 accumulators)
+constexpr int64_t kBlockK = 512;  // inputs per converted batch buffer: 2 blocks x 256 pairs x 64 B = 32 KB
 
 struct Problem {
   const c10::BFloat16* x;
   const uint8_t* w;
-  const float* scales;
-  const float* offsets;  // nullptr: no zero points
+  const float* scales;   // [groups][N]
+  const float* offsets;  // [groups][N], or nullptr: no zero points
   const c10::BFloat16* bias;
   c10::BFloat16* y;
   int64_t M, N, K, bits, group;
   bool scale_after;  // int8 per channel, symmetric: exact codes, the scale multiplies the sum
 };
 
-// 32 codes of row n starting at input k, as float32 halves: lo = inputs k..k+15, hi = k+16..k+31.
-// Layout: tiles of kN rows, each tile's chunks in input order and, within a chunk, its kN rows side by
-// side: the kernel reads a tile as one sequential stream (4 rows read apart, each a stream of its own,
-// ran 1.6x slower from DRAM for rows of 8 KB)
-template <int BITS>
-inline const uint8_t* chunk(const Problem& P, int64_t n, int64_t k) {
-  constexpr int64_t bytes = BITS == 8 ? kK : kK / 2;
-  return P.w + (((n / kN) * (P.K / kK) + k / kK) * kN + n % kN) * bytes;
+// scale (or offset) of group g for the lanes of a converted chunk: its low half (channels 0-7, each
+// twice: two inputs) and its high half (channels 8-15)
+inline void pair_lanes(const float* v, __m512& lo, __m512& hi) {
+  const __m512 c = _mm512_loadu_ps(v);
+  lo = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), c);
+  hi = _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15), c);
 }
 
+struct GroupScale {
+  __m512 s_lo, s_hi, o_lo, o_hi;
+};
+
+inline GroupScale group_scale(const Problem& P, int64_t block, int64_t g) {
+  GroupScale gs;
+  pair_lanes(P.scales + g * P.N + block * kLanes, gs.s_lo, gs.s_hi);
+  if (P.offsets) {
+    pair_lanes(P.offsets + g * P.N + block * kLanes, gs.o_lo, gs.o_hi);
+  } else {
+    gs.o_lo = gs.o_hi = _mm512_setzero_ps();
+  }
+  return gs;
+}
+
+// chunk `pair` (inputs 2 pair, 2 pair + 1) of `block`, as 32 bf16 in lane order
 template <int BITS>
-inline void codes(const Problem& P, int64_t n, int64_t k, __m512& lo, __m512& hi) {
-  const uint8_t* p = chunk<BITS>(P, n, k);
+inline __m512bh convert(const Problem& P, int64_t block, int64_t pair, const GroupScale* gs) {
+  __m512 lo, hi;
   if constexpr (BITS == 8) {
-    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const uint8_t* p = P.w + (block * (P.K / 2) + pair) * 32;
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
   } else {
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const uint8_t* p = P.w + (block * (P.K / 2) + pair) * 16;
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
     hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
   }
-}
-
-// rows n0..n0+kN-1 of W, inputs [k0, k1), into buf as bf16 (row-major, k1 - k0 per row); k0 and k1 are
-// multiples of the group size (or anything, for scale_after)
-template <int BITS>
-void convert_tile(const Problem& P, int64_t n0, int64_t k0, int64_t k1, __m512bh* buf) {
-  const int64_t groups = P.K / P.group, per_group = P.group / kK, steps = (k1 - k0) / kK;
-  for (int64_t i = 0; i < kN; ++i) {
-    const int64_t n = n0 + i;
-    __m512bh* out = buf + i * steps;
-    if (P.scale_after) {
-      for (int64_t k = k0; k < k1; k += kK, ++out) {
-        __m512 lo, hi;
-        codes<BITS>(P, n, k, lo, hi);
-        *out = _mm512_cvtne2ps_pbh(hi, lo);
-      }
-      continue;
-    }
-    for (int64_t g = k0 / P.group; g < k1 / P.group; ++g) {
-      const __m512 scale = _mm512_set1_ps(P.scales[n * groups + g]);
-      const __m512 offset = _mm512_set1_ps(P.offsets ? P.offsets[n * groups + g] : 0.0f);
-      for (int64_t s = 0; s < per_group; ++s, ++out) {
-        __m512 lo, hi;
-        codes<BITS>(P, n, (g * per_group + s) * kK, lo, hi);
-        *out = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, scale, offset), _mm512_fmadd_ps(lo, scale, offset));
-      }
-    }
+  if (gs) {
+    lo = _mm512_fmadd_ps(lo, gs->s_lo, gs->o_lo);
+    hi = _mm512_fmadd_ps(hi, gs->s_hi, gs->o_hi);
   }
+  return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// 16 accumulators (ROWS x kN of them) -> y[m0..m0+ROWS, n0..n0+kN], scaled, plus the bias
-template <int ROWS>
-inline void store_tile(const Problem& P, int64_t n0, int64_t m0, __m512* acc) {
-  alignas(64) float sums[kM * kN];
-  _mm512_store_ps(sums, infer_vec::vsum_each(acc));
-  for (int r = 0; r < ROWS; ++r) {
-    for (int64_t i = 0; i < kN; ++i) {
-      float v = sums[r * kN + i];
-      if (P.scale_after) v *= P.scales[n0 + i];
-      if (P.bias) v += static_cast<float>(P.bias[n0 + i]);
-      P.y[(m0 + r) * P.N + n0 + i] = c10::BFloat16(v);
-    }
-  }
+inline __m512bh x_pair(const Problem& P, int64_t m, int64_t pair) {
+  return (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(P.x + m * P.K + 2 * pair));
 }
 
-// y[m0..m0+ROWS, n0..n0+kN] from the converted tile (ROWS a constant: the accumulators stay in registers)
-template <int ROWS>
-void multiply_tile(const Problem& P, int64_t n0, const __m512bh* buf, int64_t m0) {
-  const int64_t steps = P.K / kK;
-  __m512 acc[kM * kN];
+// 16 sums of channel block `block` for row m -> y, scaled (scale_after), plus the bias
+inline void store(const Problem& P, int64_t m, int64_t block, __m512 acc) {
+  const int64_t n = block * kLanes;
+  if (P.scale_after) acc = _mm512_mul_ps(acc, _mm512_loadu_ps(P.scales + n));
+  if (P.bias) acc = _mm512_add_ps(acc, infer_vec::vload(P.bias + n));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(P.y + m * P.N + n), (__m256i)_mm512_cvtneps_pbh(acc));
+}
+
+// ---- decode: up to kDecode rows, blocks b0..b0+NB, every chunk converted in registers ----
+
+template <int BITS, int ROWS, int NB>
+void decode_tile(const Problem& P, int64_t b0) {
+  __m512 acc[ROWS * NB];
   for (auto& a : acc) a = _mm512_setzero_ps();
-  const c10::BFloat16* x = P.x + m0 * P.K;
-  for (int64_t s = 0; s < steps; ++s) {
-    __m512bh w[kN];
-    for (int64_t i = 0; i < kN; ++i) w[i] = buf[i * steps + s];
-    for (int r = 0; r < ROWS; ++r) {
-      __m512bh xs = (__m512bh)_mm512_loadu_si512(x + r * P.K + s * kK);
-      for (int64_t i = 0; i < kN; ++i) acc[r * kN + i] = _mm512_dpbf16_ps(acc[r * kN + i], xs, w[i]);
-    }
-  }
-  store_tile<ROWS>(P, n0, m0, acc);
-}
-
-// A decode of up to kM rows: each chunk of the tile converted in registers and used at once (the
-// tile is one sequential stream; no buffer to write and read back)
-template <int BITS, int ROWS>
-void decode_tile(const Problem& P, int64_t n0) {
-  const int64_t groups = P.K / P.group, per_group = P.group / kK;
-  __m512 acc[kM * kN];
-  for (auto& a : acc) a = _mm512_setzero_ps();
+  const int64_t groups = P.K / P.group, pairs_per_group = P.group / 2;
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 scale[kN], offset[kN];
-    for (int64_t i = 0; i < kN; ++i) {
-      scale[i] = _mm512_set1_ps(P.scale_after ? 1.0f : P.scales[(n0 + i) * groups + g]);
-      offset[i] = _mm512_set1_ps(P.offsets ? P.offsets[(n0 + i) * groups + g] : 0.0f);
-    }
-    for (int64_t s = 0; s < per_group; ++s) {
-      const int64_t k = (g * per_group + s) * kK;
-      __m512bh xs[ROWS];
-      for (int r = 0; r < ROWS; ++r) xs[r] = (__m512bh)_mm512_loadu_si512(P.x + r * P.K + k);
-      for (int64_t i = 0; i < kN; ++i) {
-        __m512 lo, hi;
-        codes<BITS>(P, n0 + i, k, lo, hi);
-        if (!P.scale_after) {
-          lo = _mm512_fmadd_ps(lo, scale[i], offset[i]);
-          hi = _mm512_fmadd_ps(hi, scale[i], offset[i]);
-        }
-        const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
-        for (int r = 0; r < ROWS; ++r) acc[r * kN + i] = _mm512_dpbf16_ps(acc[r * kN + i], xs[r], w);
+    GroupScale gs[NB];
+    if (!P.scale_after)
+      for (int b = 0; b < NB; ++b) gs[b] = group_scale(P, b0 + b, g);
+    for (int64_t p = g * pairs_per_group; p < (g + 1) * pairs_per_group; ++p) {
+      __m512bh w[NB];
+      for (int b = 0; b < NB; ++b) w[b] = convert<BITS>(P, b0 + b, p, P.scale_after ? nullptr : &gs[b]);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512bh xs = x_pair(P, r, p);
+        for (int b = 0; b < NB; ++b) acc[r * NB + b] = _mm512_dpbf16_ps(acc[r * NB + b], xs, w[b]);
       }
     }
   }
-  store_tile<ROWS>(P, n0, 0, acc);
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < NB; ++b) store(P, r, b0 + b, acc[r * NB + b]);
+}
+
+template <int BITS, int ROWS>
+void decode_blocks(const Problem& P, int64_t b0, int64_t nb) {
+  switch (nb) {
+    case 1: return decode_tile<BITS, ROWS, 1>(P, b0);
+    case 2: return decode_tile<BITS, ROWS, 2>(P, b0);
+    case 3: return decode_tile<BITS, ROWS, 3>(P, b0);
+    default: return decode_tile<BITS, ROWS, 4>(P, b0);
+  }
 }
 
 template <int BITS>
-void decode_rows(const Problem& P, int64_t n0) {
+void decode(const Problem& P, int64_t b0, int64_t nb) {
   switch (P.M) {
-    case 1: return decode_tile<BITS, 1>(P, n0);
-    case 2: return decode_tile<BITS, 2>(P, n0);
-    case 3: return decode_tile<BITS, 3>(P, n0);
-    default: return decode_tile<BITS, 4>(P, n0);
+    case 1: return decode_blocks<BITS, 1>(P, b0, nb);
+    case 2: return decode_blocks<BITS, 2>(P, b0, nb);
+    case 3: return decode_blocks<BITS, 3>(P, b0, nb);
+    default: return decode_blocks<BITS, 4>(P, b0, nb);
   }
 }
 
-void multiply_rows(const Problem& P, int64_t n0, const __m512bh* buf, int64_t m0, int64_t rows) {
-  switch (rows) {
-    case 1: return multiply_tile<1>(P, n0, buf, m0);
-    case 2: return multiply_tile<2>(P, n0, buf, m0);
-    case 3: return multiply_tile<3>(P, n0, buf, m0);
-    default: return multiply_tile<4>(P, n0, buf, m0);
+// ---- batch: more rows; tiles of 2 blocks, inputs in blocks of kBlockK through an L1 buffer ----
+
+// buf[pair - p0][b] = chunk `pair` of block b0 + b, converted
+template <int BITS, int NB>
+void convert_tile(const Problem& P, int64_t b0, int64_t p0, int64_t p1, __m512bh* buf) {
+  const int64_t pairs_per_group = P.group / 2;
+  for (int b = 0; b < NB; ++b) {
+    for (int64_t g0 = p0; g0 < p1; g0 += pairs_per_group) {  // p0 and p1 are on group boundaries
+      GroupScale gs;
+      if (!P.scale_after) gs = group_scale(P, b0 + b, g0 / pairs_per_group);
+      const int64_t g1 = std::min(p1, g0 + pairs_per_group);
+      for (int64_t p = g0; p < g1; ++p)
+        buf[(p - p0) * NB + b] = convert<BITS>(P, b0 + b, p, P.scale_after ? nullptr : &gs);
+    }
   }
+}
+
+// rows m0..m0+ROWS of blocks b0..b0+NB over pairs [p0, p1): acc in/out through c ([ROWS][NB] vectors)
+template <int ROWS, int NB>
+void multiply_tile(const Problem& P, const __m512bh* buf, int64_t p0, int64_t p1, int64_t m0, __m512* c) {
+  __m512 acc[ROWS * NB];
+  for (int j = 0; j < ROWS * NB; ++j) acc[j] = c[j];
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512bh w[NB];
+    for (int b = 0; b < NB; ++b) w[b] = buf[(p - p0) * NB + b];
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh xs = x_pair(P, m0 + r, p);
+      for (int b = 0; b < NB; ++b) acc[r * NB + b] = _mm512_dpbf16_ps(acc[r * NB + b], xs, w[b]);
+    }
+  }
+  for (int j = 0; j < ROWS * NB; ++j) c[j] = acc[j];
+}
+
+template <int NB>
+void multiply_rows(const Problem& P, const __m512bh* buf, int64_t p0, int64_t p1, int64_t m0, int64_t rows,
+                   __m512* c) {
+  switch (rows) {  // the largest tile that fits; the rest in smaller ones
+    case 12: case 13: case 14: case 15: return multiply_tile<12, NB>(P, buf, p0, p1, m0, c);
+    case 8: case 9: case 10: case 11: return multiply_tile<8, NB>(P, buf, p0, p1, m0, c);
+    case 4: case 5: case 6: case 7: return multiply_tile<4, NB>(P, buf, p0, p1, m0, c);
+    case 2: case 3: return multiply_tile<2, NB>(P, buf, p0, p1, m0, c);
+    default: return multiply_tile<1, NB>(P, buf, p0, p1, m0, c);
+  }
+}
+
+inline int64_t tile_rows(int64_t rows) {
+  return rows >= 12 ? 12 : rows >= 8 ? 8 : rows >= 4 ? 4 : rows >= 2 ? 2 : 1;
+}
+
+template <int BITS, int NB>
+void batch_tile(const Problem& P, int64_t b0, __m512bh* buf, __m512* c) {
+  const int64_t pairs = P.K / 2;
+  // blocks of inputs on group boundaries (scale_after: one group, any boundary)
+  const int64_t step = P.scale_after ? kBlockK / 2 : std::max<int64_t>(1, kBlockK / P.group) * (P.group / 2);
+  for (int64_t j = 0; j < P.M * NB; ++j) c[j] = _mm512_setzero_ps();
+  for (int64_t p0 = 0; p0 < pairs; p0 += step) {
+    const int64_t p1 = std::min(pairs, p0 + step);
+    convert_tile<BITS, NB>(P, b0, p0, p1, buf);
+    for (int64_t m0 = 0; m0 < P.M;) {
+      const int64_t rows = tile_rows(P.M - m0);
+      multiply_rows<NB>(P, buf, p0, p1, m0, rows, c + m0 * NB);
+      m0 += rows;
+    }
+  }
+  for (int64_t m = 0; m < P.M; ++m)
+    for (int b = 0; b < NB; ++b) store(P, m, b0 + b, c[m * NB + b]);
 }
 
 void run(const Problem& P) {
-  const int64_t tiles = P.N / kN, steps = P.K / kK;
-  if (P.M <= kM) {
+  const int64_t blocks = P.N / kLanes;
+  if (P.M <= kDecode) {
+    const int64_t tiles = (blocks + kDecode - 1) / kDecode;
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        if (P.bits == 8) decode_rows<8>(P, t * kN);
-        else decode_rows<4>(P, t * kN);
+        const int64_t b0 = t * kDecode, nb = std::min(kDecode, blocks - b0);
+        if (P.bits == 8) decode<8>(P, b0, nb);
+        else decode<4>(P, b0, nb);
       }
     });
     return;
   }
+  const int64_t tiles = (blocks + 1) / 2;
+  const int64_t step_pairs = std::max<int64_t>(kBlockK, P.scale_after ? 0 : P.group) / 2;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512bh> buf(kN * steps);
+    std::vector<__m512bh> buf(step_pairs * 2);
+    std::vector<__m512> c(P.M * 2);
     for (int64_t t = begin; t < end; ++t) {
-      if (P.bits == 8) convert_tile<8>(P, t * kN, 0, P.K, buf.data());
-      else convert_tile<4>(P, t * kN, 0, P.K, buf.data());
-      for (int64_t m0 = 0; m0 < P.M; m0 += kM) multiply_rows(P, t * kN, buf.data(), m0, std::min(kM, P.M - m0));
+      const int64_t b0 = t * 2;
+      const bool pair = b0 + 1 < blocks;
+      if (P.bits == 8) pair ? batch_tile<8, 2>(P, b0, buf.data(), c.data()) : batch_tile<8, 1>(P, b0, buf.data(), c.data());
+      else pair ? batch_tile<4, 2>(P, b0, buf.data(), c.data()) : batch_tile<4, 1>(P, b0, buf.data(), c.data());
     }
   });
 }
@@ -218,11 +262,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2 && weight.size(1) == (bits == 8 ? K : K / 2) &&
                   weight.element_size() == 1,
-              "weight: contiguous [N, K] int8 or [N, K / 2] uint8");
-  TORCH_CHECK(K % kK == 0 && N % kN == 0 && group_size % kK == 0 && K % group_size == 0,
-              "K and the group size: multiples of 32; N: a multiple of 4");
+              "weight: contiguous [N, K] int8 or [N, K / 2] uint8 (in the kernel's layout)");
+  TORCH_CHECK(K % 32 == 0 && N % kLanes == 0 && group_size % 32 == 0 && K % group_size == 0,
+              "K and the group size: multiples of 32; N: a multiple of 16");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == N * (K / group_size),
-              "scales: contiguous float32 [N, K / group]");
+              "scales: contiguous float32 [K / group, N]");
   TORCH_CHECK(!offsets || (offsets->is_contiguous() && offsets->scalar_type() == at::kFloat &&
                            offsets->numel() == scales.numel()),
               "offsets: like scales");

@@ -70,8 +70,8 @@ class QuantizedLinear(nn.Module):
         if w.bits == 4 and zeros is None:  # signed codes -8..7 become 0..15 around a zero of 8
             q, zeros = q + 8, torch.full_like(w.scales, 8.0)
         self.register_buffer("qweight", pack_kernel(q, w.bits), persistent=False)
-        self.register_buffer("scales", w.scales.contiguous(), persistent=False)
-        offsets = None if zeros is None else (-zeros * w.scales).contiguous()
+        self.register_buffer("scales", w.scales.t().contiguous(), persistent=False)  # [groups, out]
+        offsets = None if zeros is None else (-zeros * w.scales).t().contiguous()
         self.register_buffer("offsets", offsets, persistent=False)
 
     def _pack_torch(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
@@ -125,7 +125,7 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
     """The paths that can run `w` with activations of `dtype`, fastest first."""
     out_features, in_features = w.shape
     found = []
-    kernel_shape = out_features % 4 == 0 and in_features % 32 == 0 and w.group_size % 32 == 0
+    kernel_shape = out_features % 16 == 0 and in_features % 32 == 0 and w.group_size % 32 == 0
     if dtype == torch.bfloat16 and kernel_shape and _kernel_ops() is not None:
         found.append("infer")
     if w.bits == 8 and w.zeros is None and w.group_size == in_features:
@@ -136,16 +136,17 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
 
 
 def pack_kernel(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [out, in] -> the kernel's layout: tiles of 4 rows, each tile's chunks of 32 inputs in order,
-    a chunk's 4 rows side by side (one sequential stream per tile). An int4 chunk is 16 bytes: byte j
-    holds input j (low nibble) and input 16 + j (high nibble), so that two operations unpack 32 inputs
-    in order."""
+    """Codes [out, in] -> the kernel's layout, oneDNN's for vdpbf16ps: blocks of 16 output channels,
+    each block's input pairs in order, a pair's 16 channels side by side with their two inputs adjacent
+    (a chunk: 32 codes = one bf16 vector once converted). int4: byte j of a chunk holds code j (low
+    nibble) and code 16 + j (high nibble), which two operations unpack in order."""
     out_features, in_features = q.shape
+    chunks = q.view(out_features // 16, 16, in_features // 2, 2).transpose(1, 2)  # [blocks, pairs, 16, 2]
+    chunks = chunks.reshape(out_features // 16, in_features // 2, 32)
     if bits == 4:
-        codes = q.to(torch.uint8).view(out_features, in_features // 32, 2, 16)
-        q = codes[:, :, 0] | (codes[:, :, 1] << 4)  # [out, in / 32, 16]
-    chunks = q.reshape(out_features // 4, 4, in_features // 32, -1)  # [tiles, 4 rows, chunks, bytes]
-    return chunks.transpose(1, 2).contiguous().view(out_features, -1)
+        codes = chunks.to(torch.uint8)
+        chunks = codes[..., :16] | (codes[..., 16:] << 4)  # [blocks, pairs, 16 bytes]
+    return chunks.contiguous().view(out_features, -1)
 
 
 def quantize_model(model: nn.Module, method: str, group_size: int = GROUP_SIZE) -> dict:
