@@ -53,6 +53,7 @@ struct Problem {
   c10::BFloat16* y;
   int64_t M, N, K, bits, group;
   bool scale_after;  // int8 per channel, symmetric: exact codes, the scale multiplies the sum
+  const int32_t* qsums;  // int8 activations, int8 weights: [groups][N] sums of each group's codes
 };
 
 // scale (or offset) of group g for the lanes of a converted chunk: its low half (channels 0-7, each
@@ -224,6 +225,219 @@ void batch_tile(const Problem& P, int64_t b0, __m512bh* buf, __m512* c) {
     for (int b = 0; b < NB; ++b) store(P, m, b0 + b, c[m * NB + b]);
 }
 
+#if defined(__AVX512VNNI__)
+// ---- batch with int8 activations (W8A8): vpdpbusd, 64 multiply-adds per instruction ----
+//
+// Each row of x is rounded to 8 bits with its own scale (x ~ sx * xq, xq in -127..127), as vLLM's and
+// oneDNN's dynamic quantization do; vpdpbusd then multiplies 4 inputs of 16 channels per lane group at
+// 2.6x the multiply-add rate of vdpbf16ps here, and the weights need no conversion to floats. One
+// operand must be unsigned: int4 codes are (0..15); for int8 codes, x is shifted to xq + 128 and
+// 128 * (sum of the group's codes) taken back. Per group g, in int32 then folded into floats:
+//   int4:  s[g, n] * (sum_k q * xq - z[g, n] * sum_k xq)
+//   int8:  s[g, n] * (sum_k (xq + 128) * q - 128 * qsum[g, n] - z[g, n] * sum_k xq)
+// y[m, n] = sx[m] * sum over groups. The perplexity this costs is measured (docs/benchmarks.md).
+
+struct Activations {
+  std::vector<int32_t> q;    // [K / 4][M]: 4 inputs of a row as bytes; int4 weights: xq, int8: xq + 128
+  std::vector<float> scale;  // [M]
+  std::vector<float> sums;   // [M][groups]: sum of xq over each group (zero points)
+};
+
+Activations quantize_x(const Problem& P) {
+  const int64_t groups = P.K / P.group;
+  Activations A{std::vector<int32_t>(P.M * P.K / 4), std::vector<float>(P.M), std::vector<float>(P.M * groups)};
+  const int64_t quads = P.K / 4;
+  const int shift = P.bits == 8 ? 128 : 0;
+  at::parallel_for(0, P.M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const c10::BFloat16* x = P.x + m * P.K;
+      __m512 top = _mm512_setzero_ps();
+      for (int64_t k = 0; k < P.K; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(infer_vec::vload(x + k)));
+      const float amax = _mm512_reduce_max_ps(top);
+      const float scale = amax > 0 ? amax / 127.0f : 1.0f;
+      const __m512 inv = _mm512_set1_ps(1.0f / scale);
+      for (int64_t g = 0; g < groups; ++g) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t k = g * P.group; k < (g + 1) * P.group; k += 16) {
+          const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(infer_vec::vload(x + k), inv));  // nearest
+          sum = _mm512_add_epi32(sum, v);
+          alignas(16) int32_t four[4];  // 16 inputs = 4 quads, each to its own row of A.q
+          _mm_store_si128(reinterpret_cast<__m128i*>(four),
+                          _mm512_cvtepi32_epi8(_mm512_add_epi32(v, _mm512_set1_epi32(shift))));
+          for (int j = 0; j < 4; ++j) A.q[(k / 4 + j) * P.M + m] = four[j];
+        }
+        A.sums[m * groups + g] = static_cast<float>(_mm512_reduce_add_epi32(sum));
+      }
+      A.scale[m] = scale;
+    }
+  });
+  return A;
+}
+
+// quad `quad` (inputs 4 quad .. 4 quad + 3) of `block` as 64 bytes: channel c's 4 codes in bytes
+// 4c..4c+3, from the two pair chunks 2 quad and 2 quad + 1 (adjacent in memory)
+template <int BITS>
+inline __m512i quad_codes(const Problem& P, int64_t block, int64_t quad) {
+  if constexpr (BITS == 8) {
+    // words: pair chunk A's word c (channel c, inputs 0-1) then B's word c (inputs 2-3)
+    const __m512i idx = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
+                                          0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001a000a, 0x001b000b,
+                                          0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
+    const __m512i v = _mm512_loadu_si512(P.w + (block * (P.K / 2) + 2 * quad) * 32);
+    return _mm512_permutexvar_epi16(idx, v);
+  } else {
+    // 32 bytes = chunks A, B of 16 bytes; low nibbles = codes 0-15, high = codes 16-31 of each.
+    // v's 128-bit lanes: A low, B low, A high, B high; words of A: 0-7 and 16-23, of B: 8-15 and 24-31
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.w + (block * (P.K / 2) + 2 * quad) * 16));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, mask)),
+                                         _mm256_and_si256(_mm256_srli_epi16(b, 4), mask), 1);
+    const __m512i idx = _mm512_setr_epi32(0x00080000, 0x00090001, 0x000a0002, 0x000b0003, 0x000c0004, 0x000d0005,
+                                          0x000e0006, 0x000f0007, 0x00180010, 0x00190011, 0x001a0012, 0x001b0013,
+                                          0x001c0014, 0x001d0015, 0x001e0016, 0x001f0017);
+    return _mm512_permutexvar_epi16(idx, v);
+  }
+}
+
+// acc += 4-input dot products (vpdpbusd: its first source unsigned): x + 128 with int8 codes, int4
+// codes (0..15) with x
+template <int BITS>
+inline __m512i dot4(__m512i acc, __m512i w, __m512i x) {
+  if constexpr (BITS == 8) return _mm512_dpbusd_epi32(acc, x, w);
+  else return _mm512_dpbusd_epi32(acc, w, x);
+}
+
+// the int32 sums of one group (quads [g0, g1)) for ROWS x NB, into out
+template <int BITS, int ROWS, int NB>
+__attribute__((noinline)) void group_sums(const Problem& P, const Activations& A, const __m512i* buf, int64_t q0,
+                                          int64_t g0, int64_t g1, int64_t m0, __m512i* out) {
+  __m512i acc[ROWS * NB];
+  for (auto& a : acc) a = _mm512_setzero_si512();
+  const int32_t* x = A.q.data() + m0;
+  for (int64_t q = g0; q < g1; ++q) {
+    __m512i w[NB];
+    for (int b = 0; b < NB; ++b) w[b] = buf[(q - q0) * NB + b];
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512i xs = _mm512_set1_epi32(x[q * P.M + r]);
+      for (int b = 0; b < NB; ++b) acc[r * NB + b] = dot4<BITS>(acc[r * NB + b], w[b], xs);
+    }
+  }
+  for (int j = 0; j < ROWS * NB; ++j) out[j] = acc[j];
+}
+
+// The full tile, 8 rows x 2 blocks, written out: 16 named accumulators, vpdpbusd in asm accumulating in
+// place. gcc 12 compiles the loop above with two register copies per vpdpbusd and spills (measured:
+// the intrinsic's tied operand), which halved its rate.
+#define INFER_DP(acc, u, s) asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s))
+template <int BITS>
+__attribute__((noinline)) void group_sums_8x2(const Problem& P, const Activations& A, const __m512i* buf, int64_t q0,
+                                              int64_t g0, int64_t g1, int64_t m0, __m512i* out) {
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  __m512i b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+  const int32_t* x = A.q.data() + m0 + g0 * P.M;
+  const __m512i* w = buf + (g0 - q0) * 2;
+  for (int64_t q = g0; q < g1; ++q, x += P.M, w += 2) {
+    const __m512i w0 = w[0], w1 = w[1];
+#define INFER_ROW(r, ar, br)                            \
+  {                                                     \
+    const __m512i xs = _mm512_set1_epi32(x[r]);         \
+    if constexpr (BITS == 8) {                          \
+      INFER_DP(ar, xs, w0);                             \
+      INFER_DP(br, xs, w1);                             \
+    } else {                                            \
+      INFER_DP(ar, w0, xs);                             \
+      INFER_DP(br, w1, xs);                             \
+    }                                                   \
+  }
+    INFER_ROW(0, a0, b0) INFER_ROW(1, a1, b1) INFER_ROW(2, a2, b2) INFER_ROW(3, a3, b3)
+    INFER_ROW(4, a4, b4) INFER_ROW(5, a5, b5) INFER_ROW(6, a6, b6) INFER_ROW(7, a7, b7)
+#undef INFER_ROW
+  }
+  out[0] = a0, out[1] = b0, out[2] = a1, out[3] = b1, out[4] = a2, out[5] = b2, out[6] = a3, out[7] = b3;
+  out[8] = a4, out[9] = b4, out[10] = a5, out[11] = b5, out[12] = a6, out[13] = b6, out[14] = a7, out[15] = b7;
+}
+#undef INFER_DP
+
+// rows m0..m0+ROWS x blocks b0..b0+NB over quads [q0, q1) (whole groups); folds into c ([ROWS][NB])
+template <int BITS, int ROWS, int NB>
+void multiply_a8(const Problem& P, const Activations& A, const __m512i* buf, int64_t b0, int64_t q0, int64_t q1,
+                 int64_t m0, __m512* c) {
+  const int64_t quads_per_group = P.group / 4, groups = P.K / P.group;
+  for (int64_t g0 = q0; g0 < q1; g0 += quads_per_group) {
+    __m512i acc[ROWS * NB];
+    if constexpr (ROWS == 8 && NB == 2) group_sums_8x2<BITS>(P, A, buf, q0, g0, g0 + quads_per_group, m0, acc);
+    else group_sums<BITS, ROWS, NB>(P, A, buf, q0, g0, g0 + quads_per_group, m0, acc);
+    const int64_t g = g0 / quads_per_group;
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n = (b0 + b) * kLanes;
+      const __m512 scale = _mm512_loadu_ps(P.scales + g * P.N + n);
+      __m512 back = _mm512_setzero_ps();  // what the sums hold beyond sum_k xq * q
+      if (BITS == 8) back = _mm512_mul_ps(_mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(_mm512_loadu_si512(P.qsums + g * P.N + n)));
+      const __m512 offset = P.offsets ? _mm512_loadu_ps(P.offsets + g * P.N + n) : _mm512_setzero_ps();  // -z * s
+      for (int r = 0; r < ROWS; ++r) {
+        __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(acc[r * NB + b]), back), scale);
+        v = _mm512_fmadd_ps(_mm512_set1_ps(A.sums[(m0 + r) * groups + g]), offset, v);
+        c[r * NB + b] = _mm512_add_ps(c[r * NB + b], v);
+      }
+    }
+  }
+}
+
+template <int BITS, int NB>
+void multiply_a8_rows(const Problem& P, const Activations& A, const __m512i* buf, int64_t b0, int64_t q0, int64_t q1,
+                      int64_t m0, int64_t rows, __m512* c) {
+  switch (rows) {
+    case 8: case 9: case 10: case 11: case 12: case 13: case 14: case 15:
+      return multiply_a8<BITS, 8, NB>(P, A, buf, b0, q0, q1, m0, c);
+    case 4: case 5: case 6: case 7: return multiply_a8<BITS, 4, NB>(P, A, buf, b0, q0, q1, m0, c);
+    case 2: case 3: return multiply_a8<BITS, 2, NB>(P, A, buf, b0, q0, q1, m0, c);
+    default: return multiply_a8<BITS, 1, NB>(P, A, buf, b0, q0, q1, m0, c);
+  }
+}
+
+template <int BITS, int NB>
+void batch_tile_a8(const Problem& P, const Activations& A, int64_t b0, __m512i* buf, __m512* c) {
+  const int64_t quads = P.K / 4, quads_per_group = P.group / 4;
+  const int64_t step = std::max<int64_t>(1, kBlockK / P.group) * quads_per_group;  // whole groups
+  for (int64_t j = 0; j < P.M * NB; ++j) c[j] = _mm512_setzero_ps();
+  for (int64_t q0 = 0; q0 < quads; q0 += step) {
+    const int64_t q1 = std::min(quads, q0 + step);
+    for (int64_t q = q0; q < q1; ++q)
+      for (int b = 0; b < NB; ++b) buf[(q - q0) * NB + b] = quad_codes<BITS>(P, b0 + b, q);
+    for (int64_t m0 = 0; m0 < P.M;) {
+      const int64_t rows = std::min<int64_t>(8, tile_rows(P.M - m0));  // 16 int32 accumulators: no spills
+      multiply_a8_rows<BITS, NB>(P, A, buf, b0, q0, q1, m0, rows, c + m0 * NB);
+      m0 += rows;
+    }
+  }
+  for (int64_t m = 0; m < P.M; ++m) {
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n = (b0 + b) * kLanes;
+      __m512 v = _mm512_mul_ps(c[m * NB + b], _mm512_set1_ps(A.scale[m]));
+      if (P.bias) v = _mm512_add_ps(v, infer_vec::vload(P.bias + n));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(P.y + m * P.N + n), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+void run_a8(const Problem& P) {
+  const Activations A = quantize_x(P);
+  const int64_t blocks = P.N / kLanes, tiles = (blocks + 1) / 2;
+  const int64_t step_quads = std::max<int64_t>(kBlockK, P.group) / 4;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512i> buf(step_quads * 2);
+    std::vector<__m512> c(P.M * 2);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b0 = t * 2;
+      const bool pair = b0 + 1 < blocks;
+      if (P.bits == 8) pair ? batch_tile_a8<8, 2>(P, A, b0, buf.data(), c.data()) : batch_tile_a8<8, 1>(P, A, b0, buf.data(), c.data());
+      else pair ? batch_tile_a8<4, 2>(P, A, b0, buf.data(), c.data()) : batch_tile_a8<4, 1>(P, A, b0, buf.data(), c.data());
+    }
+  });
+}
+
+#endif  // __AVX512VNNI__
+
 void run(const Problem& P) {
   const int64_t blocks = P.N / kLanes;
   if (P.M <= kDecode) {
@@ -255,7 +469,8 @@ void run(const Problem& P) {
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                         const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
-                        int64_t bits, int64_t group_size) {
+                        int64_t bits, int64_t group_size, const std::optional<at::Tensor>& qsums,
+                        bool int8_activations) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous bf16 [M, K]");
   TORCH_CHECK(bits == 8 || bits == 4, "bits: 8 or 4");
@@ -280,7 +495,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
             bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
             y.data_ptr<c10::BFloat16>(),
             M, N, K, bits, group_size,
-            bits == 8 && group_size == K && !offsets};
+            bits == 8 && group_size == K && !offsets,
+            qsums ? qsums->data_ptr<int32_t>() : nullptr};
+  TORCH_CHECK(!int8_activations || bits == 4 || (qsums && qsums->is_contiguous() && qsums->scalar_type() == at::kInt &&
+                                                 qsums->numel() == scales.numel()),
+              "int8 activations with int8 weights need qsums: int32 [K / group, N]");
+#if defined(__AVX512VNNI__)
+  if (int8_activations && M > kDecode) return run_a8(P), y;
+#endif
   if (M > 0) run(P);
   return y;
 #else
@@ -293,6 +515,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 TORCH_LIBRARY_FRAGMENT(infer_kernels, m) {
   m.def(
       "quant_linear(Tensor x, Tensor weight, Tensor scales, Tensor? offsets, Tensor? bias, int bits,"
-      " int group_size) -> Tensor",
+      " int group_size, Tensor? qsums, bool int8_activations) -> Tensor",
       &quant_linear);
 }

@@ -16,6 +16,7 @@ The measurements behind the choice are in docs/benchmarks.md ("Quantization").
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -29,6 +30,12 @@ logger = logging.getLogger("infer.quant")
 
 GROUP_SIZE = 128  # int4's group: AWQ's and GPTQ's default, what torch's int4 kernel was tuned for
 HEAD_BITS = 8  # the LM head: int8 per channel with either method (docs/benchmarks.md: perplexity)
+# Steps of more than DECODE_ROWS rows run with int8 activations (W8A8: rows rounded to 8 bits, each with
+# its own scale; 2.6x the multiply-add rate of bf16 here, docs/benchmarks.md); decodes of fewer rows keep
+# bf16 activations (there the weights' bytes, not the multiply-adds, set the time).
+# INFER_INT8_ACTIVATIONS=0 keeps bf16 activations everywhere (A/B comparisons, tests).
+DECODE_ROWS = 4
+INT8_ACTIVATIONS = os.environ.get("INFER_INT8_ACTIVATIONS", "1") != "0"
 
 
 def _kernel_ops():
@@ -73,6 +80,10 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", w.scales.t().contiguous(), persistent=False)  # [groups, out]
         offsets = None if zeros is None else (-zeros * w.scales).t().contiguous()
         self.register_buffer("offsets", offsets, persistent=False)
+        # int8 weights with int8 activations take back 128 x each group's sum of codes (kernel comment)
+        groups = q.view(self.out_features, -1, w.group_size)
+        qsums = groups.sum(-1, dtype=torch.int32).t().contiguous() if w.bits == 8 else None
+        self.register_buffer("qsums", qsums, persistent=False)
 
     def _pack_torch(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         if w.bits == 8:
@@ -104,6 +115,8 @@ class QuantizedLinear(nn.Module):
                 self.bias,
                 self.bits,
                 self.group_size,
+                self.qsums,
+                INT8_ACTIVATIONS and flat.shape[0] > DECODE_ROWS,
             )
         else:
             if self.backend == "dequant":
