@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from infer.engine.llm import LLM
 from infer.models.loader import EMBEDDED_MODEL, load_model
+from infer.quant import linear as quant_linear
 from infer.quant.linear import QuantizedLinear, _group_for, _kernel_ops, quantize_model
 from infer.quant.perplexity import held_out_text, perplexity
 from infer.quant.weights import quantize
@@ -27,7 +28,13 @@ def _reference(x: torch.Tensor, layer_weight, bias) -> torch.Tensor:
 
 @pytest.mark.parametrize("bits,group,symmetric", SCHEMES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 33])
-def test_every_backend_computes_the_dequantized_product(bits, group, symmetric, rows):
+@pytest.mark.parametrize("int8_activations", [True, False])
+def test_every_backend_computes_the_dequantized_product(
+    bits, group, symmetric, rows, int8_activations, monkeypatch
+):
+    """Every path against x @ dequantized W in float32: exact up to bf16 rounding, and up to the rounding
+    of x to 8 bits per row where batches take int8 activations (the kernel's W8A8 path)."""
+    monkeypatch.setattr(quant_linear, "INT8_ACTIVATIONS", int8_activations)
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(80, 256, generator=gen) * 0.05  # 5 blocks of 16 channels: whole and partial tiles
     qw = quantize_for(w, bits, group, symmetric)
