@@ -7,7 +7,8 @@
     serving.py       admission (503 / 429), the engine requests of one HTTP request, disconnects
     completions.py   POST /v1/completions
     chat.py          POST /v1/chat/completions
-    metrics.py       Prometheus text with vLLM's metric names under `infer:`
+    tokenization.py  POST /tokenize and /detokenize (vLLM's shapes)
+    metrics.py       prometheus-client collectors with vLLM's metric names under `infer:`
 
 The engine runs on its own thread (infer.engine.async_engine); the HTTP side only reads its counters.
 """

@@ -6,6 +6,7 @@
     GET  /v1/models            the one served model
     POST /v1/completions       infer.server.completions
     POST /v1/chat/completions  infer.server.chat
+    POST /tokenize, /detokenize  vLLM's, infer.server.tokenization
 
 The model loads in a thread started by the lifespan, so the server listens (and answers 503) meanwhile.
 """
@@ -26,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from infer.server import chat, completions
+from infer.server import chat, completions, tokenization
 from infer.server.args import ServerArgs
 from infer.server.protocol import ERROR_RESPONSES, APIError, bad_request
 from infer.server.serving import ServerState, check_model
@@ -63,6 +64,7 @@ def create_app(
     app.state.server = state
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(tokenization.router)
     _add_error_handlers(app)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
@@ -77,11 +79,9 @@ def create_app(
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> Response:
-        if not state.ready:
-            return PlainTextResponse("", media_type="text/plain; version=0.0.4")
-        text = state.metrics.render(state.llm, args.model_name)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request) -> Response:
+        body, content_type = state.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     def model_card() -> dict:
         card = {"id": args.model_name, "object": "model", "created": created, "owned_by": "infer",
@@ -230,12 +230,13 @@ class BodySizeLimit:
         await self.app(scope, receive_limited, send)
 
 
-# Routes behind --api-key: the API, and what shows the server's configuration.
-_KEYED_PREFIXES = ("/v1", "/server_info")
+# Routes behind --api-key: the API (vLLM's /tokenize and /detokenize too, which sit outside /v1), and what
+# shows the server's configuration.
+_KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/server_info")
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on every /v1 route and /server_info (a pure ASGI middleware: streaming
+    """`Authorization: Bearer KEY` on every route of _KEYED_PREFIXES (a pure ASGI middleware: streaming
     untouched)."""
 
     def __init__(self, app, api_key: str):

@@ -14,7 +14,13 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from infer.server.protocol import GENERATE_RESPONSES, ChatCompletionRequest, bad_request, usage
+from infer.server.protocol import (
+    GENERATE_RESPONSES,
+    ChatCompletionRequest,
+    TokenizeRequest,
+    bad_request,
+    usage,
+)
 from infer.server.serving import (
     SSE_DONE,
     Fanout,
@@ -47,7 +53,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
-    prompt_ids = await asyncio.to_thread(_render, state, body)  # CPU work off the event loop
+    prompt_ids = await asyncio.to_thread(_prompt_ids, state, body)  # CPU work off the event loop
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(1, state.max_request_len - len(prompt_ids))
@@ -69,12 +75,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
-# the arguments _render passes to apply_chat_template itself (and its `self`)
+# the arguments render_chat passes to apply_chat_template itself (and its `self`)
 _OWN_ARGUMENTS = {"self", "messages", "add_generation_prompt", "tools", "max_chars"}
 
 
-def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     """The prompt's token ids (runs on a worker thread: templates and tokenizing can take a while)."""
+    prompt_ids = state.llm.tokenizer.encode(render_chat(state, body), add_special_tokens=False)
+    if not prompt_ids:
+        raise bad_request("the rendered chat prompt is empty", param="messages")
+    return prompt_ids
+
+
+def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> str:
+    """The prompt text of body's messages through the model's chat template (also used by /tokenize):
+    the fields read are messages, add_generation_prompt, tools, chat_template and chat_template_kwargs."""
     kwargs = dict(body.chat_template_kwargs or {})
     if clash := sorted(kwargs.keys() & _OWN_ARGUMENTS):
         raise bad_request(
@@ -101,9 +116,8 @@ def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:
                 )
             m["content"] = "\n".join(str(p.get("text", "")) for p in parts)
         messages.append(m)
-    tokenizer = state.llm.tokenizer
     try:
-        text = tokenizer.apply_chat_template(
+        text = state.llm.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=body.add_generation_prompt,
             tools=body.tools,
@@ -114,10 +128,7 @@ def _render(state: ServerState, body: ChatCompletionRequest) -> list[int]:
         raise bad_request(str(exc), param="messages") from exc
     except TypeError as exc:  # e.g. a chat_template_kwargs key that clashes with an argument
         raise bad_request(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from exc
-    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-    if not prompt_ids:
-        raise bad_request("the rendered chat prompt is empty", param="messages")
-    return prompt_ids
+    return text
 
 
 class _Chat:

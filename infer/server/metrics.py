@@ -1,6 +1,7 @@
-"""Prometheus metrics with vLLM's names and meanings under the prefix `infer:`.
+"""Prometheus metrics with vLLM's names and meanings under the prefix `infer:`, through prometheus-client.
 
-A dashboard or harness written for `vllm:` ports by renaming the prefix. Where each number comes from:
+A dashboard or harness written for `vllm:` ports by renaming the prefix. Every sample carries the label
+`model_name`. Where each number comes from:
 
     histograms (observed on the engine thread when a request finishes, from its timestamps)
       time_to_first_token_seconds    first token - arrival
@@ -18,18 +19,23 @@ A dashboard or harness written for `vllm:` ports by renaming the prefix. Where e
       cached blocks no request holds count as free)
 
 `arrival` is when the HTTP handler received the request (`note_arrival`), else when the engine thread took
-it (a request aborted by a disconnect is forgotten by the HTTP side first). The engine thread writes the
-histograms and counters under a lock; the HTTP side renders them under the same lock and reads the
-scheduler's counters as plain ints (never calling into the engine).
+it (a request aborted by a disconnect is forgotten by the HTTP side first). Each app has its own
+`CollectorRegistry` (several servers in one process, as in tests, must not share counters). The engine
+thread observes into the library's metrics, which lock themselves; a scrape reads the scheduler's counters
+as plain ints (never calling into the engine).
 """
 
 from __future__ import annotations
 
-import threading
-from bisect import bisect_left
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
 
 from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine, StepOutput
+
+# No `<name>_created` samples: vLLM's exposition has none, and they would double every counter's lines.
+disable_created_metrics()
 
 PREFIX = "infer:"
 # vLLM's buckets, so that quantiles computed from them compare.
@@ -44,54 +50,43 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 FINISH_REASONS = ("stop", "length", "abort")
 
 
-class Histogram:
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help, buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def render(self, labels: str) -> list[str]:
-        name = PREFIX + self.name
-        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, n in zip((*self.buckets, float("inf")), self.counts, strict=True):
-            cumulative += n
-            le = "+Inf" if bound == float("inf") else repr(float(bound))
-            lines.append(f'{name}_bucket{{{labels},le="{le}"}} {cumulative}')
-        lines += [f"{name}_count{{{labels}}} {cumulative}", f"{name}_sum{{{labels}}} {self.sum!r}"]
-        return lines
-
-
 class Metrics:
-    """Request-level statistics, fed by `MeteredEngine` on the engine thread."""
+    """Request-level statistics, fed by `MeteredEngine` on the engine thread; `render` answers a scrape."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ttft = Histogram(
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.engine: LLMEngine | None = None  # set once loaded: the scrape-time values come from it
+        label = {"model_name": model_name}
+
+        def histogram(name: str, help: str, buckets: tuple[float, ...]):
+            family = Histogram(PREFIX + name, help, ["model_name"], buckets=buckets, registry=self.registry)
+            return family.labels(**label)
+
+        def counter(name: str, help: str):
+            return Counter(PREFIX + name, help, ["model_name"], registry=self.registry).labels(**label)
+
+        self.ttft = histogram(
             "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
-        self.itl = Histogram(
+        self.itl = histogram(
             "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
         )
-        self.e2e = Histogram(
+        self.e2e = histogram(
             "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS
         )
-        self.queue = Histogram(
-            "request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
+        self.queue = histogram(
+            "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
             LATENCY_BUCKETS,
-        )
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.num_finished = dict.fromkeys(FINISH_REASONS, 0)
+        )  # fmt: skip
+        self.prompt_tokens = counter("prompt_tokens_total", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens_total", "Number of generation tokens processed.")
+        success = Counter(
+            PREFIX + "request_success_total", "Count of successfully processed requests.",
+            ["model_name", "finished_reason"], registry=self.registry,
+        )  # fmt: skip
+        # every reason from the start, at 0, so that a rate() over it exists before the first of each
+        self.finished = {r: success.labels(finished_reason=r, **label) for r in FINISH_REASONS}
+        self.registry.register(_EngineCollector(self, model_name))
         self.arrivals: dict[str, float] = {}  # req_id -> time.monotonic() at HTTP arrival
 
     def note_arrival(self, req_id: str, now: float) -> None:
@@ -102,17 +97,16 @@ class Metrics:
 
     def observe_step(self, outputs: list[StepOutput], requests: dict) -> None:
         """Called on the engine thread with one step's outputs and the requests as they were before it."""
-        with self.lock:
-            for out in outputs:
-                self.num_generation_tokens += len(out.token_ids)
-                if out.token_ids and out.num_output_tokens == len(out.token_ids):  # its first tokens
-                    self.num_prompt_tokens += out.num_prompt_tokens
-                if out.finished and (req := requests.get(out.req_id)) is not None:
-                    self._observe_finished(req, out.finish_reason)
+        for out in outputs:
+            self.generation_tokens.inc(len(out.token_ids))
+            if out.token_ids and out.num_output_tokens == len(out.token_ids):  # its first tokens
+                self.prompt_tokens.inc(out.num_prompt_tokens)
+            if out.finished and (req := requests.get(out.req_id)) is not None:
+                self._observe_finished(req, out.finish_reason)
 
     def _observe_finished(self, req, reason: str | None) -> None:
-        if reason in self.num_finished:
-            self.num_finished[reason] += 1
+        if reason in self.finished:
+            self.finished[reason].inc()
         arrival = self.arrivals.get(req.req_id, req.arrival_time)
         if req.first_scheduled_time is not None:
             self.queue.observe(max(0.0, req.first_scheduled_time - arrival))
@@ -123,44 +117,42 @@ class Metrics:
         if req.finished_time is not None:
             self.e2e.observe(max(0.0, req.finished_time - arrival))
 
-    def render(self, engine: LLMEngine, model_name: str) -> str:
-        """The Prometheus text exposition format (version 0.0.4)."""
-        labels = f'model_name="{_escape(model_name)}"'
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        """The exposition and its content type, in the format the scraper's Accept header asks for (the
+        Prometheus text format by default, OpenMetrics if asked), as prometheus-client's own handler."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+class _EngineCollector:
+    """The values the scheduler keeps itself, read at scrape time (nothing before the engine is loaded)."""
+
+    def __init__(self, metrics: Metrics, model_name: str):
+        self.metrics, self.model_name = metrics, model_name
+
+    def collect(self):
+        engine = self.metrics.engine
+        if engine is None:
+            return
         sched = engine.scheduler
         kv = sched.kv_cache_manager
-        with self.lock:
-            scalars = [
-                ("gauge", "num_requests_running", "Number of requests in model execution batches.",
-                 sched.num_running),
-                ("gauge", "num_requests_waiting", "Number of requests waiting to be processed.",
-                 sched.num_waiting),
-                ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv.usage),
-                ("counter", "num_preemptions_total", "Cumulative number of preemption from the engine.",
-                 sched.num_preemptions),
-                ("counter", "prefix_cache_queries_total",
-                 "Prefix cache queries, in terms of number of queried tokens.", kv.num_query_tokens),
-                ("counter", "prefix_cache_hits_total",
-                 "Prefix cache hits, in terms of number of cached tokens.", kv.num_hit_tokens),
-                ("counter", "prompt_tokens_total", "Number of prefill tokens processed.",
-                 self.num_prompt_tokens),
-                ("counter", "generation_tokens_total", "Number of generation tokens processed.",
-                 self.num_generation_tokens),
-            ]  # fmt: skip
-            lines = []
-            for kind, name, help, value in scalars:
-                name = PREFIX + name
-                lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
-            name = PREFIX + "request_success_total"
-            lines += [f"# HELP {name} Count of successfully processed requests.", f"# TYPE {name} counter"]
-            for reason, n in self.num_finished.items():
-                lines.append(f'{name}{{{labels},finished_reason="{reason}"}} {n}')
-            for hist in (self.ttft, self.itl, self.e2e, self.queue):
-                lines += hist.render(labels)
-        return "\n".join(lines) + "\n"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        for kind, name, help, value in (
+            (GaugeMetricFamily, "num_requests_running", "Number of requests in model execution batches.",
+             sched.num_running),
+            (GaugeMetricFamily, "num_requests_waiting", "Number of requests waiting to be processed.",
+             sched.num_waiting),
+            (GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             kv.usage),
+            (CounterMetricFamily, "num_preemptions_total", "Cumulative number of preemption from the engine.",
+             sched.num_preemptions),
+            (CounterMetricFamily, "prefix_cache_queries_total",
+             "Prefix cache queries, in terms of number of queried tokens.", kv.num_query_tokens),
+            (CounterMetricFamily, "prefix_cache_hits_total",
+             "Prefix cache hits, in terms of number of cached tokens.", kv.num_hit_tokens),
+        ):  # fmt: skip
+            family = kind(PREFIX + name, help, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 class MeteredEngine(LLMEngine):

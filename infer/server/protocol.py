@@ -172,6 +172,37 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
 
 
+class TokenizeRequest(_Request):
+    """POST /tokenize: vLLM's TokenizeCompletionRequest (`prompt`) and TokenizeChatRequest (`messages`,
+    rendered through the chat template) in one body, so that either is accepted and a body with both or
+    neither gets one clear 400. `add_special_tokens` defaults as in vLLM: on for a prompt, off for messages
+    (the template writes them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # accepted; only False is supported
+    return_token_strs: bool = False
+    chat_template: str | None = None  # only with --trust-request-chat-template, as in chat completions
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either `prompt` (text) or `messages` (a chat), not both nor neither")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize, as vLLM's: token ids back to text (special tokens kept as text)."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
     return {
         "prompt_tokens": num_prompt,

@@ -49,7 +49,7 @@ class ServerState:
 
     def __init__(self, args: ServerArgs):
         self.args = args
-        self.metrics = Metrics()
+        self.metrics = Metrics(args.model_name)
         self.engine: AsyncEngine | None = None
         self.ready = False
         self.draining = False
@@ -64,6 +64,7 @@ class ServerState:
         engine.start()
         await engine.ready()
         self.engine = engine
+        self.metrics.engine = engine.engine
         self.ready = True
 
     def shutdown(self) -> None:

@@ -88,6 +88,11 @@ def check_answer(resp, what: str) -> None:
         assert events and events[-1] == "[DONE]", seen
         for event in map(json.loads, events[:-1]):
             assert "choices" in event or set(event["error"]) == ERROR_KEYS, seen
+    elif what.startswith("POST /tokenize"):
+        body = resp.json()
+        assert body["count"] == len(body["tokens"]) and body["max_model_len"] == MAX_MODEL_LEN, seen
+    elif what.startswith("POST /detokenize"):
+        assert isinstance(resp.json()["prompt"], str), seen
     elif what.startswith("POST"):
         body = resp.json()
         assert body["choices"] and body["usage"]["completion_tokens"] >= 0, seen
@@ -118,7 +123,8 @@ def test_fuzz_from_the_openapi_schema(fuzz_server):
     (negative: wrong types, missing fields, out-of-range values)."""
     schema = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {CMPL, CHAT, "/v1/models", "/health", "/metrics"} <= {op.path for op in operations}
+    paths = {CMPL, CHAT, "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize"}
+    assert paths <= {op.path for op in operations}
     seen = {}
     for op in operations:
         seen[op.label, "positive"] = _fuzz(fuzz_server.url, op, GenerationMode.POSITIVE)

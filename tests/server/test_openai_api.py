@@ -1,5 +1,5 @@
 """The OpenAI API through the official client: completions and chat, streamed and not, exact usage, stop
-strings, seeds, n, logprobs, echo, prefix-cache usage, priority, metrics."""
+strings, seeds, n, logprobs, echo, prefix-cache usage, priority (/metrics: test_metrics.py)."""
 
 from __future__ import annotations
 
@@ -283,24 +283,3 @@ def test_priority_serves_urgent_request_first(server, aclient, model):
 
     assert asyncio.run(main()) < 8
     assert len(finished) == 17
-
-
-def test_metrics_exposition(server, client, model):
-    client.completions.create(model=model, prompt="metrics", max_tokens=4, extra_body=IGNORE_EOS)
-    text = server.metrics()
-    for name in (
-        "time_to_first_token_seconds",
-        "inter_token_latency_seconds",
-        "e2e_request_latency_seconds",
-        "request_queue_time_seconds",
-    ):
-        assert f"# TYPE infer:{name} histogram" in text
-        assert metric(text, f"{name}_count") > 0
-        assert f'infer:{name}_bucket{{model_name="embedded",le="+Inf"}}' in text
-    assert metric(text, "generation_tokens_total") >= 4
-    assert metric(text, "prompt_tokens_total") > 0
-    assert metric(text, "request_success_total", finished_reason="length") >= 1
-    assert metric(text, "prefix_cache_queries_total") >= metric(text, "prefix_cache_hits_total") > 0
-    assert 0.0 <= metric(text, "kv_cache_usage_perc") <= 1.0
-    for name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total"):
-        assert metric(text, name) >= 0

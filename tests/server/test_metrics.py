@@ -1,0 +1,97 @@
+"""/metrics through prometheus-client: the exposition read back by the library's own parsers, every metric
+name that infer.server.metrics documents present (and none undocumented), vLLM's buckets, and registries
+that do not leak between two apps in one process."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from infer.server import metrics as metrics_module
+from infer.server.metrics import ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS, Metrics
+
+# the names the module docstring lists (the documentation of /metrics), by their vLLM suffixes
+DOCUMENTED = set(re.findall(r"\b[a-z0-9_]+_(?:seconds|total|running|waiting|perc)\b", metrics_module.__doc__))
+HISTOGRAM_BUCKETS = {
+    "time_to_first_token_seconds": TTFT_BUCKETS,
+    "inter_token_latency_seconds": ITL_BUCKETS,
+    "e2e_request_latency_seconds": LATENCY_BUCKETS,
+    "request_queue_time_seconds": LATENCY_BUCKETS,
+}
+
+
+def families(text: str) -> dict:
+    """name as documented (a counter's with its `_total`) -> the parsed family."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        assert family.name.startswith("infer:"), family.name
+        name = family.name.removeprefix("infer:") + ("_total" if family.type == "counter" else "")
+        out[name] = family
+    return out
+
+
+def value(family, suffix: str = "", **labels) -> float:
+    return sum(
+        s.value for s in family.samples if s.name.endswith(suffix) and labels.items() <= s.labels.items()
+    )
+
+
+def test_documented_names_are_vllms_thirteen():
+    assert len(DOCUMENTED) == 13 and set(HISTOGRAM_BUCKETS) <= DOCUMENTED, DOCUMENTED
+
+
+def test_exposition_parses_with_every_documented_name(server, client, model):
+    prompt = "In the beginning God created the heaven and the earth. " * 6  # whole KV blocks: a prefix hit
+    for _ in range(2):
+        client.completions.create(model=model, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True})
+    resp = httpx.get(server.url + "/metrics", timeout=10)
+    assert resp.headers["content-type"].startswith("text/plain")
+    found = families(resp.text)
+    assert set(found) == DOCUMENTED
+    for name, family in found.items():
+        assert all(s.labels["model_name"] == "embedded" for s in family.samples), name
+    for name, buckets in HISTOGRAM_BUCKETS.items():
+        family = found[name]
+        assert family.type == "histogram"
+        bounds = [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")]
+        assert bounds == [*buckets, float("inf")], name  # vLLM's buckets, so that quantiles compare
+        assert value(family, "_count") > 0 and value(family, "_bucket", le="+Inf") == value(family, "_count")
+    assert value(found["generation_tokens_total"]) >= 4 and value(found["prompt_tokens_total"]) > 0
+    assert value(found["request_success_total"], finished_reason="length") >= 1
+    assert {s.labels["finished_reason"] for s in found["request_success_total"].samples} == {
+        "stop",
+        "length",
+        "abort",
+    }
+    assert value(found["prefix_cache_queries_total"]) >= value(found["prefix_cache_hits_total"]) > 0
+    assert 0.0 <= value(found["kv_cache_usage_perc"]) <= 1.0
+    for name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total"):
+        assert found[name].type == ("counter" if name.endswith("_total") else "gauge")
+        assert value(found[name]) >= 0
+
+
+def test_openmetrics_when_asked(server):
+    """A scraper that asks for OpenMetrics (Prometheus does) gets it, and the library's parser reads it."""
+    accept = "application/openmetrics-text; version=1.0.0"
+    resp = httpx.get(server.url + "/metrics", headers={"Accept": accept}, timeout=10)
+    assert resp.headers["content-type"].startswith("application/openmetrics-text")
+    names = {f.name.removeprefix("infer:") for f in parse_openmetrics(resp.text)}
+    assert {"time_to_first_token_seconds", "prompt_tokens", "num_requests_running"} <= names
+
+
+def test_each_app_has_its_own_registry():
+    """Two servers in one process (as in tests) keep separate counts; no engine yet means no gauges."""
+    first, second = Metrics("a"), Metrics("b")
+    first.ttft.observe(0.003)
+    first.finished["stop"].inc()
+    a = families(first.render(None)[0].decode())
+    b = families(second.render(None)[0].decode())
+    assert value(a["time_to_first_token_seconds"], "_count") == 1
+    assert value(a["time_to_first_token_seconds"], "_bucket", le="0.005") == 1
+    assert value(a["request_success_total"], finished_reason="stop") == 1
+    assert value(b["time_to_first_token_seconds"], "_count") == 0
+    assert value(b["request_success_total"]) == 0
+    assert "num_requests_running" not in a  # read from the engine at scrape time, which is not loaded
