@@ -1,6 +1,6 @@
 """Seed 004's roofline: what this machine should do with a model, before any serving overhead.
 
-    infer bench roofline [--model M] [--dtype bfloat16] [--memory-gb 16]
+    infer bench roofline [--model M] [--dtype bfloat16] [--quantization int8|int4] [--memory-gb 16]
 
 From the model's shape (built on the meta device: no weights loaded, presets need no download):
 parameters, weight bytes, KV bytes per token, KV capacity for a memory budget. From this machine: memory
@@ -27,8 +27,12 @@ from infer.bench.report import machine_info, render_table
 DTYPES = ("float32", "bfloat16", "float16")  # torch is imported where used: `infer --help` stays fast
 
 
-def model_shape(model: str | None, dtype: str) -> dict:
-    """Parameters, weight bytes and KV bytes per token of `model` (a folder, hub id, preset or embedded)."""
+def model_shape(model: str | None, dtype: str, quantization: str = "none") -> dict:
+    """Parameters, weight bytes and KV bytes per token of `model` (a folder, hub id, preset or embedded).
+
+    With `quantization` int8/int4, weight bytes are what a decode step reads as infer quantizes
+    (infer.quant.linear.quantize_model): the linear layers' codes and float32 scales (and zero points),
+    the LM head in int8, the other parameters in `dtype`; the embedding is only looked up, not read."""
     import torch
 
     from infer.models.config import ModelConfig
@@ -43,16 +47,39 @@ def model_shape(model: str | None, dtype: str) -> dict:
         net.tie_weights()
     num_params = sum(p.numel() for p in net.parameters())  # shared (tied) parameters counted once
     nbytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    weight_bytes = num_params * nbytes
+    if quantization != "none":
+        weight_bytes = _quantized_bytes(net, quantization, nbytes)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * nbytes
     return {
         "model": model or "embedded",
         "architecture": cfg.architecture,
-        "dtype": dtype,
+        "dtype": dtype if quantization == "none" else f"{quantization} weights, {dtype} activations",
         "num_params": num_params,
-        "weight_bytes": num_params * nbytes,
+        "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_per_token,
         "max_position_embeddings": cfg.max_position_embeddings,
     }
+
+
+def _quantized_bytes(net, quantization: str, nbytes: int) -> int:
+    from torch import nn
+
+    from infer.quant.linear import GROUP_SIZE, HEAD_BITS, _group_for
+
+    bits = 8 if quantization == "int8" else 4
+    linear_params, total = set(), 0
+    for name, module in net.named_modules():
+        if isinstance(module, nn.Linear):
+            head = name.rpartition(".")[2] == "lm_head"
+            layer_bits = HEAD_BITS if head else bits
+            groups = 1 if layer_bits == 8 else module.in_features // _group_for(module.in_features, GROUP_SIZE)
+            per_group = 4 if layer_bits == 8 else 8  # float32 scale, plus a zero point for int4
+            total += module.out_features * (module.in_features * layer_bits // 8 + groups * per_group)
+            linear_params.add(id(module.weight))
+    embedding = id(net.input_embeddings().weight)
+    rest = sum(p.numel() for p in net.parameters() if id(p) not in linear_params | {embedding})
+    return total + rest * nbytes
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -128,6 +155,9 @@ def rows(shape: dict, roof: dict) -> list[tuple[str, str]]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder, hub id or preset; default: embedded")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weights / KV / matmul dtype")
+    p.add_argument(
+        "--quantization", default="none", choices=["none", "int8", "int4"], help="weights as --quantization"
+    )
     p.add_argument("--memory-gb", type=float, default=None, help="memory budget; default: this machine's RAM")
     p.add_argument("--matmul-size", type=int, default=1024)
     p.add_argument("--json", type=Path, default=None, help="also write the numbers to this JSON file")
@@ -135,7 +165,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_roofline(args: argparse.Namespace, out=None) -> int:
     out = sys.stdout if out is None else out
-    shape = model_shape(args.model, args.dtype)
+    shape = model_shape(args.model, args.dtype, args.quantization)
     memory = int(args.memory_gb * 1e9) if args.memory_gb is not None else total_memory_bytes()
     roof = roofline(shape, measure_bandwidth(), measure_matmul(args.dtype, args.matmul_size), memory)
     print(

@@ -45,3 +45,19 @@ def test_roofline_command(tmp_path):
     assert report["shape"]["model"] == "embedded" and report["shape"]["num_params"] > 0
     assert report["roofline"]["bandwidth_bytes_per_s"] > 0 and report["roofline"]["matmul_flops_per_s"] > 0
     assert "decode ceiling" in out.getvalue()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_weight_bytes_are_what_the_quantized_model_holds(method):
+    from infer.models.loader import load_model
+    from infer.quant.linear import QuantizedLinear
+
+    net, _, _ = load_model("llama-50m", dtype="bfloat16", load_format="dummy", quantization=method)
+    held = 0
+    for module in net.modules():
+        if isinstance(module, QuantizedLinear):  # codes, scales, zero points: what a decode step reads
+            held += sum(t.nbytes for t in (module.qweight, module.scales, module.offsets) if t is not None)
+    quantized = {id(p) for m in net.modules() if isinstance(m, QuantizedLinear) for p in m.parameters()}
+    embedding = net.input_embeddings().weight
+    held += sum(p.nbytes for p in net.parameters() if id(p) not in quantized and p is not embedding)
+    assert model_shape("llama-50m", "bfloat16", method)["weight_bytes"] == held
