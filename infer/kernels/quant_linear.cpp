@@ -19,8 +19,8 @@
 //
 // Layouts (infer/quant/linear.py packs them); a chunk is 16 channels x 2 inputs = 32 codes:
 //   int8   [N / 16][K / 2][16 channels][2 inputs] int8
-//   int4   [N / 16][K / 2][16 bytes] uint8, codes 0..15: byte j holds code j of the chunk (low nibble)
-//          and code 16 + j (high nibble), codes in the int8 order
+//   int4   [N / 16][K / 4][32 bytes] uint8, codes 0..15: two chunks (pairs 2i, 2i + 1) share 32 bytes,
+//          byte j holding code j of the first (low nibble) and of the second (high nibble)
 //   scales float32 [K / group][N] (inputs-major, so that 16 channels are one load); offsets alike,
 //          = -zero * scale, or absent
 // Requires N a multiple of 16, K and the group size multiples of 32; the caller checks.
@@ -79,6 +79,13 @@ inline GroupScale group_scale(const Problem& P, int64_t block, int64_t g) {
   return gs;
 }
 
+// the 32 codes of int4 chunk `pair` of `block`, one per byte
+inline __m256i int4_chunk(const Problem& P, int64_t block, int64_t pair) {
+  const uint8_t* p = P.w + (block * (P.K / 4) + pair / 2) * 32;
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_and_si256(pair % 2 ? _mm256_srli_epi16(b, 4) : b, _mm256_set1_epi8(0x0F));
+}
+
 // chunk `pair` (inputs 2 pair, 2 pair + 1) of `block`, as 32 bf16 in lane order
 template <int BITS>
 inline __m512bh convert(const Problem& P, int64_t block, int64_t pair, const GroupScale* gs) {
@@ -89,10 +96,9 @@ inline __m512bh convert(const Problem& P, int64_t block, int64_t pair, const Gro
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
   } else {
-    const uint8_t* p = P.w + (block * (P.K / 2) + pair) * 16;
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    const __m256i codes = int4_chunk(P, block, pair);  // 32 bytes, one code each
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(codes)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(codes, 1)));
   }
   if (gs) {
     lo = _mm512_fmadd_ps(lo, gs->s_lo, gs->o_lo);
@@ -138,16 +144,18 @@ void decode_tile(const Problem& P, int64_t b0) {
 }
 
 // int4 decodes: codes to bf16 without floats. 128 + q (q = 0..15) is exact in bf16 and its bits are
-// 0x4300 | q, so a chunk converts in 4 integer operations (the float route of convert() takes 8, and
-// bound int4 decodes at 62-70% of their bandwidth roofline). Per group and channel the sums then hold
+// 0x4300 | q, so two chunks convert in 4 integer operations (the float route of convert() takes 8 per
+// chunk, and bound int4 decodes at 62-70% of their bandwidth roofline). Per group and channel the sums then hold
 // sum_k x (128 + q), and
 //   s (sum_k x q - z sum_k x) = s * sums + (-(128 + z) s) * sum_k x
-inline __m512bh int4_codes_plus_128(const Problem& P, int64_t block, int64_t pair) {
-  const uint8_t* p = P.w + (block * (P.K / 2) + pair) * 16;
-  const __m256i w16 = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i lo = _mm256_and_si256(w16, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(w16, 4);
-  const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  return (__m512bh)_mm512_or_si512(codes, _mm512_set1_epi16(0x4300));
+// chunks 2i and 2i + 1 of `block` as bf16 128 + q: the 32 shared bytes widened to 16 bits each, then
+// the low nibbles (one ternary-logic op: (v & 0x0F) | 0x4300) and the high ones (shift, or)
+inline void int4_pair_plus_128(const Problem& P, int64_t block, int64_t pair2, __m512bh& first, __m512bh& second) {
+  const uint8_t* p = P.w + (block * (P.K / 4) + pair2) * 32;
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i bias = _mm512_set1_epi16(0x4300);
+  first = (__m512bh)_mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x0F), bias, 0xEA);  // (v & m) | bias
+  second = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
 }
 
 template <int ROWS, int NB>
@@ -158,12 +166,15 @@ void decode_tile_int4(const Problem& P, int64_t b0) {
   for (int64_t g = 0; g < groups; ++g) {
     __m512 acc[ROWS * NB];
     for (auto& a : acc) a = _mm512_setzero_ps();
-    for (int64_t p = g * pairs_per_group; p < (g + 1) * pairs_per_group; ++p) {
-      __m512bh w[NB];
-      for (int b = 0; b < NB; ++b) w[b] = int4_codes_plus_128(P, b0 + b, p);
+    for (int64_t p = g * pairs_per_group; p < (g + 1) * pairs_per_group; p += 2) {
+      __m512bh w0[NB], w1[NB];
+      for (int b = 0; b < NB; ++b) int4_pair_plus_128(P, b0 + b, p / 2, w0[b], w1[b]);
       for (int r = 0; r < ROWS; ++r) {
-        const __m512bh xs = x_pair(P, r, p);
-        for (int b = 0; b < NB; ++b) acc[r * NB + b] = _mm512_dpbf16_ps(acc[r * NB + b], xs, w[b]);
+        const __m512bh x0 = x_pair(P, r, p), x1 = x_pair(P, r, p + 1);
+        for (int b = 0; b < NB; ++b) {
+          acc[r * NB + b] = _mm512_dpbf16_ps(acc[r * NB + b], x0, w0[b]);
+          acc[r * NB + b] = _mm512_dpbf16_ps(acc[r * NB + b], x1, w1[b]);
+        }
       }
     }
     float xsum[ROWS];
@@ -344,15 +355,15 @@ inline __m512i quad_codes(const Problem& P, int64_t block, int64_t quad) {
     const __m512i v = _mm512_loadu_si512(P.w + (block * (P.K / 2) + 2 * quad) * 32);
     return _mm512_permutexvar_epi16(idx, v);
   } else {
-    // 32 bytes = chunks A, B of 16 bytes; low nibbles = codes 0-15, high = codes 16-31 of each.
-    // v's 128-bit lanes: A low, B low, A high, B high; words of A: 0-7 and 16-23, of B: 8-15 and 24-31
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.w + (block * (P.K / 2) + 2 * quad) * 16));
+    // 32 bytes: low nibbles = chunk A's 32 codes, high nibbles = chunk B's; as bytes A then B, then
+    // the words interleaved as for int8
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.w + (block * (P.K / 4) + quad) * 32));
     const __m256i mask = _mm256_set1_epi8(0x0F);
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, mask)),
                                          _mm256_and_si256(_mm256_srli_epi16(b, 4), mask), 1);
-    const __m512i idx = _mm512_setr_epi32(0x00080000, 0x00090001, 0x000a0002, 0x000b0003, 0x000c0004, 0x000d0005,
-                                          0x000e0006, 0x000f0007, 0x00180010, 0x00190011, 0x001a0012, 0x001b0013,
-                                          0x001c0014, 0x001d0015, 0x001e0016, 0x001f0017);
+    const __m512i idx = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
+                                          0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001a000a, 0x001b000b,
+                                          0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
     return _mm512_permutexvar_epi16(idx, v);
   }
 }

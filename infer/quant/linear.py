@@ -151,14 +151,15 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
 def pack_kernel(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes [out, in] -> the kernel's layout, oneDNN's for vdpbf16ps: blocks of 16 output channels,
     each block's input pairs in order, a pair's 16 channels side by side with their two inputs adjacent
-    (a chunk: 32 codes = one bf16 vector once converted). int4: byte j of a chunk holds code j (low
-    nibble) and code 16 + j (high nibble), which two operations unpack in order."""
+    (a chunk: 32 codes = one bf16 vector once converted). int4: two chunks (pairs 2i and 2i + 1) share
+    32 bytes, byte j holding code j of the first (low nibble) and of the second (high nibble): one
+    mask, or one shift, unpacks a chunk in order."""
     out_features, in_features = q.shape
     chunks = q.view(out_features // 16, 16, in_features // 2, 2).transpose(1, 2)  # [blocks, pairs, 16, 2]
     chunks = chunks.reshape(out_features // 16, in_features // 2, 32)
     if bits == 4:
-        codes = chunks.to(torch.uint8)
-        chunks = codes[..., :16] | (codes[..., 16:] << 4)  # [blocks, pairs, 16 bytes]
+        codes = chunks.to(torch.uint8).view(out_features // 16, in_features // 4, 2, 32)
+        chunks = codes[:, :, 0] | (codes[:, :, 1] << 4)  # [blocks, pairs / 2, 32 bytes]
     return chunks.contiguous().view(out_features, -1)
 
 
