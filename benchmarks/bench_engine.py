@@ -9,6 +9,10 @@
 3. prefix: throughput with prefix caching on vs off when nothing is shared (its pure cost), and TTFT
    with a shared 1024-token prefix (its benefit).
 4. memory: KV pool allocated once at start-up, its size in tokens and bytes.
+
+--trace FILE records the engine trace (infer.engine.trace) in the overhead section, written per batch size
+to FILE-batch{N}.json; its cost shows in step_ms (the whole step() call, trace recording included), which
+is what to compare with a run without it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,17 +47,22 @@ def random_prompt(gen: torch.Generator, n: int, vocab: int) -> list[int]:
 
 
 def run_all(eng: LLMEngine) -> list:
+    """(stats, timing, wall seconds of the whole step() call) per step."""
     steps = []
     while eng.has_unfinished():
+        start = time.perf_counter()
         eng.step()
-        steps.append((eng.last_stats, eng.last_timing))
+        steps.append((eng.last_stats, eng.last_timing, time.perf_counter() - start))
     return steps
 
 
 def overhead(args) -> list[dict]:
     rows = []
     for batch in (1, 8, 32):
-        eng = engine(args, max_num_seqs=32, max_num_batched_tokens=max(512, 32 * 128))
+        trace = None
+        if args.trace:
+            trace = str(Path(args.trace).with_name(f"{Path(args.trace).stem}-batch{batch}.json"))
+        eng = engine(args, max_num_seqs=32, max_num_batched_tokens=max(512, 32 * 128), trace_path=trace)
         gen = torch.Generator().manual_seed(batch)
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         for _ in range(batch):
@@ -60,7 +70,9 @@ def overhead(args) -> list[dict]:
         start = time.perf_counter()
         steps = run_all(eng)
         e2e = batch * 64 / (time.perf_counter() - start)
-        decode = [t for s, t in steps if s.num_prefill_tokens == 0]
+        eng.close()  # writes the trace, if any (after the timing)
+        decode = [t for s, t, _ in steps if s.num_prefill_tokens == 0]
+        step_s = statistics.median(w for s, _, w in steps if s.num_prefill_tokens == 0)
         fwd = statistics.median(t.forward_s for t in decode)
         book = statistics.median(t.bookkeeping_s for t in decode)
         sched = statistics.median(t.schedule_s + t.update_s for t in decode)
@@ -71,6 +83,7 @@ def overhead(args) -> list[dict]:
                 scheduler_ms=sched * 1e3,
                 bookkeeping_ms=book * 1e3,
                 bookkeeping_frac=book / fwd,
+                step_ms=step_s * 1e3,
                 decode_tok_s=batch / (fwd + book),
                 end_to_end_tok_s=e2e,  # 128-token prompts, 64 output tokens each, prefill included
             )
@@ -87,7 +100,7 @@ def context(args) -> list[dict]:
         SamplingParams(temperature=0, max_tokens=limit - 16, ignore_eos=True),
     )
     times, pos = [], 16
-    for stats, timing in run_all(eng):
+    for stats, timing, _ in run_all(eng):
         if stats.num_decode_tokens:
             times.append((pos, timing.forward_s + timing.bookkeeping_s))
         pos += stats.num_prefill_tokens + stats.num_decode_tokens
@@ -162,6 +175,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--no-prepack", action="store_true", help="plain F.linear: what prepacking buys")
+    p.add_argument("--trace", default=None, metavar="FILE", help="record the engine trace (overhead only)")
     p.add_argument("--only", nargs="+", default=["overhead", "context", "prefix", "memory"])
     p.add_argument("--json", default=None)
     args = p.parse_args()

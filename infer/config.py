@@ -131,6 +131,9 @@ class EngineConfig:
     quantization: none, int8 (per output channel) or int4 (groups of 128): weight-only, done at load on
         a bf16/fp32 checkpoint (infer/quant). A pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors)
         is recognised from its config.json whatever this says, unless it asks for another method.
+    trace_path: record the engine trace (infer.engine.trace: Chrome trace-event JSON for Perfetto) and
+        write it there at shutdown (`LLMEngine.close()`); None = off, at no cost.
+    trace_steps: the trace keeps the events of this many last steps (a ring), so its memory is bounded.
     """
 
     model: str | None = None
@@ -152,8 +155,11 @@ class EngineConfig:
     use_kv_cache: bool = True
     prepack_weights: bool = True
     quantization: str = "none"
+    trace_path: str | None = None
+    trace_steps: int = 10_000
 
     def __post_init__(self) -> None:
+        _positive_int("trace_steps", self.trace_steps)
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if not self.kv_cache_memory_gb > 0:

@@ -73,7 +73,9 @@ def _quantized_bytes(net, quantization: str, nbytes: int) -> int:
         if isinstance(module, nn.Linear):
             head = name.rpartition(".")[2] == "lm_head"
             layer_bits = HEAD_BITS if head else bits
-            groups = 1 if layer_bits == 8 else module.in_features // _group_for(module.in_features, GROUP_SIZE)
+            groups = (
+                1 if layer_bits == 8 else module.in_features // _group_for(module.in_features, GROUP_SIZE)
+            )
             per_group = 4 if layer_bits == 8 else 8  # float32 scale, plus a zero point for int4
             total += module.out_features * (module.in_features * layer_bits // 8 + groups * per_group)
             linear_params.add(id(module.weight))

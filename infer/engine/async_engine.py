@@ -149,6 +149,10 @@ class AsyncEngine:
                 continue
             if outputs:  # one wake-up of the event loop per step, not one per request
                 self._loop.call_soon_threadsafe(self._put_all, [(out.req_id, out) for out in outputs])
+        try:
+            engine.close()  # writes the trace file, when tracing
+        except OSError as exc:
+            logger.error("could not write the engine trace: %s", exc)
 
     def _apply_commands(self) -> None:
         while True:

@@ -22,8 +22,20 @@ class GenerationResult:
 
 
 class LLM:
+    """`with LLM(trace_path="trace.json") as llm:` writes the trace on leaving (or call `close()`)."""
+
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    def close(self) -> None:
+        """Write the engine trace, if tracing; the LLM stays usable."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

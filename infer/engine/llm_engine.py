@@ -31,6 +31,7 @@ from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.tokenizer import Tokenizer
+from infer.engine.trace import StepTrace
 from infer.models.loader import EMBEDDED_MODEL, load_model, weight_bytes
 from infer.runner.kv_cache import kv_bytes_per_token
 from infer.runner.model_runner import ModelRunner
@@ -120,6 +121,13 @@ class LLMEngine:
         self.last_stats = StepStats()
         self.last_timing = StepTiming()
         self._ids = itertools.count()
+        # the step trace (infer.engine.trace), None unless asked for: then one `is not None` per step
+        self.trace = StepTrace(config.trace_steps) if config.trace_path else None
+
+    def close(self) -> None:
+        """Write the trace file, if tracing (at shutdown; again whenever called). The engine stays usable."""
+        if self.trace is not None:
+            self.trace.write(self.config.trace_path)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -154,6 +162,8 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self.requests[req.req_id] = req
         self.detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer, token_ids, stop=params.stop)
+        if self.trace is not None:
+            self.trace.record_added(req.req_id, req.num_prompt_tokens, priority)
         return req
 
     def has_unfinished(self) -> bool:
@@ -162,7 +172,10 @@ class LLMEngine:
     def abort(self, req_ids: str | list[str]) -> list[StepOutput]:
         """End requests in any state; their blocks go back to the pool. Unknown ids are ignored."""
         ended = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
-        return [self._output(o.req_id, "", [], "abort", None) for o in ended]
+        outputs = [self._output(o.req_id, "", [], "abort", None) for o in ended]
+        if self.trace is not None:
+            self.trace.record_ended(outputs)
+        return outputs
 
     def step(self) -> list[StepOutput]:
         start = time.perf_counter()
@@ -179,6 +192,8 @@ class LLMEngine:
             forward_s=executed - scheduled - self.runner.last_prepare_s,
             update_s=time.perf_counter() - executed,
         )
+        if self.trace is not None:
+            self.trace.record_step(start, self.last_timing, sched, outputs)
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:

@@ -7,6 +7,7 @@
     POST /v1/completions       infer.server.completions
     POST /v1/chat/completions  infer.server.chat
     POST /tokenize, /detokenize  vLLM's, infer.server.tokenization
+    GET  /debug/trace?seconds=S  the last S seconds of the engine trace (with --trace; infer.engine.trace)
 
 The model loads in a thread started by the lifespan, so the server listens (and answers 503) meanwhile.
 """
@@ -21,8 +22,9 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -103,6 +105,23 @@ def create_app(
             info["dtype"] = str(state.llm.runner.dtype).removeprefix("torch.")  # what `auto` resolved to
             info["quantization"] = state.llm.quantization
         return JSONResponse(info)
+
+    @app.get("/debug/trace")
+    async def debug_trace(
+        seconds: Annotated[float | None, Query(gt=0, allow_inf_nan=False)] = None,
+    ) -> Response:
+        """The engine trace's last `seconds` (all that its ring holds without), as Chrome trace-event JSON
+        (`{"traceEvents": [...]}`), to see what just happened without a restart."""
+        if args.engine.trace_path is None:
+            raise APIError(
+                404, "the engine trace is off: start the server with --trace FILE", "not_found_error"
+            )
+        if not state.ready:
+            raise APIError(503, "the model is still loading", "service_unavailable")
+        trace = state.llm.trace
+        since = None if seconds is None else trace.now_us() - seconds * 1e6
+        body = await asyncio.to_thread(trace.dumps, since)  # up to the whole ring: off the event loop
+        return Response(body, media_type="application/json")
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -185,7 +204,7 @@ def validation_error(errors) -> APIError:
     """pydantic's error list as one readable 400: 'messages.0.role: Field required; ...'."""
     parts, param = [], None
     for err in errors[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query")]
         if err.get("type") == "json_invalid":
             parts.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
             continue
@@ -231,8 +250,8 @@ class BodySizeLimit:
 
 
 # Routes behind --api-key: the API (vLLM's /tokenize and /detokenize too, which sit outside /v1), and what
-# shows the server's configuration.
-_KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/server_info")
+# shows the server's configuration or its traffic (/debug/trace).
+_KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/server_info", "/debug")
 
 
 class APIKeyMiddleware:

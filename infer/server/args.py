@@ -187,6 +187,20 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--batching-mode", default=d["batching_mode"], choices=BATCHING_MODES, help="static: for benchmarks"
     )
     parser.add_argument(
+        "--trace",
+        dest="trace_path",
+        metavar="FILE",
+        default=d["trace_path"],
+        help="record the engine trace (Chrome trace-event JSON, opens in ui.perfetto.dev), written to FILE "
+        "at shutdown and served by GET /debug/trace?seconds=S",
+    )
+    parser.add_argument(
+        "--trace-steps",
+        type=int,
+        default=d["trace_steps"],
+        help="the trace keeps the last N engine steps (a ring)",
+    )
+    parser.add_argument(
         "--cuda-graphs",
         action=bool_flag,
         default=False,
