@@ -5,9 +5,9 @@
     python benchmarks/bench_quant.py --perplexity-only        # the embedded model on held-out text
 
 One engine per method, built once; the rounds alternate the methods so that drift on a shared machine
-hits each alike. Decode: `batch` requests with 128-token prompts run to 64 output tokens each, after
-their prefill; the figure is decode tokens/s over the decode steps only. Prefill: one 512-token prompt,
-time to its first token. Perplexity: Genesis 38, which the embedded model never trained on
+hits each alike. Decode: `batch` requests with 128-token prompts (`--prompt-len`) run to 64 output
+tokens each, after their prefill; the figure is decode tokens/s over the decode steps only. Prefill: one
+512-token prompt, time to its first token. Perplexity: Genesis 38, which the embedded model never trained on
 (infer/assets/embedded/README.md), in windows of 512 tokens.
 """
 
@@ -28,12 +28,12 @@ from infer.quant.perplexity import held_out_text, perplexity
 from infer.sampling_params import SamplingParams
 
 
-def decode_tok_s(eng: LLMEngine, batch: int, seed: int) -> float:
+def decode_tok_s(eng: LLMEngine, batch: int, seed: int, prompt_len: int = 128) -> float:
     gen = torch.Generator().manual_seed(seed)
     vocab = min(eng.model_config.vocab_size, 30000)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for _ in range(batch):
-        eng.add_request(torch.randint(10, vocab, (128,), generator=gen).tolist(), params)
+        eng.add_request(torch.randint(10, vocab, (prompt_len,), generator=gen).tolist(), params)
     decode_s = decode_tokens = 0
     while eng.has_unfinished():
         start = time.perf_counter()
@@ -47,7 +47,7 @@ def decode_tok_s(eng: LLMEngine, batch: int, seed: int) -> float:
 
 
 def prefill_ms(eng: LLMEngine, seed: int) -> float:
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(10_000 + seed)  # not the decode prompts' seed: no prefix-cache hit
     prompt = torch.randint(10, min(eng.model_config.vocab_size, 30000), (512,), generator=gen).tolist()
     eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     start = time.perf_counter()
@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=["none", "int8", "int4"])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt of the decode runs")
     p.add_argument("--perplexity-only", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -95,7 +96,7 @@ def main() -> None:
         for r in range(args.rounds):
             for method, eng in engines.items():
                 for b in args.batches:
-                    samples[method][b].append(decode_tok_s(eng, b, seed=r))
+                    samples[method][b].append(decode_tok_s(eng, b, seed=r, prompt_len=args.prompt_len))
                 samples[method]["prefill"].append(prefill_ms(eng, seed=r))
         for method in args.methods:
             for b in args.batches:
