@@ -2,16 +2,18 @@
 // model (infer/quant/linear.py), for every number of rows from a one-token decode to a prefill chunk.
 //
 // torch's own weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) beat a bf16
-// matmul at one row but lose 1.3x at 8 rows and 2.3x at 32: they dequantize and multiply row by row.
+// matmul at one row but lose 1.3x at 8 rows and 2.3x at 32 (AMD EPYC, docs/benchmarks.md).
 // Here the weights are laid out as oneDNN lays out bf16 weights for vdpbf16ps (blocks of 16 output
 // channels, the two inputs of each pair side by side), so one vector of codes, converted, is one
 // operand of vdpbf16ps whose 16 lanes are 16 output channels, and x enters as one broadcast pair:
 //
 //   decode (M <= 4 rows): per tile of up to 4 blocks (64 channels), per input pair:
 //       convert each block's 32 codes in registers -> bf16; acc[row][block] += dp(x pair, w)
-//   batch (M > 4): per tile of 2 blocks (32 channels), per block of 512 inputs:
-//       convert the tile's codes once into a 32 KB buffer (L1) -> for each 12 rows of x:
-//       24 accumulators (kept in a small float tile between blocks of inputs) += dp(x pair, w)
+//   batch (M > 4), the default: x rounded to int8 per row, vpdpbusd on 4-input quads of the same
+//       codes (run_a8, below: 2.6x the multiply-add rate of vdpbf16ps here)
+//   batch with bf16 activations (INFER_INT8_ACTIVATIONS=0, or no VNNI): per tile of 2 blocks, per
+//       block of 512 inputs: the codes converted once into a 32 KB buffer (L1) -> for each 12 rows of
+//       x: 24 accumulators (kept in a small float tile between blocks of inputs) += dp(x pair, w)
 //
 // No horizontal sums: lanes are channels, an output row is one vector store. Conversion: codes ->
 // float32 -> (q - z) * s per group -> bf16, except for int8 with one scale per channel and no zero,

@@ -2,9 +2,9 @@
 
 Each QuantizedLinear repacks its `QuantizedWeight` for the fastest path this machine has, chosen once:
 
-    "infer"   the C++ kernel (infer/kernels/quant_linear.cpp): bf16 activations on an AVX-512 BF16 CPU.
-              Weights are read once per call whatever the number of rows, converted to bf16 in tiles
-              that stay in cache, multiplied with vdpbf16ps. Every step uses it, decode and prefill.
+    "infer"   the C++ kernel (infer/kernels/quant_linear.cpp), bf16 models on an AVX-512 BF16 CPU, every
+              step: decodes of up to 4 rows convert the codes to bf16 in registers (vdpbf16ps: the
+              weights' bytes set the time); larger steps round x to int8 per row (vpdpbusd, with VNNI).
     "torch"   torch's weight-only kernels (`_weight_int8pack_mm` for int8 per channel without zero points,
               `_weight_int4pack_mm_for_cpu` for int4 in groups of 32..256): other CPUs, float32 models.
     "dequant" anything else (e.g. int8 in groups, on a CPU without AVX-512 BF16): the weight dequantized
