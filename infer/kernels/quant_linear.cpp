@@ -209,12 +209,13 @@ void decode_blocks(const Problem& P, int64_t b0, int64_t nb) {
       case 3: return decode_tile_int4<ROWS, 3>(P, b0);
       default: return decode_tile_int4<ROWS, 4>(P, b0);
     }
-  }
-  switch (nb) {
-    case 1: return decode_tile<BITS, ROWS, 1>(P, b0);
-    case 2: return decode_tile<BITS, ROWS, 2>(P, b0);
-    case 3: return decode_tile<BITS, ROWS, 3>(P, b0);
-    default: return decode_tile<BITS, ROWS, 4>(P, b0);
+  } else {
+    switch (nb) {
+      case 1: return decode_tile<BITS, ROWS, 1>(P, b0);
+      case 2: return decode_tile<BITS, ROWS, 2>(P, b0);
+      case 3: return decode_tile<BITS, ROWS, 3>(P, b0);
+      default: return decode_tile<BITS, ROWS, 4>(P, b0);
+    }
   }
 }
 
@@ -457,11 +458,10 @@ void multiply_a8(const Problem& P, const Activations& A, const __m512i* buf, int
 template <int BITS, int NB>
 void multiply_a8_rows(const Problem& P, const Activations& A, const __m512i* buf, int64_t b0, int64_t q0, int64_t q1,
                       int64_t m0, int64_t rows, __m512* c) {
-  switch (rows) {
-    case 8: case 9: case 10: case 11: case 12: case 13: case 14: case 15:
-      return multiply_a8<BITS, 8, NB>(P, A, buf, b0, q0, q1, m0, c);
-    case 4: case 5: case 6: case 7: return multiply_a8<BITS, 4, NB>(P, A, buf, b0, q0, q1, m0, c);
-    case 2: case 3: return multiply_a8<BITS, 2, NB>(P, A, buf, b0, q0, q1, m0, c);
+  switch (rows) {  // 8, 4, 2 or 1 (batch_tile_a8)
+    case 8: return multiply_a8<BITS, 8, NB>(P, A, buf, b0, q0, q1, m0, c);
+    case 4: return multiply_a8<BITS, 4, NB>(P, A, buf, b0, q0, q1, m0, c);
+    case 2: return multiply_a8<BITS, 2, NB>(P, A, buf, b0, q0, q1, m0, c);
     default: return multiply_a8<BITS, 1, NB>(P, A, buf, b0, q0, q1, m0, c);
   }
 }

@@ -104,7 +104,8 @@ def load_model(
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unknown load format {load_format!r}; choose auto, safetensors or dummy")
     path = resolve_model_path(model, load_format)
-    cfg = ModelConfig.from_hf(read_config(path))
+    hf_config = read_config(path)
+    cfg = ModelConfig.from_hf(hf_config)
     torch_dtype = pick_dtype(cfg, dtype)
     with torch.device("meta"):
         net = model_class(cfg.architecture)(cfg)
@@ -113,7 +114,7 @@ def load_model(
     for module in net.modules():  # buffers (rope tables) were left uninitialised by to_empty
         if hasattr(module, "init_buffers"):
             module.init_buffers()
-    quant = None if load_format == "dummy" else parse_quantization_config(read_config(path))
+    quant = None if load_format == "dummy" else parse_quantization_config(hf_config)
     if quant is not None and quantization != "none":
         raise ValueError(
             f"{path.name} is already quantized ({quant.method}): drop --quantization {quantization}"

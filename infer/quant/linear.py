@@ -73,9 +73,7 @@ class QuantizedLinear(nn.Module):
 
     def _pack_kernel(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self._ops = _kernel_ops()
-        q, zeros = w.q, w.zeros
-        if w.bits == 4 and zeros is None:  # signed codes -8..7 become 0..15 around a zero of 8
-            q, zeros = q + 8, torch.full_like(w.scales, 8.0)
+        q, zeros = _unsigned_int4(w) if w.bits == 4 else (w.q, w.zeros)
         self.register_buffer("qweight", pack_kernel(q, w.bits), persistent=False)
         self.register_buffer("scales", w.scales.t().contiguous(), persistent=False)  # [groups, out]
         offsets = None if zeros is None else (-zeros * w.scales).t().contiguous()
@@ -90,7 +88,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", w.q.contiguous(), persistent=False)
             self.register_buffer("scales", w.scales.view(-1).to(dtype), persistent=False)
             return
-        q, zeros = (w.q + 8, torch.full_like(w.scales, 8.0)) if w.zeros is None else (w.q, w.zeros)
+        q, zeros = _unsigned_int4(w)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         # torch's int4 dequantization is (code - 8) * scale + zero: zero = (8 - our zero) * scale
         scales_and_zeros = torch.stack([w.scales, (8 - zeros) * w.scales], -1)  # [out, groups, 2]
@@ -132,6 +130,14 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         shape = f"{self.in_features} -> {self.out_features}"
         return f"{shape}, int{self.bits}, group {self.group_size}, {self.backend}"
+
+
+def _unsigned_int4(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 codes as both kernels store them, 0..15 with a zero point: symmetric codes -8..7 shift to
+    0..15 around a zero of 8 (the same weights)."""
+    if w.zeros is None:
+        return w.q + 8, torch.full_like(w.scales, 8.0)
+    return w.q, w.zeros
 
 
 def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
