@@ -3,6 +3,8 @@ as the fallback.
 
 `paged_attention.cpp`: attention of decodes (and small chunks) straight over the paged KV cache,
 both cores working (see infer/layers/attention.py for where it is used and what it gained).
+`layer_ops.cpp`: RMSNorm (with the residual add), rotary in place, SiLU-and-multiply, one pass each
+(infer/layers/norms.py, rotary.py, activations.py; `layer_ops(x)` says whether they serve a tensor).
 `quant_linear.cpp`: int8 and int4 weights times bf16 activations, for quantized models
 (infer/quant/linear.py); AVX-512 BF16 CPUs only (`isa()` ends in "+bf16"), torch's kernels elsewhere.
 
@@ -33,7 +35,7 @@ import torch
 logger = logging.getLogger("infer.kernels")
 
 NAME = "infer_kernels"
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "quant_linear.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "quant_linear.cpp", "layer_ops.cpp")]
 HEADERS = [Path(__file__).with_name("vec.h")]
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -76,6 +78,22 @@ def load():
             if "ops" not in _state:
                 _state["ops"] = _load()
     return _state["ops"]
+
+
+def layer_ops(x: torch.Tensor):
+    """The ops of layer_ops.cpp when they serve x (a CPU tensor of float32/bfloat16/float16, rows of a
+    multiple of 16, no autograd), else None: the layers then run their torch reference."""
+    if (
+        x.dtype not in LAYER_OPS_DTYPES
+        or x.device.type != "cpu"
+        or x.shape[-1] % 16
+        or torch.is_grad_enabled()
+    ):
+        return None
+    return load()
+
+
+LAYER_OPS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _load():

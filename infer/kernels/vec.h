@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -33,7 +34,9 @@ inline VecF vload(const c10::Half* p) {
 }
 inline void vstore(float* p, VecF x) { _mm512_storeu_ps(p, x); }
 inline VecF vadd(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
 inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vdiv(VecF a, VecF b) { return _mm512_div_ps(a, b); }
 inline VecF vmax(VecF a, VecF b) { return _mm512_max_ps(a, b); }
 inline VecF vmin(VecF a, VecF b) { return _mm512_min_ps(a, b); }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
@@ -86,7 +89,9 @@ inline VecF vload(const c10::Half* p) {
 }
 inline void vstore(float* p, VecF x) { _mm256_storeu_ps(p, x); }
 inline VecF vadd(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline VecF vsub(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
 inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vdiv(VecF a, VecF b) { return _mm256_div_ps(a, b); }
 inline VecF vmax(VecF a, VecF b) { return _mm256_max_ps(a, b); }
 inline VecF vmin(VecF a, VecF b) { return _mm256_min_ps(a, b); }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
@@ -144,7 +149,9 @@ inline VecF velementwise(VecF a, VecF b, F f) {
   return a;
 }
 inline VecF vadd(VecF a, VecF b) { return velementwise(a, b, [](float x, float y) { return x + y; }); }
+inline VecF vsub(VecF a, VecF b) { return velementwise(a, b, [](float x, float y) { return x - y; }); }
 inline VecF vmul(VecF a, VecF b) { return velementwise(a, b, [](float x, float y) { return x * y; }); }
+inline VecF vdiv(VecF a, VecF b) { return velementwise(a, b, [](float x, float y) { return x / y; }); }
 inline VecF vmax(VecF a, VecF b) {
   return velementwise(a, b, [](float x, float y) { return std::max(x, y); });
 }
@@ -187,5 +194,47 @@ inline VecF vexp(VecF x) {
   return vzero_below(vscale2(y, n), x, -87.3f);
 }
 #endif
+
+// Stores that convert to the destination's dtype, rounding to nearest even as torch's conversions do.
+// Any ISA: through a float array and c10's conversion; AVX-512: in registers (below).
+template <typename T>
+inline void vstore_as(T* p, VecF x) {
+  alignas(64) float f[kLanes];
+  vstore(f, x);
+  for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<T>(f[i]);
+}
+inline void vstore_as(float* p, VecF x) { vstore(p, x); }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// x's bfloat16 (rounded to nearest even; NaN stays a quiet NaN) in the upper 16 bits of each lane
+inline __m512i bf16_bits(VecF x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+}
+inline void vstore_as(c10::BFloat16* p, VecF x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(x), 16)));
+}
+inline void vstore_as(c10::Half* p, VecF x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
+// x rounded to T's precision, as a float (a no-op for float): where a reference rounds in between
+template <typename T>
+inline VecF vround_to(VecF x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      return _mm512_castsi512_ps(_mm512_and_si512(bf16_bits(x), _mm512_set1_epi32(int(0xFFFF0000))));
+#endif
+    alignas(64) T t[kLanes];
+    vstore_as(t, x);
+    return vload(t);
+  }
+}
 
 }  // namespace infer_vec

@@ -1,9 +1,22 @@
-"""Normalisation layers shared by the model files (architecture quirks stay in the model files)."""
+"""Normalisation layers shared by the model files (architecture quirks stay in the model files).
+
+RMSNorm runs as one C++ pass over its rows where infer/kernels serves the tensor (layer_ops.cpp), and as
+the torch reference below elsewhere; both give Hugging Face's result (bit-equal in bfloat16, float32 up
+to the order of the sum). `add` is vLLM's fused_add_rms_norm: the residual sum and the norm of it in
+one pass, which is why the decoder layers carry the residual beside the hidden states.
+`python benchmarks/bench_layer_ops.py` (bf16, llama-50m's hidden 512, AMD EPYC Zen 5, 2 cores), one
+norm, us, torch -> kernel: 1 row 13 -> 1.8, 32 rows 20 -> 5.3, 512 rows 88 -> 34 (with the add 133 -> 43),
+2048 rows 577 -> 122. With rotary and SiLU-and-multiply (layer_ops.cpp), whole llama-50m steps:
+4 x 128-token prefill 58 -> 48 ms, a 2000-token prefill 507 -> 467 ms, decode steps of 1 / 8 / 32
+streams 3.4 / 5.1 / 10.6 -> 2.7 / 4.2 / 9.7 ms.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from infer import kernels
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +31,20 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = kernels.layer_ops(x)
+        if ops is not None and self.weight.dtype == x.dtype and x.stride(-1) == 1:
+            return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), the sum rounded to the dtype first as `h + x` would be.
+        Overwrites x and residual where the kernel serves them."""
+        ops = kernels.layer_ops(x)
+        same = self.weight.dtype == x.dtype == residual.dtype and x.dim() == 2
+        if ops is not None and same and x.is_contiguous() and residual.is_contiguous():
+            ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self(residual), residual

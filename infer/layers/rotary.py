@@ -1,4 +1,11 @@
-"""Rotary position embeddings (neox style: the head is split in two halves, as in HF Llama)."""
+"""Rotary position embeddings (neox style: the head is split in two halves, as in HF Llama).
+
+Where infer/kernels serves the tensors (layer_ops.cpp), q and k are rotated in place in one pass (they
+are views of the qkv projection's output, which nothing else reads): one call per layer instead of ~14
+torch ops, 30 -> 1.5 us for one token and 421 -> 35 us for 512 (bf16, llama-50m's 8 + 4 heads of 64,
+AMD EPYC Zen 5, 2 cores; `python benchmarks/bench_layer_ops.py`). The torch path below is the reference
+it equals (float32 math either way).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from infer import kernels
 from infer.models.config import RopeConfig
 
 
@@ -47,6 +55,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        ops = kernels.layer_ops(q)
+        if (
+            ops is not None
+            and self.head_dim % 32 == 0
+            and k.dtype == q.dtype
+            and self.cos.dtype == torch.float32
+        ):
+            ops.rotary(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim // 2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer.layers.activations import get_activation
+from infer.layers.activations import gated_act, get_activation
 from infer.layers.attention import AttentionMetadata, attention
 from infer.layers.linear import MergedLinear
 from infer.layers.norms import RMSNorm
@@ -53,8 +53,7 @@ class LlamaMLP(nn.Module):
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(gated_act(self.act, self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -65,9 +64,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, positions, h, meta):
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions, h, residual, meta):
+        """(h, residual) -> (h, residual): the residual stream is carried beside the sublayer output and
+        added in the next norm (RMSNorm.add, one pass), as vLLM does; the sums equal `h = h + ...`."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm.add(h, residual)
+        h = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -80,9 +86,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         h = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual = None
         for layer in self.layers:
-            h = layer(positions, h, meta)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual, meta)
+        return self.norm.add(h, residual)[0]
 
 
 class CausalLM(nn.Module):

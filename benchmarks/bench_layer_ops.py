@@ -1,0 +1,158 @@
+"""The C++ layer ops (infer/kernels/layer_ops.cpp: RMSNorm and its fused residual add, rotary in place,
+SiLU-and-multiply) against the torch code of the layers they replace: each op alone, and whole engine
+steps with the ops on and off.
+
+    python benchmarks/bench_layer_ops.py                               # ops, then llama-50m steps
+    python benchmarks/bench_layer_ops.py --model /work/models/llama-1b --load-format dummy --skip-ops
+
+Both paths run alternately in one process, best of --rounds (a shared machine drifts by tens of percent
+between runs: never compare numbers from two runs). "torch" swaps `infer.kernels.layer_ops` for a
+function that serves nothing, so every layer takes its reference path; the attention and linear layers
+are the same on both sides. Steps: prefills of fresh prompts to their first token (N x L), and decode
+steps of B streams after 128-token prompts (ms per step, the batch's prefill excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from infer import kernels
+from infer.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.layers.rotary import _rotate
+from infer.sampling_params import SamplingParams
+
+REAL = kernels.layer_ops
+
+
+def best_us(fn, rounds: int, n: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - start) / n)
+    return best * 1e6
+
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 512, 1536, 8, 4, 64  # llama-50m's shapes
+
+
+def op_pairs(ops, rows: int, dtype: torch.dtype) -> list:
+    """(torch, kernel) callables for each op over `rows` rows."""
+    x, residual = torch.randn(rows, HIDDEN).to(dtype), torch.randn(rows, HIDDEN).to(dtype)
+    weight = torch.randn(HIDDEN).to(dtype)
+    gate_up = torch.randn(rows, 2 * INTER).to(dtype)
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
+    q = qkv[:, : HEADS * HEAD_DIM].view(rows, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(rows, KV_HEADS, HEAD_DIM)
+    positions = torch.randint(0, 2048, (rows,))
+    cos, sin = torch.randn(2048, HEAD_DIM // 2), torch.randn(2048, HEAD_DIM // 2)
+
+    def norm(v):
+        vf = v.float()
+        return weight * (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+
+    def rotate():
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        return _rotate(q, c, s), _rotate(k, c, s)
+
+    return [
+        (lambda: norm(x), lambda: ops.rms_norm(x, weight, 1e-5)),
+        (lambda: norm(x + residual), lambda: ops.add_rms_norm(x, residual, weight, 1e-5)),
+        (lambda: F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:], lambda: ops.silu_and_mul(gate_up)),
+        (rotate, lambda: ops.rotary(positions, q, k, cos, sin)),
+    ]
+
+
+def bench_ops(rounds: int, dtype: torch.dtype) -> None:
+    ops = kernels.load()
+    print(
+        f"one op, us, torch -> kernel ({dtype}; llama-50m shapes: hidden {HIDDEN}, intermediate {INTER}, "
+        f"{HEADS} + {KV_HEADS} heads of {HEAD_DIM})"
+    )
+    print(f"{'rows':>6} {'rms_norm':>16} {'add + rms_norm':>16} {'silu * up':>16} {'rotary q, k':>16}")
+    for rows in (1, 8, 32, 512, 2048):
+        cells = [
+            f"{best_us(a, rounds):7.1f} -> {best_us(b, rounds):5.1f}" for a, b in op_pairs(ops, rows, dtype)
+        ]
+        print(f"{rows:>6} " + " ".join(f"{c:>16}" for c in cells))
+
+
+def bench_steps(args) -> None:
+    config = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype)
+    engine = LLMEngine(config)
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+
+    def prompt(n):
+        return torch.randint(10, vocab - 10, (n,), generator=gen).tolist()
+
+    def prefill(num, length):
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        for _ in range(num):
+            engine.add_request(prompt(length), params)
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return (time.perf_counter() - start) * 1000
+
+    def decode(batch, steps=30):
+        params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request(prompt(128), params)
+        while engine.scheduler.num_waiting:
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        start = time.perf_counter()
+        for _ in range(steps - 3):
+            engine.step()
+        ms = (time.perf_counter() - start) * 1000 / (steps - 3)
+        while engine.has_unfinished():
+            engine.step()
+        return ms
+
+    cases = [
+        (f"prefill {n} x {n_tok}", lambda n=n, t=n_tok: prefill(n, t)) for n, n_tok in ((4, 128), (1, 2000))
+    ]
+    cases += [(f"decode step, {b} streams", lambda b=b: decode(b)) for b in (1, 8, 32)]
+    results: dict = {}
+    for _ in range(args.rounds):
+        for name, fn in cases:
+            for mode in ("torch", "kernel"):
+                kernels.layer_ops = REAL if mode == "kernel" else (lambda x: None)
+                results.setdefault((name, mode), []).append(fn())
+    kernels.layer_ops = REAL
+    dtype = next(engine.runner.model.parameters()).dtype
+    print(f"\nengine steps, ms, best of {args.rounds} alternated rounds ({args.model}, {dtype})")
+    for name, _ in cases:
+        a, b = min(results[(name, "torch")]), min(results[(name, "kernel")])
+        print(f"{name:24s} torch {a:9.2f}  kernel {b:9.2f}  {a / b:5.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="/work/models/llama-50m")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip-ops", action="store_true", help="only the engine steps")
+    args = parser.parse_args()
+    if kernels.load() is None:
+        raise SystemExit("the C++ kernels are not available here (see the warning above)")
+    if not args.skip_ops:
+        bench_ops(max(args.rounds, 5), torch.bfloat16)
+    bench_steps(args)
+
+
+if __name__ == "__main__":
+    main()
