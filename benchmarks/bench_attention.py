@@ -1,11 +1,14 @@
 """Attention on CPU: the decode paths of infer.layers.attention (the C++ kernel over the paged cache, and
-the matmul path it falls back to) against the SDPA call the matmuls replaced.
+the matmul path it falls back to) against the SDPA call the matmuls replaced; and prefill (--prefill):
+the prefill kernel (infer/kernels/prefill_attention.cpp) against SDPA, its fallback.
 
     python benchmarks/bench_attention.py                        # decode: both shapes, bf16 and fp32
     python benchmarks/bench_attention.py --dtype bfloat16 --batch 8 --context 1024
     python benchmarks/bench_attention.py --chunk 8 --batch 8     # decodes and one 8-token prompt chunk
+                                             # (`split`: the chunk through the prefill kernel, as shipped)
     python benchmarks/bench_attention.py --model llama-50m      # a model's decode step (dummy weights)
-    python benchmarks/bench_attention.py --prefill              # prefill: SDPA against a matmul version
+    python benchmarks/bench_attention.py --prefill              # prefill: SDPA against the prefill kernel
+    python benchmarks/bench_attention.py --prefill --model llama-50m --dtype bfloat16  # a model's prefill
 
 The paths run alternately in one process, best of --rounds (a shared machine drifts by tens of percent
 between runs: never compare numbers from two runs), each swapped in for `infer.layers.attention._batched`:
@@ -17,7 +20,9 @@ Decode rows time one layer's `attention(...)` call, its cache write included, wi
 the step already built (once per forward, shared by every layer); `first layer` is a call that also
 builds the metadata and its per-forward tensors, as the first layer of a forward does. Sequence i of
 a batch has `context - i % 16` tokens, so the batch needs a padding mask, as in a real step. `err`
-is the largest difference from the new path's call in float64.
+is the largest difference from the new path's call in float64. With --chunk, those paths take the chunk
+along in the batched call (whatever MAX_PADDED_SCORES says), while `split` is the shipped dispatch: a
+chunk of PREFILL_KERNEL_MIN_QUERY_LEN tokens or more through the prefill kernel, the decodes batched.
 """
 
 from __future__ import annotations
@@ -153,11 +158,12 @@ def decode_step(
 
 
 def decode_table(args) -> None:
+    split = " | split ms | kernel / split | err split" if args.chunk else ""
     print(
         "| shape | dtype | batch x context | old (SDPA) ms | matmul ms | kernel ms | matmul / kernel"
-        " | first layer old / matmul / kernel ms | err old / matmul / kernel |"
+        f" | first layer old / matmul / kernel ms | err old / matmul / kernel{split} |"
     )
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (3 if args.chunk else 0))
     for shape_name in args.shape:
         heads = SHAPES[shape_name]
         for dtype_name in args.dtype:
@@ -174,26 +180,33 @@ def decode_row(heads, dtype, batch, context, chunk, rounds) -> list[str]:
     if chunk > context - BLOCK:
         raise SystemExit(f"a chunk of {chunk} needs a context of at least {chunk + BLOCK}")
     q, k, v, cache, make_meta = decode_step(batch, context, heads, dtype, chunk)
-    if chunk and make_meta().loop_seqs:
-        raise SystemExit(
-            f"a chunk of {chunk} would not ride in the batch (MAX_PADDED_SCORES): try a smaller one"
-        )
     scale = heads[2] ** -0.5
-    metas = {name: make_meta() for name in IMPLS}
+    with riding_chunks():
+        metas = {name: make_meta() for name in IMPLS}
 
     def call(name, meta):
         with batched_impl(IMPLS[name]):
             return attention(q, k, v, meta, 0, scale)
 
     fns = {name: (lambda n=name: call(n, metas[n])) for name in IMPLS}
-    # a forward's first layer also builds the step's per-forward tensors (masks, gather rows, buffers)
-    fns.update({f"first_{name}": (lambda n=name: call(n, make_meta())) for name in IMPLS})
+
+    def first(name):  # a forward's first layer also builds the step's per-forward tensors (masks, ...)
+        with riding_chunks():
+            meta = make_meta()
+        return call(name, meta)
+
+    fns.update({f"first_{name}": (lambda n=name: first(n)) for name in IMPLS})
+    # the shipped dispatch: a chunk of PREFILL_KERNEL_MIN_QUERY_LEN tokens or more through the prefill
+    # kernel, apart from the decodes (where it serves: else as `kernel`)
+    split_meta = make_meta()
+    fns["split"] = lambda: attention(q, k, v, split_meta, 0, scale)
     t = interleaved(fns, rounds)
     ref = attention(
         q.double(), k.double(), v.double(), make_meta([tuple(c.double() for c in cache)]), 0, scale
     )
     err = {n: (call(n, metas[n]).double() - ref).abs().max().item() for n in IMPLS}
-    return [
+    err["split"] = (fns["split"]().double() - ref).abs().max().item()
+    cells = [
         f"{t['old'] * 1e3:.3f}",
         f"{t['matmul'] * 1e3:.3f}",
         f"{t['kernel'] * 1e3:.3f}",
@@ -201,6 +214,21 @@ def decode_row(heads, dtype, batch, context, chunk, rounds) -> list[str]:
         " / ".join(f"{t[f'first_{n}'] * 1e3:.3f}" for n in IMPLS),
         " / ".join(f"{err[n]:.1e}" for n in IMPLS),
     ]
+    if chunk:
+        cells += [f"{t['split'] * 1e3:.3f}", f"{t['kernel'] / t['split']:.2f}x", f"{err['split']:.1e}"]
+    return cells
+
+
+@contextmanager
+def riding_chunks():
+    """Metadata built within lets the step's chunk ride with the decodes, however long: not through the
+    prefill kernel, and whatever the padding (MAX_PADDED_SCORES)."""
+    saved = attention_module.PREFILL_KERNEL_MIN_QUERY_LEN, attention_module.MAX_PADDED_SCORES
+    attention_module.PREFILL_KERNEL_MIN_QUERY_LEN = attention_module.MAX_PADDED_SCORES = 1 << 40
+    try:
+        yield
+    finally:
+        attention_module.PREFILL_KERNEL_MIN_QUERY_LEN, attention_module.MAX_PADDED_SCORES = saved
 
 
 @torch.inference_mode()
@@ -240,66 +268,142 @@ def model_step(model, cfg, batch: int, context: int) -> dict:
     return {name: (lambda n=name: step(n)) for name in MODEL_IMPLS}
 
 
-def matmul_prefill(q, k, v, scale, block: int = 128):
-    """q [query_len, H, D], the last queries of a context k, v [seq_len, H_kv, D], each attending over its
-    causal context: matmuls around a float32 softmax, in blocks of queries (bounded scores: block x
-    seq_len per head) that read only the keys the block can see. Blocks of 64-256 queries were the
-    fastest here; the scores of larger ones fall out of the caches."""
-    query_len, num_heads, head_dim = q.shape
-    seq_len, num_kv_heads = k.shape[:2]
-    group = num_heads // num_kv_heads
-    keys, values = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # [H_kv, seq_len, D]
-    q = q.view(query_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [H_kv, group, query_len, D]
-    out = torch.empty(query_len, num_heads, head_dim, dtype=q.dtype)
-    for start in range(0, query_len, block):
-        end = min(query_len, start + block)
-        num_keys = seq_len - query_len + end  # the block's last query sees keys 0 .. num_keys - 1
-        rows = q[:, :, start:end].reshape(num_kv_heads, group * (end - start), head_dim)
-        scores = torch.matmul(rows, keys[:, :num_keys].transpose(1, 2))  # [H_kv, group * block, num_keys]
-        q_pos = torch.arange(seq_len - query_len + start, seq_len - query_len + end).unsqueeze(1)
-        future = torch.arange(num_keys) > q_pos  # [block, num_keys]
-        scores = scores.view(num_kv_heads, group, end - start, num_keys).float().mul_(scale)
-        probs = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1).to(q.dtype)
-        block_out = torch.matmul(probs.view(num_kv_heads, -1, num_keys), values[:, :num_keys])
-        block_out = block_out.view(num_kv_heads, group, end - start, head_dim).permute(2, 0, 1, 3)
-        out[start:end] = block_out.flatten(1, 2)  # [block, H, D]
-    return out
+@torch.inference_mode()
+def model_prefill_table(args) -> None:
+    from infer.models.loader import load_model
+
+    print(f"{args.model}, dummy weights: one prefill forward of fresh prompts (+ their last logits), ms")
+    print("| dtype | batch x prompt | SDPA | kernel | SDPA / kernel |")
+    print("|---|---|---:|---:|---:|")
+    for dtype_name in args.dtype:
+        model, cfg, _ = load_model(args.model, dtype=dtype_name, load_format="dummy")
+        for case in args.prompt:
+            batch, length = map(int, case.split("x")) if "x" in case else (1, int(case))
+            t = interleaved(model_prefill(model, cfg, batch, length), args.rounds, seconds=0.1)
+            cells = f"{t['sdpa'] * 1e3:.2f} | {t['kernel'] * 1e3:.2f} | {t['sdpa'] / t['kernel']:.2f}x"
+            print(f"| {dtype_name} | {batch} x {length} | {cells} |", flush=True)
+
+
+def model_prefill(model, cfg, batch: int, length: int) -> dict:
+    """The model's prefill of `batch` fresh prompts of `length` tokens into a cache: attention through SDPA
+    (the prefill kernel switched off) and through the prefill kernel."""
+    from infer.runner.kv_cache import allocate_kv_cache
+
+    blocks_per_seq = -(-length // BLOCK)
+    kv = allocate_kv_cache(cfg, batch * blocks_per_seq, BLOCK, next(model.parameters()).dtype)
+    tables = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq)
+    pos = torch.arange(length).repeat(batch)
+    seqs = torch.arange(batch).repeat_interleave(length)
+    slots = tables[seqs, pos // BLOCK] * BLOCK + pos % BLOCK
+    ids = torch.randint(0, cfg.vocab_size, (batch * length,))
+    last = torch.arange(length - 1, batch * length, length)
+
+    def forward():
+        meta = AttentionMetadata([length] * batch, [length] * batch, slots, tables, kv)
+        return model.compute_logits(model(ids, pos, meta)[last])
+
+    def sdpa():
+        saved = attention_module._prefill_kernel_for
+        attention_module._prefill_kernel_for = lambda key_cache: None
+        try:
+            return forward()
+        finally:
+            attention_module._prefill_kernel_for = saved
+
+    return {"sdpa": sdpa, "kernel": forward}
+
+
+@contextmanager
+def kernels_off():
+    saved = kernels.load
+    kernels.load = lambda: None
+    try:
+        yield
+    finally:
+        kernels.load = saved
 
 
 def prefill_table(args) -> None:
+    print("Prefill attention: one layer's attention(...) call for `batch` prompts of `prompt` tokens, ms.")
     print(
-        "Prefill attention: SDPA (infer.layers.attention._attend) against matmuls in blocks of queries, ms."
+        "`fresh`: prompts with no earlier context; `chunk`: their second half over the first, in the cache."
     )
-    print("`fresh`: a prompt with no earlier context (is_causal); `chunk`: its second half over the first.")
-    print("| shape | dtype | prompt | kind | SDPA | matmul | SDPA / matmul |")
-    print("|---|---|---:|---|---:|---:|---:|")
+    print("SDPA: one call per sequence (the fallback); kernel: prefill_attention.cpp, one call; paged: the")
+    print("decode kernel (paged_attention.cpp) over the same queries, every query against every key. Each")
+    print("with the cache write of attention(...).")
+    print("| shape | dtype | batch x prompt | kind | SDPA | kernel | SDPA / kernel | paged | err kernel |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
     for shape_name in args.shape:
         for dtype_name in args.dtype:
-            for length in args.prompt:
+            for case in args.prompt:
+                batch, length = map(int, case.split("x")) if "x" in case else (1, int(case))
                 for kind in ("fresh", "chunk"):
-                    fns = prefill_calls(
-                        SHAPES[shape_name], getattr(torch, dtype_name), length, kind == "chunk"
+                    row = prefill_row(
+                        SHAPES[shape_name],
+                        getattr(torch, dtype_name),
+                        batch,
+                        length,
+                        kind == "chunk",
+                        args.rounds,
                     )
-                    t = interleaved(fns, args.rounds, seconds=0.05)
-                    cells = f"{t['sdpa'] * 1e3:.2f} | {t['matmul'] * 1e3:.2f} | {t['sdpa'] / t['matmul']:.2f}"
-                    print(f"| {shape_name} | {dtype_name} | {length} | {kind} | {cells} |", flush=True)
+                    print(
+                        f"| {shape_name} | {dtype_name} | {batch} x {length} | {kind} | {row} |", flush=True
+                    )
 
 
-def prefill_calls(heads, dtype, seq_len: int, chunk: bool) -> dict:
+def prefill_step(batch: int, length: int, heads, dtype, chunk: bool, seed: int = 0):
+    """q, k, v of `batch` prompts of `length` tokens (chunk: of their second half), a cache over consecutive
+    blocks holding the rest, and a factory of the step's metadata."""
     num_heads, num_kv_heads, head_dim = heads
-    query_len = seq_len // 2 if chunk else seq_len
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(query_len, num_heads, head_dim, generator=gen).to(dtype)
-    k, v = (torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
-    scale = head_dim**-0.5
-    mask = None  # fresh: SDPA's own causal mask; chunk: an additive one, as AttentionMetadata.prefill_mask
-    if chunk:
-        future = torch.arange(seq_len) > torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
-        mask = torch.zeros(future.shape, dtype=dtype).masked_fill_(future, float("-inf"))
-    return {
-        "sdpa": lambda: attention_module._attend(q, k, v, scale, mask),
-        "matmul": lambda: matmul_prefill(q, k, v, scale),
-    }
+    gen = torch.Generator().manual_seed(seed)
+    query_len = length // 2 if chunk else length
+    blocks_per_seq = -(-length // BLOCK)
+    shape = (batch * blocks_per_seq, BLOCK, num_kv_heads, head_dim)
+    cache = tuple(torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    tables = torch.arange(batch * blocks_per_seq).view(batch, blocks_per_seq)
+    pos = torch.arange(length - query_len, length).repeat(batch)
+    seqs = torch.arange(batch).repeat_interleave(query_len)
+    slots = tables[seqs, pos // BLOCK] * BLOCK + pos % BLOCK
+    q = torch.randn(batch * query_len, num_heads, head_dim, generator=gen).to(dtype)
+    k, v = (torch.randn(batch * query_len, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+
+    def meta(caches=(cache,)):
+        return AttentionMetadata([query_len] * batch, [length] * batch, slots, tables, list(caches))
+
+    return q, k, v, cache, meta
+
+
+def prefill_row(heads, dtype, batch, length, chunk, rounds) -> str:
+    ops = kernels.load()
+    q, k, v, cache, make_meta = prefill_step(batch, length, heads, dtype, chunk)
+    if ops is None or attention_module._prefill_kernel_for(cache[0]) is None:
+        raise SystemExit("the prefill kernel does not serve this machine or dtype (see infer/kernels)")
+    scale = heads[2] ** -0.5
+    with kernels_off():
+        sdpa_meta = make_meta()
+    kernel_meta = make_meta()
+
+    def sdpa():
+        with kernels_off():
+            return attention(q, k, v, sdpa_meta, 0, scale)
+
+    query_len = q.shape[0] // batch
+    seq_lens = torch.full((batch,), length, dtype=torch.int32)
+    starts = torch.arange(0, batch * query_len + 1, query_len, dtype=torch.int32)
+
+    def paged():  # the cache write of attention(...), then the decode kernel
+        for c, x in zip(cache, (k, v), strict=True):
+            c.view(-1, *x.shape[1:])[kernel_meta.slot_mapping] = x
+        return ops.paged_attention(q, *cache, kernel_meta.block_tables, seq_lens, starts, scale, 0)
+
+    fns = {"sdpa": sdpa, "kernel": lambda: attention(q, k, v, kernel_meta, 0, scale), "paged": paged}
+    t = interleaved(fns, rounds, seconds=0.05)
+    ref = attention(
+        q.double(), k.double(), v.double(), make_meta([tuple(c.double() for c in cache)]), 0, scale
+    )
+    err = (fns["kernel"]().double() - ref).abs().max().item()
+    ms = {n: f"{t[n] * 1e3:.3f}" for n in fns}
+    return f"{ms['sdpa']} | {ms['kernel']} | {t['sdpa'] / t['kernel']:.1f}x | {ms['paged']} | {err:.1e}"
 
 
 def main() -> None:
@@ -308,18 +412,25 @@ def main() -> None:
     p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, nargs="+", default=[128, 512, 1024, 2048])
-    p.add_argument("--prompt", type=int, nargs="+", default=[128, 512, 1024, 2048])
+    p.add_argument(
+        "--prompt",
+        nargs="+",
+        default=["1x128", "4x128", "1x512", "1x1024", "1x2048", "16x32"],
+        help="--prefill: batch x prompt tokens (or prompt tokens: one)",
+    )
     p.add_argument("--chunk", type=int, default=0, help="decode rows: one sequence is a chunk of this many")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", help="time a whole decode step of this model (a preset name or path)")
-    p.add_argument("--prefill", action="store_true", help="time prefill attention instead of decode")
+    p.add_argument("--prefill", action="store_true", help="time prefill attention: SDPA against the kernel")
     args = p.parse_args()
     threads = torch.get_num_threads()
     ops = kernels.load()
     isa = ops.isa() if ops is not None else "off"
     print(f"torch {torch.__version__}, {threads} threads, kernel: {isa}, best of {args.rounds} rounds")
     torch.set_grad_enabled(False)
-    if args.model:
+    if args.model and args.prefill:
+        model_prefill_table(args)
+    elif args.model:
         model_table(args)
     elif args.prefill:
         prefill_table(args)

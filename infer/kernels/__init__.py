@@ -3,6 +3,8 @@ as the fallback.
 
 `paged_attention.cpp`: attention of decodes (and small chunks) straight over the paged KV cache,
 both cores working (see infer/layers/attention.py for where it is used and what it gained).
+`prefill_attention.cpp`: flash attention of prompts and long chunks over the same cache, one call for
+all of a step's (attention.py again); AVX-512 BF16 CPUs only, SDPA elsewhere.
 `layer_ops.cpp`: RMSNorm (with the residual add), rotary in place, SiLU-and-multiply, one pass each
 (infer/layers/norms.py, rotary.py, activations.py; `layer_ops(x)` says whether they serve a tensor).
 `quant_linear.cpp`: int8 and int4 weights times bf16 activations, for quantized models
@@ -35,7 +37,10 @@ import torch
 logger = logging.getLogger("infer.kernels")
 
 NAME = "infer_kernels"
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "quant_linear.cpp", "layer_ops.cpp")]
+SOURCES = [
+    Path(__file__).with_name(n)
+    for n in ("paged_attention.cpp", "prefill_attention.cpp", "quant_linear.cpp", "layer_ops.cpp")
+]
 HEADERS = [Path(__file__).with_name("vec.h")]
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -72,7 +77,8 @@ def build_dir() -> Path:
 
 
 def load():
-    """torch.ops.infer_kernels (paged_attention, quant_linear, isa), or None: disabled or not built."""
+    """torch.ops.infer_kernels (paged_attention, prefill_attention, quant_linear, isa, the layer ops), or
+    None: disabled or not built."""
     if "ops" not in _state:
         with _lock:
             if "ops" not in _state:

@@ -13,8 +13,10 @@ sequence without a cache (a prefill-only forward, the no-cache benchmark mode).
 
 Decoding sequences (query_len == 1) are served together by one batched call per layer, and so are the
 step's prefill chunks when padding them to the longest query would waste little (a decode step carrying
-a small chunk: the common step of chunked prefill); otherwise prefill chunks, fewer and longer, go one
-sequence at a time through SDPA.
+a small chunk: the common step of chunked prefill) and, where the prefill kernel serves the step, they
+are shorter than PREFILL_KERNEL_MIN_QUERY_LEN; the other sequences (`loop_seqs`: prompts, longer
+chunks) go through the prefill kernel, all in one call per layer, or else one at a time through SDPA
+(see the end of this docstring).
 
 The batched call is the C++ kernel of infer/kernels (`paged_attention.cpp`, what vLLM's CPU backend has
 as cpu_attention_with_kv_cache) wherever it serves the step (KERNEL_MAX_QUERY_LEN, KERNEL_DTYPES, a
@@ -66,12 +68,43 @@ Besides the matmuls themselves:
   is converted to float32 (UPCAST_MAX_KEY_ELEMENTS): a bf16 matmul costs ~20 us however small.
 
 There is no switch back to SDPA: its call lives on as `sdpa_batched` in benchmarks/bench_attention.py,
-which swaps it in for the comparison. Prefill stays on SDPA: a matmul version in blocks of queries won
-for 128-token bf16 prompts but not across 128..2048 tokens (`... --prefill`).
+which swaps it in for the comparison.
+
+Prefill: the prefill kernel (infer/kernels/prefill_attention.cpp: flash attention's forward over the
+paged cache, vdpbf16ps for bf16, tiles of 64 keys packed once per call, work items of (sequence, kv
+head, block of queries) over both cores, no tile past the diagonal) serves `loop_seqs` wherever it was
+built with AVX-512 BF16 (`isa()` ends in "+bf16"), in PREFILL_KERNEL_DTYPES, for a head_dim that is a
+multiple of 16; `_prefill`, one SDPA call per sequence, stays as its fallback (INFER_NO_KERNELS=1, other
+CPUs, no cache) and the tests' reference. On a 2048-token bf16 prompt (4 x heads x head_dim x 2048^2 / 2
+flops, the causal half) torch 2.13's CPU flash attention in SDPA reached ~130 GFLOP/s, the kernel ~720
+(the bf16 linears ~900). One layer's attention(...) call, its cache write included, SDPA -> kernel, ms,
+fresh prompts, measured interleaved in one process on an AMD EPYC Zen 5, 2 cores (AVX-512 BF16, no
+AMX), with `python benchmarks/bench_attention.py --prefill`:
+
+    batch x prompt    llama-50m bf16    Llama-3.2-1B bf16   llama-50m fp32    Llama-3.2-1B fp32
+    1 x 128           0.305 -> 0.059    1.11 -> 0.168       0.261 -> 0.083    0.979 -> 0.258
+    4 x 128           1.21 -> 0.197     4.59 -> 0.631       1.05 -> 0.291     4.01 -> 1.00
+    1 x 512           3.49 -> 0.450     14.0 -> 1.68        3.29 -> 0.757     13.1 -> 3.00
+    1 x 1024          9.52 -> 1.56      38.6 -> 6.34        9.23 -> 2.84      37.0 -> 11.5
+    1 x 2048          32.2 -> 6.11      131 -> 24.4         30.4 -> 10.9      124 -> 45.0
+    16 x 32           0.713 -> 0.141    2.01 -> 0.392       0.621 -> 0.183    2.18 -> 1.01
+
+The second half of each prompt as a chunk over the first (`chunk` rows) gains as much: 1 x 2048 bf16
+29.0 -> 4.48 ms (llama-50m), 109 -> 17.9 ms (Llama-3.2-1B). The decode kernel over the same queries
+(`paged`: every query against every key, no causal skip) was slower than SDPA from 1 x 1024 on (1 x
+2048: 60 ms). A whole llama-50m prefill forward with dummy weights (`... --prefill --model llama-50m`):
+bf16 1 x 2048 372 -> 172 ms, 1 x 512 60.9 -> 36.3 ms, 4 x 128 42.2 -> 34.3 ms; fp32 1 x 2048 768 ->
+617 ms.
+
+A chunk riding with decodes through paged_attention computes all its queries against the whole
+context; the prefill kernel for the chunk beside the paged kernel for the decodes was faster from
+PREFILL_KERNEL_MIN_QUERY_LEN tokens on (`... --chunk N --batch 8 32 --context 1024 2048`, bf16, `kernel
+/ split`): 1.1-1.6x for a chunk of 8 tokens, 1.4-3.3x for 32, 1.9-4.0x for 128.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -103,6 +136,18 @@ UPCAST_MAX_KEY_ELEMENTS = 1 << 18
 KERNEL_MAX_QUERY_LEN = 128
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# The prefill kernel (infer/kernels/prefill_attention.cpp) serves the sequences the batched call leaves
+# out (loop_seqs: prompts, longer chunks), all of them in one call per layer, in these dtypes, wherever
+# it was built with AVX-512 BF16; SDPA one sequence at a time otherwise (see the module docstring). It
+# won at every point measured, in each dtype (2.2-8.3x).
+PREFILL_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Where the prefill kernel serves, a chunk of at least this many tokens goes to it rather than riding
+# with the step's decodes in the batched call (the module docstring has the figures). At 8 tokens the
+# two were about even beside 32 decodes (0.9-1.1x) and the prefill kernel faster beside fewer (up to
+# 1.8x); chunks of 2-4 tokens were mostly slower apart (0.6-1.0x for llama-50m's heads: a second
+# kernel call's fixed cost), measured with this set lower.
+PREFILL_KERNEL_MIN_QUERY_LEN = 8
+
 
 @dataclass
 class AttentionMetadata:
@@ -114,13 +159,14 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     # derived once per forward (not per layer) in __post_init__
     batch_seqs: list[int] = field(init=False, default_factory=list)  # served by one batched call
-    loop_seqs: list[int] = field(init=False, default_factory=list)  # served one at a time
+    loop_seqs: list[int] = field(init=False, default_factory=list)  # prompts, long chunks: see attention()
     query_starts: list[int] = field(init=False, default_factory=list)
     _batch_keys: dict = field(init=False, default_factory=dict)
     _scratch: dict = field(init=False, default_factory=dict)
     _prefill_masks: dict = field(init=False, default_factory=dict)
     _prefill_blocks: dict = field(init=False, default_factory=dict)
     _kernel_args: tuple | None = field(init=False, default=None)
+    _prefill_args: tuple | None = field(init=False, default=None)
 
     @classmethod
     def prefill_only(cls, lens: list[int]) -> AttentionMetadata:
@@ -135,14 +181,19 @@ class AttentionMetadata:
         if self.kv_caches is None:  # no cache to read a context from: every sequence on its own
             self.loop_seqs = list(range(len(self.query_lens)))
             return
-        num_seqs, num_tokens = len(self.query_lens), sum(self.query_lens)
+        num_seqs = len(self.query_lens)
         block_size = self.kv_caches[0][0].shape[1]
         decodes = [i for i, q in enumerate(self.query_lens) if q == 1]
         if decodes and len(decodes) < num_seqs:
-            padded_keys = -(-max(self.seq_lens) // block_size) * block_size
-            wasted_queries = num_seqs * max(self.query_lens) - num_tokens
+            # the chunks that may ride with the decodes: all, or with the prefill kernel the short ones
+            riders = list(range(num_seqs))
+            if _prefill_kernel_for(self.kv_caches[0][0]) is not None:
+                riders = [i for i, q in enumerate(self.query_lens) if q < PREFILL_KERNEL_MIN_QUERY_LEN]
+            query_lens = [self.query_lens[i] for i in riders]
+            padded_keys = -(-max(self.seq_lens[i] for i in riders) // block_size) * block_size
+            wasted_queries = len(riders) * max(query_lens) - sum(query_lens)
             if wasted_queries * padded_keys <= MAX_PADDED_SCORES:
-                decodes = list(range(num_seqs))
+                decodes = riders
         self.batch_seqs = decodes
         batched = set(decodes)
         self.loop_seqs = [i for i in range(num_seqs) if i not in batched]
@@ -246,6 +297,27 @@ class AttentionMetadata:
             self._kernel_args = torch.tensor(self.batch_seq_lens, dtype=torch.int32), starts
         return self._kernel_args
 
+    def prefill_kernel_args(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, block_tables, seq_lens, query_starts) of the loop sequences, for the prefill kernel: rows
+        int64 of q that are theirs (None when they are every row), their block tables, seq_lens int32 [n],
+        query_starts int32 [n + 1] of their rows; built once per forward."""
+        if self._prefill_args is None:
+            seqs = self.loop_seqs
+            query_lens = [self.query_lens[i] for i in seqs]
+            rows, tables = None, self.block_tables
+            if len(seqs) < len(self.query_lens):
+                rows = torch.tensor(
+                    [self.query_starts[i] + t for i in seqs for t in range(self.query_lens[i])]
+                )
+                tables = self.block_tables[seqs]
+            self._prefill_args = (
+                rows,
+                tables,
+                torch.tensor([self.seq_lens[i] for i in seqs], dtype=torch.int32),
+                torch.tensor(list(itertools.accumulate(query_lens, initial=0)), dtype=torch.int32),
+            )
+        return self._prefill_args
+
     def scratch(self, num_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Two buffers of at least [num_rows, head_dim] for gathered keys and values, shared by every layer
         of this forward: each layer uses them only within its call. Reusing them spares a fresh
@@ -308,19 +380,62 @@ def attention(
         value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
     if not meta.loop_seqs:  # one batched call covers every row
         return _batched(q, key_cache, value_cache, meta, scale, sliding_window)
-    if len(meta.loop_seqs) == 1 and not meta.batch_seqs:  # one prompt or chunk: all the rows are its own
+    ops = _prefill_kernel(q, cache)
+    if ops is not None and not meta.batch_seqs:  # prompts and long chunks only: one call for every row
+        return _kernel_prefill(ops, q, key_cache, value_cache, meta, scale, sliding_window)
+    if ops is None and len(meta.loop_seqs) == 1 and not meta.batch_seqs:  # all the rows are its own
         return _prefill(q, k, v, cache, meta, 0, scale, sliding_window)
     out = torch.empty_like(q)
     if meta.batch_seqs:
         out[meta.batch_rows] = _batched(q, key_cache, value_cache, meta, scale, sliding_window)
+    if ops is not None:
+        rows = meta.prefill_kernel_args()[0]
+        out[rows] = _kernel_prefill(ops, q, key_cache, value_cache, meta, scale, sliding_window)
+        return out
     for i in meta.loop_seqs:
         rows = slice(meta.query_starts[i], meta.query_starts[i] + meta.query_lens[i])
         out[rows] = _prefill(q[rows], k[rows], v[rows], cache, meta, i, scale, sliding_window)
     return out
 
 
+def _prefill_kernel(q, cache):
+    """The kernels' ops where the prefill kernel serves this layer's loop sequences, else None: SDPA."""
+    if cache is None or q.dtype != cache[0].dtype or q.stride(-1) != 1:
+        return None
+    return _prefill_kernel_for(cache[0])
+
+
+def _prefill_kernel_for(key_cache: torch.Tensor):
+    """The kernels' ops where the prefill kernel serves this cache (PREFILL_KERNEL_DTYPES, a head_dim that
+    is a multiple of 16, an AVX-512 BF16 build), else None."""
+    if (
+        key_cache.dtype not in PREFILL_KERNEL_DTYPES
+        or key_cache.device.type != "cpu"
+        or key_cache.shape[-1] % 16
+    ):
+        return None
+    ops = kernels.load()
+    return ops if ops is not None and _avx512_bf16(ops) else None
+
+
+@functools.cache
+def _avx512_bf16(ops) -> bool:
+    return ops.isa().endswith("+bf16")
+
+
+def _kernel_prefill(ops, q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
+    """infer/kernels/prefill_attention.cpp: the loop sequences' queries over their contexts, read from
+    the blocks in place, causal tiles only, in one call. Returns their rows [n, H, D] in flat order."""
+    rows, tables, seq_lens, query_starts = meta.prefill_kernel_args()
+    q = q if rows is None else q.index_select(0, rows)
+    return ops.prefill_attention(
+        q, key_cache, value_cache, tables, seq_lens, query_starts, scale, sliding_window or 0
+    )
+
+
 def _prefill(q, k, v, cache, meta: AttentionMetadata, i: int, scale, sliding_window):
-    """Seq i on its own: its q, k, v rows [query_len, H(_kv), D] attend over its context."""
+    """Seq i on its own through SDPA (where the prefill kernel does not serve the layer): its q, k, v rows
+    [query_len, H(_kv), D] attend over its context."""
     seq_len = meta.seq_lens[i]
     if cache is None or meta.query_lens[i] == seq_len:  # no context before this step: its own keys suffice
         keys, values = k, v

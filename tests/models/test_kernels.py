@@ -144,6 +144,7 @@ def test_chunks_with_decodes(dtype, window, monkeypatch):
     _ops()
     monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 1 << 30)  # chunks ride in the batch
     monkeypatch.setattr(attention_module, "KERNEL_MAX_QUERY_LEN", 1 << 30)  # and in the kernel
+    monkeypatch.setattr(attention_module, "PREFILL_KERNEL_MIN_QUERY_LEN", 1 << 30)  # not the prefill one
     query_lens, seq_lens = [1, 7, 1, 16, 3], [300, 700, 9, 16, 60]  # seq 3 is a fresh prompt
     q, k, v, meta, tables = make_step(8, 2, 64, query_lens, seq_lens, dtype)
     assert not meta.loop_seqs and meta.max_query_len == 16

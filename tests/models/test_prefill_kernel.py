@@ -1,0 +1,193 @@
+"""The C++ prefill-attention kernel (infer/kernels/prefill_attention.cpp) against a float64 reference:
+fresh prompts and chunks over earlier context, lengths around its tile and block sizes, several
+sequences of different lengths in one call, GQA, head sizes, sliding windows, scattered blocks; and
+through infer.layers.attention, where it serves the sequences that SDPA served one at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import kernels
+from infer.layers import attention as attention_module
+from infer.layers.attention import AttentionMetadata, attention
+from tests.models.test_kernels import TOL, _ops, make_step, reference
+
+
+def _prefill_ops():
+    ops = _ops()
+    if not ops.isa().endswith("+bf16"):
+        pytest.skip("the prefill kernel needs AVX-512 BF16")
+    return ops
+
+
+def call(ops, q, meta: AttentionMetadata, scale, window):
+    seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+    starts = torch.tensor([0, *torch.tensor(meta.query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    key_cache, value_cache = meta.kv_caches[0]
+    return ops.prefill_attention(
+        q, key_cache, value_cache, meta.block_tables, seq_lens, starts, scale, window or 0
+    )
+
+
+LENGTHS = [1, 15, 17, 63, 64, 65, 200, 1000]
+
+
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("dtype", list(TOL), ids=["fp32", "bf16", "fp16"])
+def test_fresh_prompts_one_call(dtype, group, head_dim, window):
+    """Every length of LENGTHS a fresh prompt (query_len == seq_len), all in one call."""
+    ops = _prefill_ops()
+    q, _, _, meta, tables = make_step(2 * group, 2, head_dim, LENGTHS, LENGTHS, dtype, seed=group + head_dim)
+    got = call(ops, q, meta, head_dim**-0.5, window)
+    assert got.dtype == dtype and got.shape == q.shape
+    expected = reference(q, meta, tables, head_dim**-0.5, window)
+    torch.testing.assert_close(got.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_one_prompt(dtype, length):
+    ops = _prefill_ops()
+    q, _, _, meta, tables = make_step(8, 4, 64, [length], [length], dtype, seed=length)
+    got = call(ops, q, meta, 0.125, None)
+    torch.testing.assert_close(
+        got.double(), reference(q, meta, tables, 0.125, None), atol=TOL[dtype], rtol=TOL[dtype]
+    )
+
+
+# (query_len, seq_len): chunks over earlier context, the last queries of their sequence
+CHUNKS = [
+    (1, 50),
+    (15, 100),
+    (17, 17),
+    (63, 64),
+    (64, 101),
+    (65, 130),
+    (200, 1000),
+    (128, 1999),
+    (1000, 1001),
+]
+
+
+@pytest.mark.parametrize("window", [None, 7, 100])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("dtype", list(TOL), ids=["fp32", "bf16", "fp16"])
+def test_chunks_with_earlier_context(dtype, group, window):
+    ops = _prefill_ops()
+    query_lens, seq_lens = zip(*CHUNKS, strict=True)
+    q, _, _, meta, tables = make_step(2 * group, 2, 64, query_lens, seq_lens, dtype, seed=7 * group)
+    got = call(ops, q, meta, 0.125, window)
+    expected = reference(q, meta, tables, 0.125, window)
+    torch.testing.assert_close(got.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threads(threads):
+    ops = _prefill_ops()
+    q, _, _, meta, tables = make_step(8, 2, 64, [300, 5, 77], [300, 40, 500], torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = call(ops, q, meta, 0.125, None)
+    finally:
+        torch.set_num_threads(before)
+    expected = reference(q, meta, tables, 0.125, None)
+    torch.testing.assert_close(got.double(), expected, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", list(TOL), ids=["fp32", "bf16", "fp16"])
+def test_head_shapes(dtype):
+    """head_dim 16 to 256 (words of a key not a multiple of 16: 16, 48, 80) and groups up to 8."""
+    ops = _prefill_ops()
+    for group, head_dim, window in ((1, 16, None), (8, 48, None), (2, 80, 30), (4, 256, None), (3, 96, 65)):
+        q, _, _, meta, tables = make_step(2 * group, 2, head_dim, [70, 33], [70, 99], dtype)
+        got = call(ops, q, meta, 0.1, window)
+        expected = reference(q, meta, tables, 0.1, window)
+        torch.testing.assert_close(got.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_large_scores_stay_finite():
+    """Scores in the hundreds (an unscaled product): the online softmax rescales instead of overflowing."""
+    ops = _prefill_ops()
+    q, _, _, meta, tables = make_step(4, 2, 64, [300], [300], torch.float32)
+    q = q * 20
+    got = call(ops, q, meta, 1.0, None)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), reference(q, meta, tables, 1.0, None), atol=1e-4, rtol=1e-4)
+
+
+def test_bad_arguments_raise():
+    ops = _prefill_ops()
+    q, _, _, meta, _ = make_step(4, 2, 64, [3, 2], [20, 5], torch.bfloat16)
+    key_cache, value_cache = meta.kv_caches[0]
+    seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+    starts = torch.tensor([0, 3, 5], dtype=torch.int32)
+    args = (meta.block_tables, seq_lens, starts, 1.0, 0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.prefill_attention(q, key_cache, value_cache, meta.block_tables + 1000, *args[1:])
+    with pytest.raises(RuntimeError, match="too short"):
+        ops.prefill_attention(q, key_cache, value_cache, meta.block_tables, seq_lens * 100, *args[2:])
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.prefill_attention(q.float(), key_cache, value_cache, *args)
+    with pytest.raises(RuntimeError, match="query_starts"):
+        ops.prefill_attention(q, key_cache, value_cache, meta.block_tables, seq_lens, starts[:2], 1.0, 0)
+    with pytest.raises(RuntimeError, match="query_len"):
+        ops.prefill_attention(q, key_cache, value_cache, meta.block_tables, seq_lens - 18, starts, 1.0, 0)
+
+
+# ---- through infer.layers.attention ----
+
+
+def run_paths(q, k, v, meta_args, scale, window, monkeypatch):
+    """The step through the shipped dispatch, then with the kernels off (SDPA and the matmuls)."""
+    out = {}
+    for path in ("kernel", "python"):
+        with monkeypatch.context() as m:
+            if path == "python":
+                m.setattr(kernels, "load", lambda: None)
+            else:  # no silent fallback to SDPA
+                m.setattr(attention_module, "_prefill", None)
+            meta = AttentionMetadata(*meta_args)
+            out[path] = attention(q, k, v, meta, 0, scale, window)
+    return out["kernel"], out["python"]
+
+
+# name -> (query_lens, seq_lens)
+STEPS = {
+    "one_prompt": ([300], [300]),
+    "prompts": ([65, 1, 200, 17], [65, 1, 200, 17]),
+    "chunks": ([64, 150], [200, 150]),
+    "decodes_and_a_long_chunk": ([1, 400, 1, 1], [30, 900, 5, 77]),
+}
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("step", sorted(STEPS))
+def test_attention_serves_loop_seqs(step, dtype, window, monkeypatch):
+    _prefill_ops()
+    monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 0)  # the long chunk goes on its own
+    query_lens, seq_lens = STEPS[step]
+    q, k, v, meta, tables = make_step(8, 2, 64, query_lens, seq_lens, dtype)
+    assert meta.loop_seqs
+    meta_args = (meta.query_lens, meta.seq_lens, meta.slot_mapping, meta.block_tables, meta.kv_caches)
+    got, python = run_paths(q, k, v, meta_args, 0.125, window, monkeypatch)
+    expected = reference(q, meta, tables, 0.125, window)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(got.double(), python.double(), atol=2 * tol, rtol=2 * tol)
+
+
+def test_chunks_of_8_tokens_or_more_leave_the_decodes_for_the_prefill_kernel(monkeypatch):
+    """PREFILL_KERNEL_MIN_QUERY_LEN: a chunk that long goes through the prefill kernel, a shorter one still
+    rides with the decodes; without the kernel, both ride (as before it)."""
+    _prefill_ops()
+    step = ([1, 8, 1, 7], [30, 100, 5, 50])
+    _, _, _, meta, _ = make_step(8, 2, 64, *step, torch.bfloat16)
+    assert meta.batch_seqs == [0, 2, 3] and meta.loop_seqs == [1]
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    _, _, _, meta, _ = make_step(8, 2, 64, *step, torch.bfloat16)
+    assert meta.batch_seqs == [0, 1, 2, 3] and not meta.loop_seqs
