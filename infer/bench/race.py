@@ -6,8 +6,13 @@ r"""The race: our server against a peer (vLLM) on the same model, the same load,
 
 Each round starts `infer serve MODEL FLAGS`, then the peer, one at a time (never both up: they share two
 cores); odd rounds go peer first, so a machine that drifts over minutes weighs on both sides alike. Per
-server: wait for GET /health 200, two warm-up requests (not counted), then at each concurrency N requests
-from N workers (closed loop), then SIGTERM (SIGKILL after --stop-timeout) to everything it started.
+server: wait for GET /health 200, two warm-up requests (not counted), then at each concurrency N: N
+one-token requests at once on the warm-up prompts (not counted: they open the N connections the measured
+requests then reuse), then N requests from N workers (closed loop), then SIGTERM (SIGKILL after
+--stop-timeout) to everything it started. Without that, opening 32 connections at once cost the client
+~175 ms before the server saw the first byte (AMD EPYC, 2 cores: server arrival 190 ms after the
+client's send, first tokens at 249 ms; with open connections 16 and 55 ms), time the race then counted
+against whichever server it measured.
 
 Every request is a streaming /v1/completions at temperature 0 asking for exactly --output-tokens tokens
 (ignore_eos). Prompts hold exactly --prompt-tokens tokens by the model's tokenizer (`exact_prompts`); both
@@ -199,6 +204,10 @@ async def drive(url: str, model: str, prompts: list[str], args: argparse.Namespa
     async with StreamingClient(url, model, None, args.timeout, ignore_eos=True, temperature=0.0) as client:
         warm_records = await asyncio.gather(*(client.send(-1 - i, spec(p), 0.0) for i, p in enumerate(warm)))
         for k, c in enumerate(args.concurrencies):
+            opened = []
+            if warm:  # c connections open before the clock starts (the server keeps idle ones ~5 s)
+                opener = [RequestSpec(warm[j % len(warm)], 1, "race", args.prompt_tokens) for j in range(c)]
+                opened = await asyncio.gather(*(client.send(-100 - j, s, 0.0) for j, s in enumerate(opener)))
             specs = [spec(p) for p in rest[k * args.num_requests : (k + 1) * args.num_requests]]
             bar = progress_bar(len(specs), f"{label} c={c}", not args.no_progress)
             client.t0 = time.perf_counter()
@@ -207,6 +216,7 @@ async def drive(url: str, model: str, prompts: list[str], args: argparse.Namespa
             bar.close()
             results.append({
                 "concurrency": c,
+                "connections_opened": sum(r.ok for r in opened),
                 "summary": summarize(records),
                 "token_counts": token_counts(records, args.prompt_tokens, args.output_tokens),
                 "requests": [r.to_dict() for r in records],

@@ -244,6 +244,7 @@ def test_race_end_to_end_against_our_server(model_args, tmp_path, monkeypatch):
     )
     assert [x["concurrency"] for x in run["results"]] == [1, 2]
     for x in run["results"]:
+        assert x["connections_opened"] == x["concurrency"]  # before the measured requests
         assert x["summary"]["num_ok"] == 4
         assert x["token_counts"]["num_prompt_mismatch"] == x["token_counts"]["num_output_mismatch"] == 0
         for r in x["requests"]:  # the server's own counts: exactly what was asked, and no prefix-cache hit
