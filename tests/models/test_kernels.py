@@ -190,16 +190,18 @@ def test_shapes():
 ISA_CHECK = """
 from infer import kernels
 from tests.models.test_kernels import check_shapes
+from tests.models.test_layer_ops import check_layer_ops
 ops = kernels.load()
 check_shapes(ops)
+check_layer_ops(ops)
 print(ops.isa())
 """
 
 
 @pytest.mark.parametrize("march, isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
 def test_other_isas(march, isa):
-    """The AVX2 and plain C++ paths, built for a lesser x86-64 than this one (in their own build
-    directory; the first run compiles each, ~15 s)."""
+    """The AVX2 and plain C++ paths (decode attention and the layer ops), built for a lesser x86-64
+    than this one (in their own build directory; the first run compiles each, ~15 s)."""
     _ops()
     if os.uname().machine != "x86_64":
         pytest.skip("x86-64 only")
