@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
-    """Add `bench` (serve, traffic, client, roofline, race, stress, micro) to the top-level subparsers of
-    `infer`."""
+    """Add `bench` (serve, traffic, client, roofline, race, stress, micro, report) to the top-level
+    subparsers of `infer`."""
     bench = subparsers.add_parser("bench", help="benchmarks: serving workloads, micro-benchmarks")
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -33,14 +33,16 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
         "--out", type=Path, default=None, help="output folder (default benchmarks/reports/traffic-TIME)"
     )
     traffic.add_argument("--only", default=None, help="comma-separated experiment names to run")
+    traffic.add_argument("--no-report", action="store_true", help="no HTML report (OUT/tradeoff.html)")
     traffic.set_defaults(func=cmd_traffic)
-    from infer.bench import client_tests, race, roofline, stress
+    from infer.bench import client_tests, html_report, race, roofline, stress
 
     for name, module, func, help_text in [
         ("client", client_tests, client_tests.cmd_client, "seed 003: cold/warm prefix TTFT; batches"),
         ("roofline", roofline, roofline.cmd_roofline, "seed 004: a model's ceilings on this machine"),
         ("race", race, race.cmd_race, "issue 10: infer serve against a peer (vLLM), same load"),
         ("stress", stress, stress.cmd_stress, "issue 14: aborts, overload, soak; nothing may leak"),
+        ("report", html_report, html_report.cmd_report, "issue 12: a run's report JSON as one offline HTML"),
     ]:
         parser = sub.add_parser(
             name,
@@ -68,4 +70,13 @@ def cmd_traffic(args: argparse.Namespace) -> int:
     except (BenchError, RuntimeError) as exc:
         print(f"bench traffic: error: {exc}", file=sys.stderr)
         return 1
+    if not args.no_report:
+        import shlex
+
+        from infer.bench.html_report import write_html
+
+        command = shlex.join(
+            ["infer", *getattr(args, "argv", ["bench", "traffic", "--config", str(args.config)])]
+        )
+        write_html(out / "tradeoff.json", command=command)
     return 0

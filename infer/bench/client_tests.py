@@ -114,7 +114,8 @@ async def run_all(args: argparse.Namespace, model: str, max_model_len: int | Non
     return {"cache": cache, "batches": batches}
 
 
-def print_results(result: dict, out) -> None:
+def result_specs(result: dict) -> list[tuple[list[str], list, str]]:
+    """The tables as (headers, rows, title): printed by print_results, drawn by the HTML report."""
     c = result["cache"]
     rows = [
         ("prompt tokens (usage)", c["prompt_tokens"]),
@@ -124,13 +125,22 @@ def print_results(result: dict, out) -> None:
         ("cold cached tokens", c["cold_cached_tokens"]),
         ("warm cached tokens", ", ".join(str(x) for x in c["warm_cached_tokens"]) or "-"),
     ]
-    print(render_table(["Prefix cache", "Value"], rows, "== prefix cache: cold vs warm TTFT"), file=out)
-    rows = [
+    batch_rows = [
         [b["mode"], b["batch_size"], b["avg_ttft_ms"], b["tokens_per_s"], f"{100 * b['success_rate']:.0f}%"]
         for b in result["batches"]
     ]
-    headers = ["Mode", "Batch", "Avg TTFT ms", "Tok/s", "Success"]
-    print("\n" + render_table(headers, rows, "== batches: sequential vs concurrent"), file=out)
+    return [
+        (["Prefix cache", "Value"], rows, "== prefix cache: cold vs warm TTFT"),
+        (
+            ["Mode", "Batch", "Avg TTFT ms", "Tok/s", "Success"],
+            batch_rows,
+            "== batches: sequential vs concurrent",
+        ),
+    ]
+
+
+def print_results(result: dict, out) -> None:
+    print("\n\n".join(render_table(*spec) for spec in result_specs(result)), file=out)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -146,7 +156,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequential", type=int, default=4, help="largest sequential batch (seed 003: 4)")
     p.add_argument("--max-tokens", type=int, default=50, help="tokens per batch request")
     p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--no-save", action="store_true", help="do not write the JSON report (nor the HTML one)")
+    p.add_argument("--no-report", action="store_true", help="no HTML report beside the JSON one")
     p.add_argument("--report-dir", type=Path, default=Path("benchmarks/reports"))
 
 
@@ -173,4 +184,11 @@ def cmd_client(args: argparse.Namespace, out=None) -> int:
         }
         path = args.report_dir / f"client-{model.replace('/', '_')}-{started.strftime('%Y%m%d-%H%M%S')}.json"
         write_report(path, report, out)
+        if not args.no_report:
+            from infer.bench.html_report import save_run_trace, write_html
+
+            seconds = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
+            is_infer = report["server"]["is_infer"]
+            trace = save_run_trace(path, args.server, seconds, args.api_key, out) if is_infer else None
+            write_html(path, report, trace, out=out)
     return 0

@@ -139,3 +139,63 @@ def tradeoff_plot(classes: list[str], names: list[str], matrix: list[list], path
     fig.colorbar(im, ax=ax, label="SLO compliance %")
     ax.set_title("tradeoff matrix")
     _save(fig, path)
+
+
+PHASE_COLORS = {"queued": "tab:gray", "prefill": "tab:blue", "decode": "tab:green", "preempted": "tab:red"}
+
+
+def request_gantt(timelines: list, path: Path) -> int:
+    """Seed 004's request fate from the engine trace: one row per request (arrival order, top down), a bar
+    per queued / prefill chunk / decode / preempted slice; hatched where still open at the trace's end.
+    Returns the number of bars drawn."""
+    fig, ax = plt.subplots(figsize=(9, min(12.0, 1.5 + 0.22 * max(1, len(timelines)))))
+    t0 = min((t.start_us for t in timelines), default=0.0)
+    num_bars = 0
+    for row, t in enumerate(timelines):
+        for phase, color in PHASE_COLORS.items():
+            spans = [((s.start_us - t0) / 1e3, (s.end_us - s.start_us) / 1e3) for s in t.segments
+                     if s.phase == phase]  # fmt: skip
+            if spans:
+                ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=color, edgecolor="white", linewidth=0.3)
+                num_bars += len(spans)
+        for s in t.segments:
+            if s.open:
+                ax.broken_barh([((s.start_us - t0) / 1e3, (s.end_us - s.start_us) / 1e3)], (row - 0.4, 0.8),
+                               facecolors="none", hatch="//", edgecolor="black", linewidth=0)  # fmt: skip
+    ax.set_yticks(range(len(timelines)), [t.req_id for t in timelines], fontsize=6)
+    ax.invert_yaxis()
+    ax.set(xlabel="ms since the first arrival in the trace", title=f"request fate: {len(timelines)} requests")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
+    ax.legend(handles, list(PHASE_COLORS), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    _save(fig, path)
+    return num_bars
+
+
+def trace_counters(series: dict, path: Path) -> None:
+    """The trace's counter tracks over time, one panel per counter (requests, kv_blocks, tokens)."""
+    names = list(series)
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.2 + 1.8 * len(names)), sharex=True, squeeze=False)
+    t0 = min(ts for tracks in series.values() for points in tracks.values() for ts, _ in points)
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        for key, points in series[name].items():
+            ax.step([(ts - t0) / 1e6 for ts, _ in points], [v for _, v in points], where="post", label=key)
+        ax.set(ylabel=name)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set(xlabel="seconds since the trace's first step")
+    axes[0, 0].set_title("engine counters (from the trace)")
+    _save(fig, path)
+
+
+def client_batches(batches: list[dict], path: Path) -> None:
+    """Seed 003's batches: tokens/s and average TTFT per batch size, sequential vs concurrent."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    for mode, marker in (("sequential", "o"), ("concurrent", "s")):
+        rows = [b for b in batches if b["mode"] == mode]
+        sizes = [b["batch_size"] for b in rows]
+        axes[0].plot(sizes, [b["tokens_per_s"] or 0 for b in rows], marker=marker, label=mode)
+        axes[1].plot(sizes, [b["avg_ttft_ms"] or 0 for b in rows], marker=marker, label=mode)
+    axes[0].set(xlabel="batch size", ylabel="output tokens/s", title="throughput")
+    axes[1].set(xlabel="batch size", ylabel="ms", title="average TTFT")
+    for ax in axes:
+        ax.legend()
+    _save(fig, path)

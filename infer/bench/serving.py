@@ -55,7 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--server-flags", default=None, help="the flags the server was started with, for the report"
     )
-    p.add_argument("--no-save", action="store_true", help="do not write the JSON report")
+    p.add_argument("--no-save", action="store_true", help="do not write the JSON report (nor the HTML one)")
+    p.add_argument(
+        "--no-report",
+        action="store_true",
+        help="no HTML report beside the JSON one (see `infer bench report`; with our server's trace "
+        "when it records one)",
+    )
     p.add_argument("--report-dir", type=Path, default=DEFAULT_REPORT_DIR, help="where JSON reports go")
     p.add_argument(
         "--no-cache-buster", action="store_true", help="no per-run nonce in prompts (repeats hit the cache)"
@@ -143,16 +149,21 @@ def detail_rows(summary: dict) -> list[tuple[str, object]]:
     ]
 
 
-def detail_table(result: dict) -> str:
+def detail_spec(result: dict) -> tuple[list[str], list, str]:
+    """One workload's table as (headers, rows, title): printed by detail_table, drawn by the HTML report."""
     w = result["workload"]
     title = f"== {result['name']}: {w['num_requests']} requests, {w['arrival']} ({result['measures']})"
     rows = [
         (k, f"{v:,.3f}" if "(s)" in k and v is not None else v) for k, v in detail_rows(result["summary"])
     ]
-    return render_table(["Metric", "Value"], rows, title)
+    return ["Metric", "Value"], rows, title
 
 
-def comparison_table(results: list[dict]) -> str:
+def detail_table(result: dict) -> str:
+    return render_table(*detail_spec(result))
+
+
+def comparison_spec(results: list[dict]) -> tuple[list[str], list, str]:
     headers = [
         "Workload",
         "Reqs",
@@ -173,7 +184,11 @@ def comparison_table(results: list[dict]) -> str:
             s["ttft_ms"]["p99"], s["itl_ms"]["p50"], s["itl_ms"]["p99"],
             "-" if lat is None else f"{lat:.3f}", s["num_errors"],
         ])  # fmt: skip
-    return render_table(headers, rows, "== cross-workload comparison (times in ms unless noted)")
+    return headers, rows, "== cross-workload comparison (times in ms unless noted)"
+
+
+def comparison_table(results: list[dict]) -> str:
+    return render_table(*comparison_spec(results))
 
 
 # ---- the command -------------------------------------------------------------------------------------
@@ -276,6 +291,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
             / f"serving-{model.replace('/', '_')}-{args.workload.replace(',', '+')}-{stamp}.json"
         )
         write_report(path, report, out)
+        if not args.no_report:
+            from infer.bench.html_report import save_run_trace, write_html
+
+            seconds = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
+            trace = (
+                save_run_trace(path, args.server, seconds, args.api_key, out) if server["is_infer"] else None
+            )
+            write_html(path, report, trace, out=out)
     return report
 
 

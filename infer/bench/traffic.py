@@ -152,6 +152,24 @@ def tradeoff(summaries: list[dict]) -> tuple[list[str], list[str], list[list[flo
     return classes, names, matrix
 
 
+EXPERIMENT_HEADERS = ["Experiment", "Stable", "OK/all", "Tok/s", "Good tok/s", "TTFT P50", "TTFT P99",
+                      "ITL P95", "Disp P99"]  # fmt: skip
+
+
+def table_specs(
+    summaries: list[dict], classes: list[str], names: list[str], matrix: list[list]
+) -> list[tuple]:
+    """The two tables as (headers, rows, title): printed by run_config, drawn by the HTML report."""
+    cells = [
+        [c] + ["-" if v is None else f"{100 * v:.0f}%" for v in row]
+        for c, row in zip(classes, matrix, strict=True)
+    ]
+    return [
+        (EXPERIMENT_HEADERS, experiment_rows(summaries), "== experiments (ms; stable window)"),
+        (["Class", *names], cells, "== SLO compliance (class x experiment)"),
+    ]
+
+
 def run_config(config_path: Path, out_dir: Path, only: list[str] | None = None, out=None) -> dict:
     out = sys.stdout if out is None else out
     experiments = load_experiments(Path(config_path).read_text())
@@ -165,27 +183,10 @@ def run_config(config_path: Path, out_dir: Path, only: list[str] | None = None, 
         run_experiment(n, cfg, out_dir, lambda m: print(m, file=out, flush=True))
         for n, cfg in experiments.items()
     ]
-    headers = [
-        "Experiment",
-        "Stable",
-        "OK/all",
-        "Tok/s",
-        "Good tok/s",
-        "TTFT P50",
-        "TTFT P99",
-        "ITL P95",
-        "Disp P99",
-    ]
-    print(
-        "\n" + render_table(headers, experiment_rows(summaries), "== experiments (ms; stable window)"),
-        file=out,
-    )
     classes, names, matrix = tradeoff(summaries)
-    cells = [
-        [c] + ["-" if v is None else f"{100 * v:.0f}%" for v in row]
-        for c, row in zip(classes, matrix, strict=True)
-    ]
-    table = render_table(["Class", *names], cells, "== SLO compliance (class x experiment)")
+    experiments_spec, compliance_spec = table_specs(summaries, classes, names, matrix)
+    print("\n" + render_table(*experiments_spec), file=out)
+    table = render_table(*compliance_spec)
     print("\n" + table, file=out)
     (out_dir / "tradeoff.md").write_text(table + "\n")
     result = {"config": str(config_path), "machine": machine_info(), "classes": classes, "experiments": names,

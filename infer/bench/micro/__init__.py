@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch threads (default: 1 for the toy, torch's own otherwise)",
     )
     p.add_argument("--json", metavar="FILE", help="also write every table and verdict as JSON")
+    p.add_argument(
+        "--no-report",
+        action="store_true",
+        help="no HTML report (written beside --json FILE, else as benchmarks/reports/micro-TIME.html)",
+    )
     p.add_argument("--scale", default="full", choices=["full", "small"], help="small: the test-suite cases")
     p.add_argument("--repeats", type=int, default=None, help="runs per mode at least (default 5; small: 1)")
     p.add_argument(
@@ -82,7 +87,7 @@ def run_benchmarks(ctx, names: list[str]) -> list:
 
 def cmd_micro(args) -> int:
     from infer.bench.micro.harness import Context, prepare_model
-    from infer.bench.micro.report import write_json
+    from infer.bench.micro.report import json_doc, write_json
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -95,7 +100,8 @@ def cmd_micro(args) -> int:
     )
     ctx = Context(model, dtype, args.load_format, repeats, min_seconds, args.scale)
     names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
-    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    now = datetime.datetime.now(datetime.UTC)
+    started = now.strftime("%Y-%m-%d %H:%M:%S UTC")
     ctx.print(
         f"infer micro-benchmarks: model={args.model} ({model}), dtype={dtype}, threads={threads}, "
         f"load_format={args.load_format}, repeats={repeats}+ (until {min_seconds:g} s per mode; best of, "
@@ -107,7 +113,7 @@ def cmd_micro(args) -> int:
     for result in results:
         for verdict in result.verdicts:
             ctx.print(f"[{result.name}] {verdict.line()}")
-    if args.json:
+    if args.json or not args.no_report:
         meta = {
             "command": " ".join(sys.argv),
             "started": started,
@@ -120,7 +126,18 @@ def cmd_micro(args) -> int:
             "min_seconds": min_seconds,
             "scale": args.scale,
         }
+    if args.json:
         write_json(args.json, meta, results)
+    if not args.no_report:
+        from pathlib import Path
+
+        from infer.bench.html_report import write_html
+
+        path = (
+            Path(args.json) if args.json else Path("benchmarks/reports") / f"micro-{now:%Y%m%d-%H%M%S}.json"
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_html(path, json_doc(meta, results))
     return 0
 
 

@@ -97,9 +97,14 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def write_json(path: str, meta: dict, results: list[BenchResult]) -> None:
+def json_doc(meta: dict, results: list[BenchResult]) -> dict:
+    """The JSON report's content (the HTML report is drawn from it too)."""
     doc = {"meta": meta | {"machine": machine()}, "benchmarks": {r.name: r.to_json() for r in results}}
-    Path(path).write_text(json.dumps(_finite(doc), indent=2) + "\n")
+    return _finite(doc)
+
+
+def write_json(path: str, meta: dict, results: list[BenchResult]) -> None:
+    Path(path).write_text(json.dumps(json_doc(meta, results), indent=2) + "\n")
 
 
 def _finite(value):

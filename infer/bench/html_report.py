@@ -1,0 +1,427 @@
+"""`infer bench report PATH [--trace FILE]`: one self-contained HTML file per benchmark run.
+
+    infer bench report benchmarks/reports/serving-embedded-all-20261124-101500.json
+    infer bench report benchmarks/reports            # the folder's newest report JSON
+    infer bench report OUT/tradeoff.json             # a `bench traffic` run (its folder works too)
+    infer bench report REPORT.json --trace engine.json   # + the request timeline of `infer serve --trace`
+
+PATH is a report JSON written by `bench serve`, `bench client`, `bench micro --json` or `bench traffic`
+(its tradeoff.json), or a folder (its newest *.json). The HTML goes beside it, same stem, and holds the
+run's command, configuration, server, machine and versions, the tables the command printed (rendered again
+from the JSON by the same functions), the plots (matplotlib PNGs, base64 in the page), and, given the engine
+trace, a Gantt of every request's queued / prefill chunks / decode / preempted slices with the engine's
+counters. Nothing is loaded at view time: no script, no external stylesheet, no font, so it opens offline
+and from an attachment. `bench serve`, `bench client`, `bench traffic` and `bench micro` write it at their
+end unless `--no-report`; `bench serve` and `bench client` also fetch the run's trace from our server's
+`GET /debug/trace` when the server records one (`infer serve --trace FILE`), saved beside as STEM.trace.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime
+import html
+import json
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from infer.bench.report import fmt
+from infer.bench.request_timeline import (
+    TIMELINE_HEADERS,
+    counter_series,
+    load_trace,
+    request_timelines,
+    timeline_rows,
+)
+
+MAX_TIMELINE_REQUESTS = 300  # more rows make an unreadable Gantt: the first ones are kept (and it says so)
+
+CSS = """
+body { font-family: sans-serif; margin: 1.5em auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.2em; border-bottom: 1px solid #ccc; margin-top: 1.6em; }
+h3 { font-size: 1em; margin-bottom: 0.3em; }
+table { border-collapse: collapse; margin: 0.4em 0 1em; font-size: 0.85em; }
+th, td { border: 1px solid #ccc; padding: 2px 8px; text-align: right; }
+th { background: #f0f0f0; } td:first-child, th:first-child { text-align: left; }
+table.kv td { text-align: left; vertical-align: top; }
+code, pre { font-family: monospace; font-size: 0.85em; background: #f6f6f6; }
+pre { padding: 0.6em; overflow-x: auto; white-space: pre-wrap; }
+img { max-width: 100%; display: block; margin: 0.5em 0; }
+.note { color: #666; font-size: 0.85em; }
+"""
+
+
+class Page:
+    """The HTML body, built section by section; every text is escaped."""
+
+    def __init__(self, title: str):
+        self.title = title
+        self.parts: list[str] = []
+        self.num_images = 0
+
+    def heading(self, text: str, level: int = 2) -> None:
+        self.parts.append(f"<h{level}>{html.escape(text)}</h{level}>")
+
+    def note(self, text: str) -> None:
+        self.parts.append(f'<p class="note">{html.escape(text)}</p>')
+
+    def pre(self, text: str) -> None:
+        self.parts.append(f"<pre>{html.escape(text)}</pre>")
+
+    def table(self, headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None) -> None:
+        """A table as render_table prints it: the same cells (fmt), the same title."""
+        if title:
+            self.heading(title.removeprefix("== "), 3)
+        head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+        body = "".join(
+            "<tr>"
+            + "".join(f"<td>{html.escape(c if isinstance(c, str) else fmt(c))}</td>" for c in row)
+            + "</tr>"
+            for row in rows
+        )
+        self.parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+    def key_values(self, values: dict) -> None:
+        rows = "".join(
+            f"<tr><td>{html.escape(str(k))}</td><td>{_value_html(v)}</td></tr>" for k, v in values.items()
+        )
+        self.parts.append(f'<table class="kv"><tbody>{rows}</tbody></table>')
+
+    def image(self, png: bytes, alt: str) -> None:
+        data = base64.b64encode(png).decode("ascii")
+        self.parts.append(f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">')
+        self.num_images += 1
+
+    def plot(self, alt: str, draw: Callable[[Path], object]) -> object:
+        """Run draw(path) (a function of infer.bench.plots) into a temporary PNG and embed it."""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "plot.png"
+            result = draw(path)
+            self.image(path.read_bytes(), alt)
+        return result
+
+    def render(self) -> str:
+        title = html.escape(self.title)
+        return (
+            f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+            f"<style>{CSS}</style></head>\n<body>\n<h1>{title}</h1>\n"
+            + "\n".join(self.parts)
+            + "\n</body></html>\n"
+        )
+
+
+def _value_html(v) -> str:
+    if isinstance(v, dict | list):
+        return f"<code>{html.escape(json.dumps(v, default=str))}</code>"
+    return html.escape(fmt(v) if isinstance(v, float) else str(v))
+
+
+def _plots():
+    """infer.bench.plots, or None without matplotlib (the `bench` extra): the page then says so."""
+    try:
+        from infer.bench import plots
+    except ImportError:
+        return None
+    return plots
+
+
+# ---- finding and reading a report --------------------------------------------------------------------
+
+
+def find_report(path: Path) -> Path:
+    """PATH itself, or a folder's report: tradeoff.json for a `bench traffic` folder, else its newest JSON
+    that is a report (traces, `{"traceEvents": ...}`, and other JSON left out)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise ValueError(f"no report at {path}: give a report JSON or a folder of them")
+    if (path / "tradeoff.json").is_file():
+        return path / "tradeoff.json"
+    for candidate in sorted(path.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            doc = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and report_kind(doc) != "unknown":
+            return candidate
+    raise ValueError(f"no report JSON in {path} (of bench serve, client, micro --json, traffic or stress)")
+
+
+def report_kind(report: dict) -> str:
+    if "kind" in report:
+        return str(report["kind"])
+    if "benchmarks" in report and "meta" in report:
+        return "micro"
+    if "compliance" in report and "experiments" in report:
+        return "traffic"
+    return "unknown"
+
+
+# ---- one section per kind ----------------------------------------------------------------------------
+
+
+def _serving(page: Page, report: dict, _path: Path) -> None:
+    from infer.bench.metrics import RequestRecord
+    from infer.bench.serving import comparison_spec, detail_spec
+
+    results = report["workloads"]
+    page.heading("Tables")
+    page.table(*comparison_spec(results))
+    for r in results:
+        page.table(*detail_spec(r))
+    ceiling = report.get("roofline")
+    if ceiling:
+        fractions = ", ".join(
+            f"{r['name']} {fmt(r['summary'].get('fraction_of_decode_ceiling'), 2)}" for r in results
+        )
+        page.note(
+            f"roofline ({ceiling['model']}): single-stream decode ceiling "
+            f"{fmt(ceiling['decode_ceiling_tokens_per_s'])} tok/s; measured / ceiling: {fractions}"
+        )
+    plots = _plots()
+    if plots is None:
+        page.note("no plots: matplotlib is not installed (pip install 'infer[bench]')")
+        return
+    page.heading("Plots")
+    summary = {"per_class": {r["name"]: r["summary"] for r in results}}
+    page.plot("TTFT and latency per workload", lambda p: plots.latency_per_class(summary, p))
+    for r in results:
+        records = [RequestRecord(**d) for d in r["requests"]]
+        if records:
+            page.heading(r["name"], 3)
+            page.plot(f"{r['name']}: token heatmap", lambda p, rs=records: plots.token_heatmap(rs, p))
+            page.plot(
+                f"{r['name']}: fate by input length", lambda p, rs=records: plots.fate_by_input_length(rs, p)
+            )
+
+
+def _client(page: Page, report: dict, _path: Path) -> None:
+    from infer.bench.client_tests import result_specs
+
+    page.heading("Tables")
+    for spec in result_specs(report):
+        page.table(*spec)
+    plots = _plots()
+    if plots is None:
+        page.note("no plots: matplotlib is not installed (pip install 'infer[bench]')")
+    elif report["batches"]:
+        page.heading("Plots")
+        page.plot("batches: sequential vs concurrent", lambda p: plots.client_batches(report["batches"], p))
+
+
+def _traffic(page: Page, report: dict, path: Path) -> None:
+    from infer.bench.traffic import safe_name, table_specs
+
+    out_dir = path.parent
+    summaries = []
+    for name in report["experiments"]:
+        summary_path = out_dir / safe_name(name) / "summary.json"
+        if summary_path.is_file():
+            summaries.append(json.loads(summary_path.read_text()))
+    page.heading("Tables")
+    experiments_spec, compliance_spec = table_specs(
+        summaries, report["classes"], report["experiments"], report["compliance"]
+    )
+    if len(summaries) == len(report["experiments"]):
+        page.table(*experiments_spec)
+    else:
+        page.note(f"the experiments table needs every OUT/NAME/summary.json; {out_dir} lacks some")
+    page.table(*compliance_spec)
+    page.heading("Plots")
+    pngs = [(out_dir / "tradeoff.png", "tradeoff matrix")]
+    for s in summaries:
+        for name in ("heatmap", "fate", "latency", "timeline", "goodput"):
+            pngs.append((out_dir / safe_name(s["experiment"]) / f"{name}.png", f"{s['experiment']}: {name}"))
+    for png, alt in pngs:  # the run drew them: embedded as they are
+        if png.is_file():
+            page.image(png.read_bytes(), alt)
+        else:
+            page.note(f"missing plot: {png}")
+    for s in summaries:
+        page.heading(f"experiment {s['experiment']}: configuration", 3)
+        page.key_values({"url": s.get("url"), **s.get("config", {})})
+
+
+def _micro(page: Page, report: dict, _path: Path) -> None:
+    from infer.bench.micro.report import cell
+
+    def value(v) -> str:
+        return v if isinstance(v, str) else cell(v)
+
+    for name, bench in report["benchmarks"].items():
+        page.heading(name)
+        for label, cases in (("cases", bench["cases"]), *((k, v) for k, v in bench.items() if k == "sweep")):
+            metrics = list(dict.fromkeys(k for c in cases for m in c["modes"].values() for k in m))
+            rows = [
+                [c["name"], mode, *(value(m.get(k)) for k in metrics)]
+                for c in cases
+                for mode, m in c["modes"].items()
+            ]
+            page.table(["case", "mode", *metrics], rows, f"{name}: {label}, per mode")
+            knobs = list(dict.fromkeys(k for c in cases for k in c["knobs"]))
+            ratios = list(dict.fromkeys(k for c in cases for k in c["ratios"]))
+            rows = [
+                [
+                    c["name"],
+                    *(value(c["knobs"].get(k)) for k in knobs),
+                    *(value_x(c["ratios"].get(k)) for k in ratios),
+                ]
+                for c in cases
+            ]
+            page.table(["case", *knobs, *ratios], rows, f"{name}: {label}, ratios")
+        page.heading(f"{name}: verdicts", 3)
+        page.pre("\n".join(v["line"] for v in bench["verdicts"]))
+    page.note("the micro-benchmarks draw no plots: their tables are the result")
+
+
+def value_x(v) -> str:
+    from infer.bench.micro.report import cell
+
+    return v if isinstance(v, str) else cell(v, "x")
+
+
+SECTIONS = {"serving": _serving, "client": _client, "traffic": _traffic, "micro": _micro}
+
+
+# ---- the page ----------------------------------------------------------------------------------------
+
+
+def build_html(
+    report: dict, path: Path, trace_events: list[dict] | None = None, command: str | None = None
+) -> str:
+    kind = report_kind(report)
+    meta = report.get("meta", {}) if kind == "micro" else report
+    command = command or meta.get("command")
+    if command is None and kind == "traffic":
+        command = f"infer bench traffic --config {report['config']} --out {path.parent}"
+    page = Page(f"infer bench {kind}: {path.stem}")
+    page.key_values({
+        "command": command or "(not recorded)",
+        "started": meta.get("started", "(not recorded)"),
+        "report": str(path) if path.is_file() else "(no JSON written: the run gave no --json FILE)",
+        "written": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+    })  # fmt: skip
+    section = SECTIONS.get(kind)
+    if section is None:
+        page.note(f"no tables known for a report of kind {kind!r}: its JSON follows")
+        page.pre(
+            json.dumps({k: v for k, v in report.items() if k not in ("machine",)}, indent=1, default=str)[
+                :200_000
+            ]
+        )
+    else:
+        section(page, report, path)
+    if trace_events is not None:
+        timeline_section(page, trace_events)
+    page.heading("Configuration")
+    config = (
+        report.get("config")
+        if kind != "micro"
+        else {k: v for k, v in meta.items() if k not in ("command", "machine")}
+    )
+    page.key_values(config if isinstance(config, dict) else {"config": config})
+    if isinstance(report.get("server"), dict):
+        page.heading("Server")
+        page.key_values(report["server"])
+    machine = meta.get("machine")
+    if isinstance(machine, dict):
+        page.heading("Machine and versions")
+        versions = machine.get("versions")
+        page.key_values({k: v for k, v in machine.items() if k != "versions"})
+        if isinstance(versions, dict):
+            page.key_values(versions)
+    return page.render()
+
+
+def timeline_section(page: Page, events: list[dict]) -> int:
+    """The per-request Gantt, the counters and the per-request table; returns the Gantt's bar count."""
+    page.heading("Per-request timeline (engine trace)")
+    timelines = request_timelines(events)
+    if not timelines:
+        page.note("the trace holds no request slices")
+        return 0
+    shown = timelines[:MAX_TIMELINE_REQUESTS]
+    if len(shown) < len(timelines):
+        page.note(f"the first {len(shown)} of {len(timelines)} requests (by arrival)")
+    plots = _plots()
+    num_bars = 0
+    if plots is None:
+        page.note("no Gantt: matplotlib is not installed (pip install 'infer[bench]')")
+    else:
+        num_bars = page.plot(
+            "request fate: queued / prefill / decode per request", lambda p: plots.request_gantt(shown, p)
+        )
+        series = counter_series(events)
+        if series:
+            page.plot("engine counters", lambda p: plots.trace_counters(series, p))
+    page.table(TIMELINE_HEADERS, timeline_rows(shown), "requests in the trace (ms since the trace began)")
+    return num_bars
+
+
+def fetch_trace(base_url: str, seconds: float, api_key: str | None = None) -> list[dict] | None:
+    """The last `seconds` of our server's engine trace (GET /debug/trace), or None when it records none."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(
+            base_url.rstrip("/") + "/debug/trace",
+            params={"seconds": max(1.0, seconds)},
+            headers=headers,
+            timeout=30,
+        )
+        return resp.json()["traceEvents"] if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_html(
+    path: Path,
+    report: dict | None = None,
+    trace: Path | list[dict] | None = None,
+    command: str | None = None,
+    out=None,
+) -> Path:
+    """Write the HTML report of the report JSON at `path` (read unless `report` is given) beside it, with
+    the timeline of `trace` (a trace file or its events) when given; say where on `out`."""
+    path = Path(path)
+    if report is None:
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the report {path}: {exc}") from exc
+    events = load_trace(trace) if isinstance(trace, str | Path) else trace
+    html_path = path.with_suffix(".html")
+    html_path.write_text(build_html(report, path, events, command))
+    print(f"html report: {html_path}", file=sys.stdout if out is None else out)
+    return html_path
+
+
+def save_run_trace(
+    report_path: Path, base_url: str, seconds: float, api_key: str | None, out
+) -> list[dict] | None:
+    """After a run against our server: its trace (when recorded) saved as STEM.trace.json; the events."""
+    events = fetch_trace(base_url, seconds, api_key)
+    if events is not None:
+        trace_path = report_path.with_name(report_path.stem + ".trace.json")
+        trace_path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        print(f"engine trace: {trace_path}", file=out)
+    return events
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", type=Path, help="a report JSON, or a folder (its newest report JSON)")
+    p.add_argument("--trace", type=Path, default=None, help="the engine trace of `infer serve --trace FILE`")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    try:
+        write_html(find_report(args.path), trace=args.trace)
+    except (ValueError, KeyError) as exc:
+        print(f"bench report: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
