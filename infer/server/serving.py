@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
@@ -387,7 +388,14 @@ def token_text(state: ServerState, token_id: int) -> str:
 
 
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+    """One SSE event. orjson: ~0.3 us a chunk against json.dumps' ~2.7 us (timeit, issue 16). It writes
+    UTF-8 unescaped as ensure_ascii=False does, but NaN/inf as null, not refused: the only floats here
+    are logprobs, which floor_logprob already clamps. What orjson refuses (a lone surrogate, an unknown
+    type) goes to json.dumps, so the error is json's as before (a ValueError becomes an error event)."""
+    try:
+        return f"data: {orjson.dumps(payload).decode()}\n\n"
+    except orjson.JSONEncodeError:
+        return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
