@@ -75,7 +75,7 @@ def overhead(args) -> list[dict]:
         step_s = statistics.median(w for s, _, w in steps if s.num_prefill_tokens == 0)
         fwd = statistics.median(t.forward_s for t in decode)
         book = statistics.median(t.bookkeeping_s for t in decode)
-        sched = statistics.median(t.schedule_s + t.update_s for t in decode)
+        sched = statistics.median(t.schedule_s + t.update_s + t.detokenize_s for t in decode)
         rows.append(
             dict(
                 batch=batch,

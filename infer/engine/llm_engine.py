@@ -65,11 +65,12 @@ class StepTiming:
     schedule_s: float = 0.0  # Scheduler.schedule()
     prepare_s: float = 0.0  # building the batch tensors
     forward_s: float = 0.0  # forward, logits and sampling
-    update_s: float = 0.0  # Scheduler.update(), detokenization, stop strings
+    update_s: float = 0.0  # Scheduler.update(): tokens appended, finishes, blocks freed and cached
+    detokenize_s: float = 0.0  # incremental detokenization and stop strings
 
     @property
     def bookkeeping_s(self) -> float:
-        return self.schedule_s + self.prepare_s + self.update_s
+        return self.schedule_s + self.prepare_s + self.update_s + self.detokenize_s
 
 
 class LLMEngine:
@@ -122,7 +123,8 @@ class LLMEngine:
         self.last_timing = StepTiming()
         self._ids = itertools.count()
         # the step trace (infer.engine.trace), None unless asked for: then one `is not None` per step
-        self.trace = StepTrace(config.trace_steps) if config.trace_path else None
+        budget = self.scheduler_config.max_num_batched_tokens
+        self.trace = StepTrace(config.trace_steps, budget=budget) if config.trace_path else None
 
     def close(self) -> None:
         """Write the trace file, if tracing (at shutdown; again whenever called). The engine stays usable."""
@@ -185,12 +187,15 @@ class LLMEngine:
         runner_out, failures = self._execute(sched)
         executed = time.perf_counter()
         outputs = [self._fail(req_id, exc) for req_id, exc in failures.items()]
-        outputs += self._process(sched, runner_out)
+        updates = self.scheduler.update(sched, runner_out)
+        updated = time.perf_counter()
+        outputs += self._detokenize_all(updates)
         self.last_timing = StepTiming(
             schedule_s=scheduled - start,
             prepare_s=self.runner.last_prepare_s,
             forward_s=executed - scheduled - self.runner.last_prepare_s,
-            update_s=time.perf_counter() - executed,
+            update_s=updated - executed,
+            detokenize_s=time.perf_counter() - updated,
         )
         if self.trace is not None:
             self.trace.record_step(start, self.last_timing, sched, outputs)
@@ -219,9 +224,9 @@ class LLMEngine:
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
         return self._output(req_id, "", [], "error", None, error=f"{type(exc).__name__}: {exc}")
 
-    def _process(self, sched, runner_out) -> list[StepOutput]:
+    def _detokenize_all(self, updates) -> list[StepOutput]:
         outputs = []
-        for out in self.scheduler.update(sched, runner_out):
+        for out in updates:
             try:
                 outputs.append(self._detokenize(out))
             except Exception as exc:

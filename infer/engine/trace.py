@@ -11,9 +11,11 @@ shutdown, `LLM.close()`) or on demand with `write(path)`; the server's `GET /deb
 The events (`ts` and `dur` in microseconds since the trace began, `pid` 1, `tid` 1):
 
     X  step                 one per engine step; args: step, requests, prefill_tokens, decode_tokens,
-                            preemptions, evictions, prefix_hit_tokens (admissions' cached tokens)
-    X  schedule | prepare | forward | update     its phases, nested in it (the engine's StepTiming:
-                            forward includes logits and sampling, update includes detokenization)
+                            preemptions, evictions, prefix_hit_tokens (admissions' cached tokens),
+                            budget_used (prefill + decode tokens) of budget (max_num_batched_tokens)
+    X  schedule | prepare | forward | update | detokenize     its phases, nested in it (the engine's
+                            StepTiming: forward includes logits and sampling, update is the scheduler's,
+                            detokenize the text and stop strings)
     i  preempt              on the step track, args req_id
     C  requests {running, waiting}, kv_blocks {used, cached, free}, tokens {prefill, decode}: after
                             scheduling (the step's StepStats), one counter track per arg in Perfetto
@@ -53,8 +55,14 @@ class StepTrace:
     Recording a step then costs a few microseconds, and the ring holds few objects for the garbage
     collector to walk (10,000 decode steps: ~5 MB)."""
 
-    def __init__(self, max_steps: int = 10_000, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        max_steps: int = 10_000,
+        clock: Callable[[], float] = time.perf_counter,
+        budget: int | None = None,
+    ):
         self.clock = clock  # the engine's step timer, so that recorded times and step times agree
+        self.budget = budget  # max_num_batched_tokens, shown beside each step's tokens
         self.origin = clock()
         self.max_steps = max_steps
         self._ring: deque[tuple] = deque(maxlen=max_steps)  # (step record, its request events)
@@ -93,7 +101,8 @@ class StepTrace:
         t_sched = start + timing.schedule_s
         t_prep = t_sched + timing.prepare_s
         t_fwd = t_prep + timing.forward_s
-        t_end = t_fwd + timing.update_s
+        t_upd = t_fwd + timing.update_s
+        t_end = t_upd + timing.detokenize_s
         phase, events, num_hit = self._phase, [], 0
         for req_id in sched.preempted_req_ids:
             events.append(("i", "preempt", req_id, start, None))
@@ -121,7 +130,8 @@ class StepTrace:
             if out.finished:
                 events += self._end(out, t_end)
         stats = sched.stats  # a fresh StepStats each step: kept as it is
-        record = (start, t_sched, t_prep, t_fwd, t_end, self._num_steps, len(sched.scheduled), num_hit, stats)
+        times = (start, t_sched, t_prep, t_fwd, t_upd, t_end)
+        record = (times, self._num_steps, len(sched.scheduled), num_hit, stats)
         self._num_steps += 1
         with self._lock:
             self._ring.append((record, self._pending + events if self._pending else events))
@@ -160,25 +170,29 @@ class StepTrace:
             pending = list(self._pending)
         events = []
         for record, request_events in entries:
-            if since_us is None or self.us(record[0]) >= since_us:
+            if since_us is None or self.us(record[0][0]) >= since_us:
                 events += self._step_events(record)
                 events += [self._request_event(*e) for e in request_events]
         events += [self._request_event(*e) for e in pending]
         return _metadata() + _rebegin_orphans(events)
 
     def _step_events(self, record: tuple) -> list[dict]:
-        times, step, num_scheduled, num_hit, stats = record[:5], *record[5:]
-        t0, t_sched, t_prep, t_fwd, t_end = (self.us(t) for t in times)
+        times, step, num_scheduled, num_hit, stats = record
+        t0, t_sched, t_prep, t_fwd, t_upd, t_end = (self.us(t) for t in times)
         s = stats
         args = {"step": step, "requests": num_scheduled, "prefill_tokens": s.num_prefill_tokens,
                 "decode_tokens": s.num_decode_tokens, "preemptions": s.num_preemptions,
-                "evictions": s.num_evictions, "prefix_hit_tokens": num_hit}  # fmt: skip
+                "evictions": s.num_evictions, "prefix_hit_tokens": num_hit,
+                "budget_used": s.num_prefill_tokens + s.num_decode_tokens}  # fmt: skip
+        if self.budget is not None:
+            args["budget"] = self.budget
         return [
             _slice("step", t0, t_end, args),
             _slice("schedule", t0, t_sched),
             _slice("prepare", t_sched, t_prep),
             _slice("forward", t_prep, t_fwd),
-            _slice("update", t_fwd, t_end),
+            _slice("update", t_fwd, t_upd),
+            _slice("detokenize", t_upd, t_end),
             _counter("requests", t_sched, running=s.num_running, waiting=s.num_waiting),
             _counter(
                 "kv_blocks",

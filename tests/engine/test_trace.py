@@ -118,12 +118,15 @@ def test_step_phases_nest_in_their_step(traced):
     pairs = steps_and_phases(trace["traceEvents"])
     assert len(pairs) == len(counts)
     for step, phases in pairs:
-        assert [p["name"] for p in phases] == ["schedule", "prepare", "forward", "update"]
+        assert [p["name"] for p in phases] == ["schedule", "prepare", "forward", "update", "detokenize"]
         for p in phases:
             assert step["ts"] - EPS <= p["ts"] and p["ts"] + p["dur"] <= step["ts"] + step["dur"] + EPS
         assert {"requests", "prefill_tokens", "decode_tokens", "preemptions", "prefix_hit_tokens"} <= set(
             step["args"]
         )
+        args = step["args"]  # the step's share of the token budget: every scheduled token, within it
+        assert args["budget_used"] == args["prefill_tokens"] + args["decode_tokens"] <= args["budget"]
+        assert args["budget"] == CHUNKED["max_num_batched_tokens"]
     assert [s["args"]["step"] for s, _ in pairs] == list(range(len(pairs)))
 
 
