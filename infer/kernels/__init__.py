@@ -41,7 +41,7 @@ SOURCES = [
     Path(__file__).with_name(n)
     for n in ("paged_attention.cpp", "prefill_attention.cpp", "quant_linear.cpp", "layer_ops.cpp")
 ]
-HEADERS = [Path(__file__).with_name("vec.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "paged_call.h")]
 _REPO = Path(__file__).resolve().parents[2]
 
 _state: dict = {}  # "ops": the loaded namespace or None, once load() has run

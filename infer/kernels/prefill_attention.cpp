@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_call.h"
 #include "vec.h"
 
 namespace {
@@ -151,19 +152,7 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-struct Problem {
-  const void* q;  // [num_tokens, num_heads, head_dim], tokens and heads strided
-  int64_t q_token_stride, q_head_stride;
-  const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
-  const void* value_cache;
-  int64_t block_size, num_kv_heads, head_dim, group;
-  const int64_t* block_tables;  // [num_seqs, table_stride]
-  int64_t table_stride;
-  const int32_t* seq_lens;      // [num_seqs]
-  const int32_t* query_starts;  // [num_seqs + 1]
-  float scale;
-  int64_t window;  // 0: none
-  void* out;       // [num_tokens, num_heads, head_dim], contiguous
+struct Problem : infer_paged::PagedCall {
   // The packed tiles: tile i (keys i * kTile ...) of sequence s and kv head h, its Kp then its Vp.
   // Sequence s has tiles first_tile[s] .. first_tile[s] + num_tiles[s], from word tile_base[s] on.
   Word* packed;
@@ -520,48 +509,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              const at::Tensor& query_starts, double scale, int64_t window) {
 #if defined(INFER_PREFILL_ATTENTION)
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [num_tokens, num_heads, head_dim], last dim contiguous");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  key_cache.sizes() == value_cache.sizes(),
-              "caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() && q.scalar_type() == value_cache.scalar_type(),
-              "q and the caches must share a dtype");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
-                  block_tables.stride(1) == 1,
-              "block_tables: int64 [num_seqs, max_blocks], rows contiguous");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
-              "seq_lens: int32 [num_seqs]");
-  const int64_t num_seqs = seq_lens.size(0), num_tokens = q.size(0), num_heads = q.size(1), D = q.size(2);
-  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == D && D % 16 == 0, "head_dim: the same in q and caches, a multiple of 16");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  TORCH_CHECK(block_tables.size(0) == num_seqs, "one block table row per sequence");
-  TORCH_CHECK(query_starts.scalar_type() == at::kInt && query_starts.is_contiguous() &&
-                  query_starts.numel() == num_seqs + 1,
-              "query_starts: int32 [num_seqs + 1]");
   TORCH_CHECK(scale > 0, "scale must be positive");
-  const int32_t* starts = query_starts.data_ptr<int32_t>();
-  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == num_tokens, "query_starts: 0 .. num_tokens");
-  at::Tensor out = at::empty({num_tokens, num_heads, D}, q.options());
-
+  at::Tensor out;
   Problem P{};
-  P.q = q.data_ptr();
-  P.q_token_stride = q.stride(0);
-  P.q_head_stride = q.stride(1);
-  P.key_cache = key_cache.data_ptr();
-  P.value_cache = value_cache.data_ptr();
-  P.block_size = block_size;
-  P.num_kv_heads = num_kv_heads;
-  P.head_dim = D;
-  P.group = num_heads / num_kv_heads;
-  P.block_tables = block_tables.data_ptr<int64_t>();
-  P.table_stride = block_tables.stride(0);
-  P.seq_lens = seq_lens.data_ptr<int32_t>();
-  P.query_starts = starts;
-  P.scale = static_cast<float>(scale);
-  P.window = std::max<int64_t>(window, 0);
-  P.out = out.data_ptr();
+  static_cast<infer_paged::PagedCall&>(P) =
+      infer_paged::check_call(q, key_cache, value_cache, block_tables, seq_lens, &query_starts, scale, window, out);
+  const int64_t num_seqs = P.num_seqs, D = P.head_dim, num_kv_heads = P.num_kv_heads;
+  const int32_t* starts = P.query_starts;
 
   // Per sequence: the tiles its queries see (from the first key its first query's window reaches),
   // each packed once per kv head; items: per kv head, blocks of queries of kItemRows rows at most.
@@ -574,13 +528,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   int64_t total_words = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t seq_len = P.seq_lens[s], query_len = starts[s + 1] - starts[s];
-    TORCH_CHECK(query_len >= 1 && seq_len >= query_len, "every sequence needs 1 <= query_len <= seq_len");
-    TORCH_CHECK(seq_len <= block_tables.size(1) * block_size, "a block table is too short for its seq_len");
-    const int64_t first_key = P.window > 0 ? std::max<int64_t>(0, seq_len - query_len - P.window + 1) : 0;
-    for (int64_t b = first_key / block_size; b * block_size < seq_len; ++b) {
-      const int64_t block = P.block_tables[s * P.table_stride + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
-    }
+    const int64_t first_key = P.checked_first_key(s);
     first_tile[s] = first_key / kTile;
     num_tiles[s] = (seq_len + kTile - 1) / kTile - first_tile[s];
     tile_base[s] = total_words;

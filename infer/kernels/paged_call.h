@@ -1,0 +1,99 @@
+// What both attention ops (paged_attention.cpp: decodes and short chunks; prefill_attention.cpp: prompts
+// and long chunks) take from a call over the paged KV cache, checked in one place: q, the caches, the
+// block tables, seq_lens and query_starts, and each sequence's blocks.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace infer_paged {
+
+struct PagedCall {
+  const void* q;  // [num_tokens, num_heads, head_dim] in the caches' dtype, tokens and heads strided
+  int64_t q_token_stride, q_head_stride;
+  const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+  const void* value_cache;
+  int64_t block_size, num_kv_heads, head_dim, group;
+  const int64_t* block_tables;  // [num_seqs, table_stride]
+  int64_t table_stride;
+  const int32_t* seq_lens;      // [num_seqs]
+  const int32_t* query_starts;  // [num_seqs + 1], or null: one query per sequence
+  float scale;
+  int64_t window;  // 0: none
+  void* out;       // [num_tokens, num_heads, head_dim], contiguous
+  int64_t num_seqs, num_tokens, num_heads, num_blocks, max_blocks_per_seq;
+
+  int64_t query_start(int64_t s) const { return query_starts ? query_starts[s] : s; }
+  int64_t query_len(int64_t s) const { return query_starts ? query_starts[s + 1] - query_starts[s] : 1; }
+
+  // Sequence s's first key any of its queries sees (its first query's window start, else 0), after
+  // checking its lengths and the ids of the blocks its keys from there on are in.
+  int64_t checked_first_key(int64_t s) const {
+    const int64_t seq_len = seq_lens[s], q_len = query_len(s);
+    TORCH_CHECK(q_len >= 1 && seq_len >= q_len, "every sequence needs 1 <= query_len <= seq_len");
+    TORCH_CHECK(seq_len <= max_blocks_per_seq * block_size, "a block table is too short for its seq_len");
+    const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - q_len - window + 1) : 0;
+    for (int64_t b = first / block_size; b * block_size < seq_len; ++b) {
+      const int64_t block = block_tables[s * table_stride + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
+    }
+    return first;
+  }
+};
+
+// Checks the tensors of a call and describes it; `out` is allocated here ([num_tokens, num_heads,
+// head_dim], q's dtype). query_starts: int32 [num_seqs + 1] from 0 to num_tokens, or none.
+inline PagedCall check_call(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor* query_starts, double scale, int64_t window, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [num_tokens, num_heads, head_dim], last dim contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() && q.scalar_type() == value_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.stride(1) == 1,
+              "block_tables: int64 [num_seqs, max_blocks], rows contiguous");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+              "seq_lens: int32 [num_seqs]");
+  PagedCall c{};
+  c.num_seqs = seq_lens.size(0);
+  c.num_tokens = q.size(0);
+  c.num_heads = q.size(1);
+  c.head_dim = q.size(2);
+  c.num_blocks = key_cache.size(0);
+  c.block_size = key_cache.size(1);
+  c.num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == c.head_dim && c.head_dim % 16 == 0,
+              "head_dim: the same in q and caches, a multiple of 16");
+  TORCH_CHECK(c.num_heads % c.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.size(0) == c.num_seqs, "one block table row per sequence");
+  if (query_starts != nullptr) {
+    TORCH_CHECK(query_starts->scalar_type() == at::kInt && query_starts->is_contiguous() &&
+                    query_starts->numel() == c.num_seqs + 1,
+                "query_starts: int32 [num_seqs + 1]");
+    c.query_starts = query_starts->data_ptr<int32_t>();
+    TORCH_CHECK(c.query_starts[0] == 0, "query_starts must start at 0");
+  }
+  TORCH_CHECK((c.query_starts ? c.query_starts[c.num_seqs] : c.num_seqs) == c.num_tokens,
+              "q must hold every sequence's queries");
+  out = at::empty({c.num_tokens, c.num_heads, c.head_dim}, q.options());
+  c.q = q.data_ptr();
+  c.q_token_stride = q.stride(0);
+  c.q_head_stride = q.stride(1);
+  c.key_cache = key_cache.data_ptr();
+  c.value_cache = value_cache.data_ptr();
+  c.group = c.num_heads / c.num_kv_heads;
+  c.block_tables = block_tables.data_ptr<int64_t>();
+  c.table_stride = block_tables.stride(0);
+  c.max_blocks_per_seq = block_tables.size(1);
+  c.seq_lens = seq_lens.data_ptr<int32_t>();
+  c.scale = static_cast<float>(scale);
+  c.window = std::max<int64_t>(window, 0);
+  c.out = out.data_ptr();
+  return c;
+}
+
+}  // namespace infer_paged
