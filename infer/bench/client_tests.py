@@ -185,10 +185,7 @@ def cmd_client(args: argparse.Namespace, out=None) -> int:
         path = args.report_dir / f"client-{model.replace('/', '_')}-{started.strftime('%Y%m%d-%H%M%S')}.json"
         write_report(path, report, out)
         if not args.no_report:
-            from infer.bench.html_report import save_run_trace, write_html
+            from infer.bench.html_report import write_run_html
 
-            seconds = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
-            is_infer = report["server"]["is_infer"]
-            trace = save_run_trace(path, args.server, seconds, args.api_key, out) if is_infer else None
-            write_html(path, report, trace, out=out)
+            write_run_html(path, report, started, args.server, args.api_key, out)
     return 0

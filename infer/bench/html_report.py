@@ -401,16 +401,21 @@ def write_html(
     return html_path
 
 
-def save_run_trace(
-    report_path: Path, base_url: str, seconds: float, api_key: str | None, out
-) -> list[dict] | None:
-    """After a run against our server: its trace (when recorded) saved as STEM.trace.json; the events."""
-    events = fetch_trace(base_url, seconds, api_key)
+def write_run_html(
+    report_path: Path, report: dict, started: datetime.datetime, base_url: str, api_key: str | None, out
+) -> Path:
+    """The HTML report at the end of a run of `bench serve` / `bench client`: against our server, with its
+    trace of the run (when it records one: `GET /debug/trace` for the seconds since `started`), also saved
+    as STEM.trace.json."""
+    events = None
+    if report["server"]["is_infer"]:
+        seconds = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
+        events = fetch_trace(base_url, seconds, api_key)
     if events is not None:
         trace_path = report_path.with_name(report_path.stem + ".trace.json")
         trace_path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
         print(f"engine trace: {trace_path}", file=out)
-    return events
+    return write_html(report_path, report, events, out=out)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -292,13 +292,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
         )
         write_report(path, report, out)
         if not args.no_report:
-            from infer.bench.html_report import save_run_trace, write_html
+            from infer.bench.html_report import write_run_html
 
-            seconds = (datetime.datetime.now(datetime.UTC) - started).total_seconds()
-            trace = (
-                save_run_trace(path, args.server, seconds, args.api_key, out) if server["is_infer"] else None
-            )
-            write_html(path, report, trace, out=out)
+            write_run_html(path, report, started, args.server, args.api_key, out)
     return report
 
 

@@ -213,9 +213,7 @@ class AttentionMetadata:
         # rows of the padded output that are real, in the flat order of the batch's rows
         self.q_rows = self.out_rows = self.batch_rows = None
         if not whole:
-            self.batch_rows = torch.tensor(
-                [self.query_starts[i] + t for i in batch for t in range(self.query_lens[i])]
-            )
+            self.batch_rows = self.rows_of(batch)
         if max_q > 1:
             starts = [self.query_starts[i] for i in batch]
             self.q_rows = torch.tensor(
@@ -297,6 +295,10 @@ class AttentionMetadata:
             self._kernel_args = torch.tensor(self.batch_seq_lens, dtype=torch.int32), starts
         return self._kernel_args
 
+    def rows_of(self, seqs: list[int]) -> torch.Tensor:
+        """int64 rows of the flat batch that hold sequences `seqs`' queries, in their order."""
+        return torch.tensor([self.query_starts[i] + t for i in seqs for t in range(self.query_lens[i])])
+
     def prefill_kernel_args(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(rows, block_tables, seq_lens, query_starts) of the loop sequences, for the prefill kernel: rows
         int64 of q that are theirs (None when they are every row), their block tables, seq_lens int32 [n],
@@ -306,10 +308,7 @@ class AttentionMetadata:
             query_lens = [self.query_lens[i] for i in seqs]
             rows, tables = None, self.block_tables
             if len(seqs) < len(self.query_lens):
-                rows = torch.tensor(
-                    [self.query_starts[i] + t for i in seqs for t in range(self.query_lens[i])]
-                )
-                tables = self.block_tables[seqs]
+                rows, tables = self.rows_of(seqs), self.block_tables[seqs]
             self._prefill_args = (
                 rows,
                 tables,

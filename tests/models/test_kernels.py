@@ -79,15 +79,16 @@ def reference(q, meta: AttentionMetadata, tables, scale, window):
     return torch.cat(out)
 
 
-def run_both(q, k, v, meta_args, scale, window, monkeypatch):
-    """The step through the kernel and through the Python path (the matmuls), each on fresh metadata."""
+def run_both(q, k, v, meta_args, scale, window, monkeypatch, fallback="_matmul_batched"):
+    """The step through the kernels and through the Python path (the matmuls, SDPA), each on fresh
+    metadata; `fallback`, the Python function the kernel path must not reach, is removed there."""
     out = {}
     for path in ("kernel", "python"):
         with monkeypatch.context() as m:
             if path == "python":
                 m.setattr(kernels, "load", lambda: None)
             else:  # no silent fallback
-                m.setattr(attention_module, "_matmul_batched", None)
+                m.setattr(attention_module, fallback, None)
             meta = AttentionMetadata(*meta_args)
             out[path] = attention(q, k, v, meta, 0, scale, window)
     return out["kernel"], out["python"]

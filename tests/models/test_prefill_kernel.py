@@ -10,8 +10,8 @@ import torch
 
 from infer import kernels
 from infer.layers import attention as attention_module
-from infer.layers.attention import AttentionMetadata, attention
-from tests.models.test_kernels import TOL, _ops, make_step, reference
+from infer.layers.attention import AttentionMetadata
+from tests.models.test_kernels import TOL, _ops, make_step, reference, run_both
 
 
 def _prefill_ops():
@@ -140,21 +140,6 @@ def test_bad_arguments_raise():
 
 # ---- through infer.layers.attention ----
 
-
-def run_paths(q, k, v, meta_args, scale, window, monkeypatch):
-    """The step through the shipped dispatch, then with the kernels off (SDPA and the matmuls)."""
-    out = {}
-    for path in ("kernel", "python"):
-        with monkeypatch.context() as m:
-            if path == "python":
-                m.setattr(kernels, "load", lambda: None)
-            else:  # no silent fallback to SDPA
-                m.setattr(attention_module, "_prefill", None)
-            meta = AttentionMetadata(*meta_args)
-            out[path] = attention(q, k, v, meta, 0, scale, window)
-    return out["kernel"], out["python"]
-
-
 # name -> (query_lens, seq_lens)
 STEPS = {
     "one_prompt": ([300], [300]),
@@ -174,7 +159,7 @@ def test_attention_serves_loop_seqs(step, dtype, window, monkeypatch):
     q, k, v, meta, tables = make_step(8, 2, 64, query_lens, seq_lens, dtype)
     assert meta.loop_seqs
     meta_args = (meta.query_lens, meta.seq_lens, meta.slot_mapping, meta.block_tables, meta.kv_caches)
-    got, python = run_paths(q, k, v, meta_args, 0.125, window, monkeypatch)
+    got, python = run_both(q, k, v, meta_args, 0.125, window, monkeypatch, fallback="_prefill")
     expected = reference(q, meta, tables, 0.125, window)
     tol = TOL[dtype]
     torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
