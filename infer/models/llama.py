@@ -109,10 +109,15 @@ class CausalLM(nn.Module):
         """Checkpoint name/tensor -> ours; None skips it. Identity unless a model's format differs."""
         return name, tensor
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()  # [num_tokens, vocab_size]
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """[num_tokens, vocab_size] logits in float32, or with float32=False in the LM head's dtype unless
+        soft-capping needs float math (the sampler upcasts where it computes: greedy rows need not)."""
+        logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        if cap:
+            logits = logits.float()
+            return torch.tanh(logits / cap) * cap
+        return logits.float() if float32 else logits
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -68,7 +68,7 @@ class ModelRunner:
         if not sampled:
             return ModelRunnerOutput([], [])
         ends = list(itertools.accumulate(meta.query_lens))  # one past the last row of each request
-        logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sampled]])  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sampled]], float32=False)
         reqs = [sched.scheduled[i] for i in sampled]
         self._ban_early_stops(logits, reqs)
         req_ids = [s.req_id for s in reqs]

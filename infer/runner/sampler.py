@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infer import kernels
 from infer.sampling_params import SamplingParams
 
 MAX_TEMPERATURE = 1e4
@@ -39,12 +40,12 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]
     ) -> SampleResult:
-        # logits: [num_reqs, vocab_size] float32
+        # logits: [num_reqs, vocab_size], float32 or the LM head's dtype (upcast here where math needs it)
         greedy = all(p.greedy for p in params)
         if greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = argmax(logits)
         else:
-            probs = self._filtered_probs(logits, params)
+            probs = self._filtered_probs(logits.float(), params)
             token_ids = (probs / self._noise(probs.shape, req_ids, params)).argmax(dim=-1)
         return SampleResult(token_ids.tolist(), self._logprobs(logits, token_ids, params))
 
@@ -91,7 +92,7 @@ class Sampler:
         wanted = [p.logprobs for p in params]
         if all(n is None for n in wanted):
             return [None] * len(params)
-        logprobs = torch.log_softmax(logits, dim=-1)  # of the model's distribution, as vLLM reports
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # of the model's distribution, as vLLM reports
         top_n = max(n for n in wanted if n is not None)
         top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
         sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
@@ -103,3 +104,19 @@ class Sampler:
             top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True)) if n else []
             out.append((sampled[row], top))
         return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, as torch's (the first of equal maxima): through the C++ op where it serves (a
+    CPU float32/bfloat16/float16 matrix, rows contiguous), which reads bf16 logits as they are and costs
+    ~36 us for 32 x 32000 where torch's float32 copy and argmax cost ~550 us (AMD EPYC, 2 threads)."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype in kernels.LAYER_OPS_DTYPES
+        and logits.dim() == 2
+        and logits.stride(-1) == 1
+        and logits.shape[-1] > 0
+        and (ops := kernels.load()) is not None
+    ):
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)

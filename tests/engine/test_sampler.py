@@ -20,6 +20,21 @@ def test_greedy_is_argmax():
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
+def test_bf16_logits_sample_as_their_float32_values():
+    """The runner hands over the LM head's bf16 logits; every path equals the same logits upcast first."""
+    logits = (logits_rows(6, vocab=4096) * 4).bfloat16()
+    logits[2, [5, 9]] = logits[2].max() + 1  # equal maxima: the first wins, as torch.argmax
+    for params in (
+        [SamplingParams(temperature=0, logprobs=3)] * 6,
+        [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i, logprobs=2) for i in range(6)],
+    ):
+        got = Sampler(1)(logits, list("abcdef"), params)
+        expected = Sampler(1)(logits.float(), list("abcdef"), params)
+        assert got.token_ids == expected.token_ids
+        assert got.logprobs == expected.logprobs
+    assert Sampler()(logits, list("abcdef"), [SamplingParams(temperature=0)] * 6).token_ids[2] == 5
+
+
 def test_greedy_rows_stay_greedy_in_a_mixed_batch():
     logits = logits_rows(6)
     params = [SamplingParams(temperature=0 if i % 2 else 1.5) for i in range(6)]

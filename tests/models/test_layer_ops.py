@@ -1,6 +1,6 @@
 """The C++ layer ops (infer/kernels/layer_ops.cpp: RMSNorm, its fused residual add, rotary in place,
-SiLU-and-multiply) against the torch reference of the layers they replace, and a bf16 model through
-both paths."""
+SiLU-and-multiply, the greedy argmax) against the torch reference of the layers they replace, and a bf16
+model through both paths."""
 
 from __future__ import annotations
 
@@ -139,6 +139,23 @@ def check_layer_ops(ops) -> None:
         ops.rotary(positions, q, k, cos, sin)
         close(q, expected[0], dtype)
         close(k, expected[1], dtype)
+        check_argmax(ops, dtype)
+
+
+def check_argmax(ops, dtype) -> None:
+    """argmax_rows is torch.argmax exactly: widths below, at and between its blocks, equal maxima (the
+    first wins), a NaN (it wins), infinities, rows of -inf alone."""
+    gen = torch.Generator().manual_seed(0)
+    for rows, width in [(1, 7), (3, 256), (5, 300), (4, 4099), (2, 32000)]:
+        x = torch.randn(rows, width, generator=gen).to(dtype)
+        tied = x.clone()
+        tied[:, [width // 3, width // 2, width - 1]] = 1e4
+        special = x.clone()
+        special[0, -1] = float("inf")
+        special[-1, width // 2] = float("nan")
+        special[-1, 0] = float("-inf")
+        for case in (x, tied, special, torch.full((rows, width), float("-inf"), dtype=dtype)):
+            assert torch.equal(ops.argmax_rows(case), case.argmax(-1)), (rows, width, case)
 
 
 def test_layer_ops_in_every_dtype():
