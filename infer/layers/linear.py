@@ -9,6 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from infer import kernels
+
+# Weights of up to this many bytes also get the small-batch kernel's copy (infer/kernels/small_linear.cpp),
+# used for steps of up to SMALL_ROWS rows: there oneDNN's cost per call, not the bytes, set the time.
+SMALL_WEIGHT_BYTES = 8 * 2**20
+SMALL_ROWS = 8
+
 
 class MergedLinear(nn.Linear):
     """nn.Linear whose output rows are the concatenation of `output_sizes` checkpoint shards."""
@@ -43,6 +50,11 @@ class PrepackedLinear(nn.Module):
     decode GEMV runs 1.5-4x faster here (1536x512: 96 -> 47 us; the 32000x512 LM head: 1.9 -> 1.1 ms)
     and a 512-token prefill matmul ~1.4x (docs/benchmarks.md). In fp32 it is no faster, so it is not used.
     The packed weight is an opaque mkldnn tensor: a plain attribute, not a parameter or a buffer.
+
+    A weight of up to SMALL_WEIGHT_BYTES also keeps a second copy in the layout of the small-batch kernel
+    (a non-persistent buffer, so weight_bytes counts it), which serves steps of up to SMALL_ROWS rows:
+    a llama-50m layer's linears at one row 1.2-1.8x faster than oneDNN's (docs/benchmarks.md). Larger
+    weights read at the same speed either way and keep one copy.
     """
 
     def __init__(self, linear: nn.Linear, tied: bool = False):
@@ -52,13 +64,36 @@ class PrepackedLinear(nn.Module):
         self.num_packed_params = 0 if tied else self.in_features * self.out_features
         if isinstance(linear, MergedLinear):
             self.output_sizes = linear.output_sizes  # the model splits the output by them
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        weight = linear.weight.detach()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         self.bias = linear.bias
+        fits = weight.nbytes <= SMALL_WEIGHT_BYTES and self.out_features % 16 == 0
+        fits = fits and self.in_features % 2 == 0
+        self._ops = _small_ops() if fits else None
+        small = pack_small(weight) if self._ops is not None else None
+        self.register_buffer("small_weight", small, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        if self._ops is not None and flat.shape[0] <= SMALL_ROWS:
+            out = self._ops.small_linear(flat.contiguous(), self.small_weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def _small_ops():
+    ops = kernels.load()
+    return ops if ops is not None and ops.isa().endswith("+bf16") else None
+
+
+def pack_small(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the small-batch kernel's layout (oneDNN's for vdpbf16ps): blocks of 16 output
+    channels, each block's input pairs in order, a pair's 16 channels side by side with their two
+    inputs adjacent; returned as [out, in] of that memory."""
+    out_features, in_features = weight.shape
+    blocks = weight.reshape(out_features // 16, 16, in_features // 2, 2).transpose(1, 2)
+    return blocks.contiguous().view(out_features, in_features)
 
 
 def prepack_linears(model: nn.Module) -> int:

@@ -1,0 +1,88 @@
+"""The small-batch bf16 linear (infer/kernels/small_linear.cpp) against float32 math, and which steps
+PrepackedLinear sends to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer.layers import linear
+from infer.layers.linear import PrepackedLinear, can_prepack, pack_small
+
+from .test_kernels import _ops
+
+
+def bf16_ops():
+    ops = _ops()
+    if not ops.isa().endswith("+bf16") or not can_prepack(torch.bfloat16):
+        pytest.skip(f"the small-batch kernel needs AVX-512 BF16; this CPU's build is {ops.isa()}")
+    return ops
+
+
+def reference(x, weight, bias):
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+SHAPES = [(16, 2), (48, 64), (80, 512), (1024, 512), (512, 1376)]
+
+
+def assert_within_a_bf16_unit(got, expected, unit=2**-8):
+    torch.testing.assert_close(got.float(), expected, rtol=unit, atol=unit * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("out_features, in_features", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_row_count_matches_float32(out_features, in_features, bias):
+    """1-8 rows (both tile shapes), tiles with 1-4 blocks (48 = 3 blocks, 80 = one tile and 1 block)."""
+    ops = bf16_ops()
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    packed = pack_small(weight)
+    for rows in range(1, 9):
+        x = torch.randn(rows, in_features, generator=gen).bfloat16()
+        got = ops.small_linear(x, packed, b)
+        expected = reference(x, weight, b)
+        # float32 sums, one rounding to bf16 at the end: within one bf16 unit of the exact result
+        assert_within_a_bf16_unit(got, expected)
+    empty = torch.empty(0, in_features, dtype=torch.bfloat16)
+    assert ops.small_linear(empty, packed, b).shape == (0, out_features)
+
+
+def test_refuses_what_it_cannot_compute():
+    ops = bf16_ops()
+    weight = pack_small(torch.randn(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        ops.small_linear(torch.randn(9, 64).bfloat16(), weight, None)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.small_linear(torch.randn(1, 64).bfloat16(), torch.randn(40, 64).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.small_linear(torch.randn(1, 64), weight, None)
+
+
+def test_prepacked_linear_routes_small_weights_and_small_steps(monkeypatch):
+    """Steps of up to SMALL_ROWS rows of a small weight go to the kernel, larger ones to oneDNN; a weight
+    over SMALL_WEIGHT_BYTES keeps oneDNN's copy alone. Both paths agree with float32 math."""
+    ops = bf16_ops()
+    layer = torch.nn.Linear(512, 1024, bias=True).bfloat16()
+    small = PrepackedLinear(layer)
+    assert small._ops is ops and torch.equal(small.small_weight, pack_small(layer.weight.detach()))
+    calls = []
+
+    class Counting:
+        def small_linear(self, x, weight, bias):
+            calls.append(x.shape[0])
+            return ops.small_linear(x, weight, bias)
+
+    small._ops = Counting()
+    x = torch.randn(12, 512).bfloat16()
+    for rows in (1, 8, 9, 12):
+        expected = reference(x[:rows], layer.weight, layer.bias)
+        got = small(x[:rows])
+        assert_within_a_bf16_unit(got, expected, 2**-7)  # oneDNN's rows too
+    assert calls == [1, 8]
+
+    monkeypatch.setattr(linear, "SMALL_WEIGHT_BYTES", layer.weight.nbytes - 1)
+    large = PrepackedLinear(layer)
+    assert large.small_weight is None and large._ops is None
