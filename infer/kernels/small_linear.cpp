@@ -1,17 +1,16 @@
-// y = x @ W^T + bias for bf16 weights and a few rows of x (a decode step): the small linears of a small
+// y = x @ W^T + bias for bf16 weights and few rows of x (decode steps): the small linears of a small
 // model, where oneDNN's fixed cost per call, not the weight's bytes, sets the time.
 //
 // A llama-50m layer's four linears (0.5-2.8 MB of weights each) took 22-57 us per call through oneDNN's
-// prepacked path at one row, 1.2-1.8x more than here (AMD EPYC Zen 5, 2 threads, weights streamed from
-// DRAM as in a real step); for weights of tens of MB (an LM head, a 1B model's layers) both read at the
-// same speed, so infer/layers/linear.py sends only weights of up to SMALL_WEIGHT_BYTES here, and steps
-// of more than kMaxRows rows to oneDNN, whose GEMM this file does not try to match.
+// prepacked path at one row, 1.2-1.8x more than here, and still 1.06-1.2x more at 32 rows (AMD EPYC
+// Zen 5, 2 threads, weights streamed from DRAM as in a real step). For weights of tens of MB (an LM
+// head, a 1B model's layers) both read at the same speed, so infer/layers/linear.py sends only weights
+// of up to SMALL_WEIGHT_BYTES here, and steps of more than SMALL_ROWS rows (prefill) to oneDNN's GEMM.
 //
 // Layout (packed once, infer/layers/linear.py): [N / 16][K / 2][16 channels][2 inputs] bf16, oneDNN's
 // for vdpbf16ps. A vector of 32 weights is 16 output channels x one input pair, x enters as one broadcast
-// pair, and the 16 float32 lanes of an accumulator are 16 output channels: no horizontal sums. A tile is
-// up to 4 blocks of 16 channels for up to 4 rows (16 accumulators), or 2 blocks for 5-8 rows, so every
-// tile reads its weights once; threads (torch's OpenMP pool) take tiles.
+// pair, and the 16 float32 lanes of an accumulator are 16 output channels: no horizontal sums. Threads
+// (torch's OpenMP pool) take tiles of output channels.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,12 +24,11 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;
-
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 
 constexpr int64_t kBlock = 16;     // output channels per block: one float32 vector
 constexpr int64_t kPrefetch = 16;  // input pairs ahead (1 KB of each block's stream)
+constexpr int64_t kChunkRows = 8;
 
 struct Problem {
   const c10::BFloat16* x;
@@ -40,8 +38,9 @@ struct Problem {
   int64_t M, N, K;
 };
 
+// rows m0..m0+ROWS of x times blocks b0..b0+NB of the weight
 template <int ROWS, int NB>
-void tile(const Problem& P, int64_t b0) {
+void tile(const Problem& P, int64_t b0, int64_t m0) {
   __m512 acc[ROWS][NB];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
@@ -49,7 +48,7 @@ void tile(const Problem& P, int64_t b0) {
   const c10::BFloat16* w[NB];
   for (int b = 0; b < NB; ++b) w[b] = P.w + (b0 + b) * pairs * 32;
   const int32_t* x[ROWS];
-  for (int r = 0; r < ROWS; ++r) x[r] = reinterpret_cast<const int32_t*>(P.x + r * P.K);
+  for (int r = 0; r < ROWS; ++r) x[r] = reinterpret_cast<const int32_t*>(P.x + (m0 + r) * P.K);
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh wv[NB];
     for (int b = 0; b < NB; ++b) {
@@ -66,37 +65,46 @@ void tile(const Problem& P, int64_t b0) {
       const int64_t n = (b0 + b) * kBlock;
       __m512 v = acc[r][b];
       if (P.bias) v = _mm512_add_ps(v, infer_vec::vload(P.bias + n));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(P.y + r * P.N + n), (__m256i)_mm512_cvtneps_pbh(v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(P.y + (m0 + r) * P.N + n), (__m256i)_mm512_cvtneps_pbh(v));
     }
 }
 
-template <int ROWS, int NB>
-void run_rows(const Problem& P) {
-  const int64_t blocks = P.N / kBlock, tiles = (blocks + NB - 1) / NB;
+template <int NB>
+void tile_rows(const Problem& P, int64_t b0, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: return tile<1, NB>(P, b0, m0);
+    case 2: return tile<2, NB>(P, b0, m0);
+    case 3: return tile<3, NB>(P, b0, m0);
+    case 4: return tile<4, NB>(P, b0, m0);
+  }
+  if constexpr (NB <= 2) {  // 16 accumulators at most: no spills
+    switch (rows) {
+      case 5: return tile<5, NB>(P, b0, m0);
+      case 6: return tile<6, NB>(P, b0, m0);
+      case 7: return tile<7, NB>(P, b0, m0);
+      default: return tile<8, NB>(P, b0, m0);
+    }
+  }
+}
+
+// Up to 4 rows: tiles of 4 blocks, one pass. More: tiles of 2 blocks, rows in chunks of 8, the tile's
+// weights (2 x 16 channels x K: 64 KB at K = 1024) read from DRAM by the first chunk, from L2 after.
+void run(const Problem& P) {
+  const int64_t nb_max = P.M <= 4 ? 4 : 2, blocks = P.N / kBlock, tiles = (blocks + nb_max - 1) / nb_max;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b0 = t * NB;
-      switch (std::min<int64_t>(NB, blocks - b0)) {
-        case 1: tile<ROWS, 1>(P, b0); break;
-        case 2: tile<ROWS, 2>(P, b0); break;
-        case 3: if constexpr (NB > 2) tile<ROWS, 3>(P, b0); break;
-        default: if constexpr (NB > 2) tile<ROWS, 4>(P, b0); break;
+      const int64_t b0 = t * nb_max, nb = std::min(nb_max, blocks - b0);
+      for (int64_t m0 = 0; m0 < P.M; m0 += kChunkRows) {
+        const int64_t rows = std::min(nb_max == 4 ? P.M : kChunkRows, P.M - m0);
+        switch (nb) {
+          case 1: tile_rows<1>(P, b0, m0, rows); break;
+          case 2: tile_rows<2>(P, b0, m0, rows); break;
+          case 3: tile_rows<3>(P, b0, m0, rows); break;
+          default: tile_rows<4>(P, b0, m0, rows); break;
+        }
       }
     }
   });
-}
-
-void run(const Problem& P) {
-  switch (P.M) {
-    case 1: return run_rows<1, 4>(P);
-    case 2: return run_rows<2, 4>(P);
-    case 3: return run_rows<3, 4>(P);
-    case 4: return run_rows<4, 4>(P);
-    case 5: return run_rows<5, 2>(P);
-    case 6: return run_rows<6, 2>(P);
-    case 7: return run_rows<7, 2>(P);
-    default: return run_rows<8, 2>(P);
-  }
 }
 
 #endif
@@ -105,7 +113,6 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(M <= kMaxRows, "small_linear: at most ", kMaxRows, " rows, not ", M);
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
                   weight.size(1) == K,
               "weight: contiguous bf16 [N, K] (in the kernel's layout)");

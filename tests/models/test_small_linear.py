@@ -34,13 +34,14 @@ def assert_within_a_bf16_unit(got, expected, unit=2**-8):
 @pytest.mark.parametrize("out_features, in_features", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_row_count_matches_float32(out_features, in_features, bias):
-    """1-8 rows (both tile shapes), tiles with 1-4 blocks (48 = 3 blocks, 80 = one tile and 1 block)."""
+    """1-4 rows (tiles of 4 blocks), 5-8 (tiles of 2), more (chunks of 8 rows and a remainder); tiles
+    with 1-4 blocks (48 = 3 blocks, 80 = one tile and 1 block)."""
     ops = bf16_ops()
     gen = torch.Generator().manual_seed(out_features + in_features)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
     packed = pack_small(weight)
-    for rows in range(1, 9):
+    for rows in (*range(1, 10), 16, 21, 32):
         x = torch.randn(rows, in_features, generator=gen).bfloat16()
         got = ops.small_linear(x, packed, b)
         expected = reference(x, weight, b)
@@ -53,8 +54,6 @@ def test_every_row_count_matches_float32(out_features, in_features, bias):
 def test_refuses_what_it_cannot_compute():
     ops = bf16_ops()
     weight = pack_small(torch.randn(32, 64).bfloat16())
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        ops.small_linear(torch.randn(9, 64).bfloat16(), weight, None)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.small_linear(torch.randn(1, 64).bfloat16(), torch.randn(40, 64).bfloat16(), None)
     with pytest.raises(RuntimeError, match="bf16"):
@@ -76,12 +75,12 @@ def test_prepacked_linear_routes_small_weights_and_small_steps(monkeypatch):
             return ops.small_linear(x, weight, bias)
 
     small._ops = Counting()
-    x = torch.randn(12, 512).bfloat16()
-    for rows in (1, 8, 9, 12):
+    x = torch.randn(40, 512).bfloat16()
+    for rows in (1, 8, linear.SMALL_ROWS, linear.SMALL_ROWS + 1, 40):
         expected = reference(x[:rows], layer.weight, layer.bias)
         got = small(x[:rows])
         assert_within_a_bf16_unit(got, expected, 2**-7)  # oneDNN's rows too
-    assert calls == [1, 8]
+    assert calls == [1, 8, linear.SMALL_ROWS]
 
     monkeypatch.setattr(linear, "SMALL_WEIGHT_BYTES", layer.weight.nbytes - 1)
     large = PrepackedLinear(layer)
