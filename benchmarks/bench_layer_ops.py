@@ -1,9 +1,12 @@
 """The C++ layer ops (infer/kernels/layer_ops.cpp: RMSNorm and its fused residual add, rotary in place,
 SiLU-and-multiply) against the torch code of the layers they replace: each op alone, and whole engine
-steps with the ops on and off.
+steps with the ops on and off. `--switch` times engine steps with another of the step's kernels on and
+off instead: the greedy argmax over bf16 logits (off: float32 logits, torch's argmax, as before it), or
+the small-batch linear (infer/kernels/small_linear.cpp; off: oneDNN for every step).
 
     python benchmarks/bench_layer_ops.py                               # ops, then llama-50m steps
     python benchmarks/bench_layer_ops.py --model /work/models/llama-1b --load-format dummy --skip-ops
+    python benchmarks/bench_layer_ops.py --switch small_linear         # llama-50m steps, oneDNN vs kernel
 
 Both paths run alternately in one process, best of --rounds (a shared machine drifts by tens of percent
 between runs: never compare numbers from two runs). "torch" swaps `infer.kernels.layer_ops` for a
@@ -23,10 +26,25 @@ import torch.nn.functional as F
 from infer import kernels
 from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
+from infer.layers import linear
 from infer.layers.rotary import _rotate
+from infer.runner import sampler
 from infer.sampling_params import SamplingParams
 
-REAL = kernels.layer_ops
+REAL = kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS
+
+
+def switch(name: str, on: bool) -> None:
+    """Turn one of the step's kernels on (as shipped) or off (the code it replaced)."""
+    kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS = REAL
+    if on:
+        return
+    if name == "layer_ops":
+        kernels.layer_ops = lambda x: None
+    elif name == "argmax":
+        sampler.argmax = lambda logits: logits.float().argmax(dim=-1)
+    else:
+        linear.SMALL_ROWS = 0
 
 
 def best_us(fn, rounds: int, n: int = 200) -> float:
@@ -122,19 +140,20 @@ def bench_steps(args) -> None:
     cases = [
         (f"prefill {n} x {n_tok}", lambda n=n, t=n_tok: prefill(n, t)) for n, n_tok in ((4, 128), (1, 2000))
     ]
-    cases += [(f"decode step, {b} streams", lambda b=b: decode(b)) for b in (1, 8, 32)]
+    cases += [(f"decode step, {b} streams", lambda b=b: decode(b)) for b in (1, 4, 8, 16, 32)]
     results: dict = {}
     for _ in range(args.rounds):
         for name, fn in cases:
-            for mode in ("torch", "kernel"):
-                kernels.layer_ops = REAL if mode == "kernel" else (lambda x: None)
+            for mode in ("off", "on"):
+                switch(args.switch, mode == "on")
                 results.setdefault((name, mode), []).append(fn())
-    kernels.layer_ops = REAL
+    switch(args.switch, True)
     dtype = next(engine.runner.model.parameters()).dtype
-    print(f"\nengine steps, ms, best of {args.rounds} alternated rounds ({args.model}, {dtype})")
+    what = f"{args.model}, {dtype}, {args.switch} off / on"
+    print(f"\nengine steps, ms, best of {args.rounds} alternated rounds ({what})")
     for name, _ in cases:
-        a, b = min(results[(name, "torch")]), min(results[(name, "kernel")])
-        print(f"{name:24s} torch {a:9.2f}  kernel {b:9.2f}  {a / b:5.2f}x")
+        a, b = min(results[(name, "off")]), min(results[(name, "on")])
+        print(f"{name:24s} off {a:9.2f}  on {b:9.2f}  {a / b:5.2f}x")
 
 
 def main() -> None:
@@ -146,10 +165,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-ops", action="store_true", help="only the engine steps")
+    parser.add_argument(
+        "--switch",
+        choices=("layer_ops", "argmax", "small_linear"),
+        default="layer_ops",
+        help="the kernel the engine steps turn off and on (other than layer_ops: steps only)",
+    )
     args = parser.parse_args()
     if kernels.load() is None:
         raise SystemExit("the C++ kernels are not available here (see the warning above)")
-    if not args.skip_ops:
+    if not args.skip_ops and args.switch == "layer_ops":
         bench_ops(max(args.rounds, 5), torch.bfloat16)
     bench_steps(args)
 
