@@ -34,6 +34,12 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     )
     traffic.add_argument("--only", default=None, help="comma-separated experiment names to run")
     traffic.add_argument("--no-report", action="store_true", help="no HTML report (OUT/tradeoff.html)")
+    traffic.add_argument(
+        "--trace",
+        action="store_true",
+        help="record the engine trace of each experiment that launches our server "
+        "(OUT/NAME/engine.trace.json, for Perfetto); the HTML report draws its per-request timeline",
+    )
     traffic.set_defaults(func=cmd_traffic)
     from infer.bench import client_tests, html_report, race, roofline, stress
 
@@ -66,7 +72,7 @@ def cmd_traffic(args: argparse.Namespace) -> int:
     out = args.out or Path("benchmarks/reports") / f"traffic-{stamp}"
     only = [n.strip() for n in args.only.split(",")] if args.only else None
     try:
-        run_config(args.config, out, only)
+        run_config(args.config, out, only, trace=args.trace)
     except (BenchError, RuntimeError) as exc:
         print(f"bench traffic: error: {exc}", file=sys.stderr)
         return 1

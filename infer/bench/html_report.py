@@ -214,7 +214,7 @@ def _client(page: Page, report: dict, _path: Path) -> None:
 
 
 def _traffic(page: Page, report: dict, path: Path) -> None:
-    from infer.bench.traffic import safe_name, table_specs
+    from infer.bench.traffic import TRACE_NAME, safe_name, table_specs
 
     out_dir = path.parent
     summaries = []
@@ -244,6 +244,10 @@ def _traffic(page: Page, report: dict, path: Path) -> None:
     for s in summaries:
         page.heading(f"experiment {s['experiment']}: configuration", 3)
         page.key_values({"url": s.get("url"), **s.get("config", {})})
+    for s in summaries:  # `bench traffic --trace`: each experiment that launched our server has its trace
+        trace = out_dir / safe_name(s["experiment"]) / TRACE_NAME
+        if trace.is_file():
+            timeline_section(page, load_trace(trace), f"experiment {s['experiment']}: per-request timeline")
 
 
 def _micro(page: Page, report: dict, _path: Path) -> None:
@@ -276,6 +280,9 @@ def _micro(page: Page, report: dict, _path: Path) -> None:
         page.heading(f"{name}: verdicts", 3)
         page.pre("\n".join(v["line"] for v in bench["verdicts"]))
     page.note("the micro-benchmarks draw no plots: their tables are the result")
+    trace_dir = report.get("meta", {}).get("trace_dir")  # `bench micro --trace DIR`
+    for trace in sorted(Path(trace_dir).glob("*.trace.json")) if trace_dir else ():
+        timeline_section(page, load_trace(trace), f"{trace.name}: per-request timeline")
 
 
 def value_x(v) -> str:
@@ -337,9 +344,12 @@ def build_html(
     return page.render()
 
 
-def timeline_section(page: Page, events: list[dict]) -> int:
+TIMELINE_TITLE = "Per-request timeline (engine trace)"
+
+
+def timeline_section(page: Page, events: list[dict], title: str = TIMELINE_TITLE) -> int:
     """The per-request Gantt, the counters and the per-request table; returns the Gantt's bar count."""
-    page.heading("Per-request timeline (engine trace)")
+    page.heading(title)
     timelines = request_timelines(events)
     if not timelines:
         page.note("the trace holds no request slices")

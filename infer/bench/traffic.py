@@ -85,11 +85,19 @@ def analyze(cfg: dict, records: list) -> dict:
     }
 
 
-def run_experiment(name: str, cfg: dict, out_dir: Path, log=print) -> dict:
-    """Run one experiment (launching a server if asked); write its outputs; return its summary."""
+TRACE_NAME = "engine.trace.json"
+
+
+def run_experiment(name: str, cfg: dict, out_dir: Path, log=print, trace: bool = False) -> dict:
+    """Run one experiment (launching a server if asked, recording its engine trace with `trace`); write
+    its outputs; return its summary."""
     exp_dir = out_dir / safe_name(name)
     exp_dir.mkdir(parents=True, exist_ok=True)
     launch = cfg["launch"]
+    if launch is not None and trace:  # written by the server as it stops
+        launch = [*launch, "--trace", str(exp_dir / TRACE_NAME)]
+    elif trace:
+        log(f"-- {name}: no trace: it runs against a server it did not start (that one's GET /debug/trace)")
     server = LaunchedServer.ours(launch, exp_dir / "server.log") if launch is not None else None
     if server is not None:
         server.start()
@@ -170,7 +178,9 @@ def table_specs(
     ]
 
 
-def run_config(config_path: Path, out_dir: Path, only: list[str] | None = None, out=None) -> dict:
+def run_config(
+    config_path: Path, out_dir: Path, only: list[str] | None = None, out=None, trace: bool = False
+) -> dict:
     out = sys.stdout if out is None else out
     experiments = load_experiments(Path(config_path).read_text())
     if only:
@@ -180,7 +190,7 @@ def run_config(config_path: Path, out_dir: Path, only: list[str] | None = None, 
         experiments = {n: experiments[n] for n in only}
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries = [
-        run_experiment(n, cfg, out_dir, lambda m: print(m, file=out, flush=True))
+        run_experiment(n, cfg, out_dir, lambda m: print(m, file=out, flush=True), trace)
         for n, cfg in experiments.items()
     ]
     classes, names, matrix = tradeoff(summaries)

@@ -11,7 +11,9 @@ import json
 import httpx
 import pytest
 
-from infer.bench.traffic import run_config
+from infer.bench.html_report import write_html
+from infer.bench.request_timeline import load_trace, request_timelines
+from infer.bench.traffic import TRACE_NAME, run_config
 from infer.bench.traffic_config import DEFAULTS, build_requests, load_experiments
 
 CONFIG = """
@@ -85,7 +87,7 @@ def traffic_run(model_args, tmp_path_factory):
     config.write_text(CONFIG.replace("  num_requests: 12", f"  launch: {flags}\n  num_requests: 12"))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        result = run_config(config, tmp / "out")
+        result = run_config(config, tmp / "out", trace=True)
     return result, tmp / "out", out.getvalue()
 
 
@@ -126,3 +128,14 @@ def test_outputs_and_the_launched_server_is_stopped(traffic_run):
     assert json.loads((out_dir / "tradeoff.json").read_text())["experiments"] == ["launched"]
     with pytest.raises(httpx.TransportError):  # the harness stopped the server it started
         httpx.get(result["summaries"][0]["url"] + "/health", timeout=2)
+
+
+def test_the_trace_of_the_launched_server_and_its_timeline_in_the_report(traffic_run):
+    """`bench traffic --trace`: the server it launched wrote its engine trace as it stopped, one request
+    track per request; the HTML report draws that experiment's per-request timeline."""
+    _, out_dir, _ = traffic_run
+    events = load_trace(out_dir / "launched" / TRACE_NAME)
+    timelines = request_timelines(events)
+    assert len(timelines) == 12 and all(t.segments for t in timelines)
+    html = write_html(out_dir / "tradeoff.json", out=io.StringIO()).read_text()
+    assert "experiment launched: per-request timeline" in html

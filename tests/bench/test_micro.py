@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from infer.bench.micro import BENCHMARKS, add_micro_parser, main
 from infer.bench.micro import scheduling as sched_bench
 from infer.bench.micro.harness import best_of, percentile
 from infer.bench.micro.report import render_table
+from infer.bench.request_timeline import load_trace, request_timelines
 from infer.models.toy import build_toy
 
 
@@ -39,6 +41,8 @@ def report(tmp_path_factory):
                 "small",
                 "--json",
                 str(tmp / "r.json"),
+                "--trace",
+                str(tmp / "traces"),
             ]
         )
     assert rc == 0
@@ -205,3 +209,17 @@ def test_micro_parser_plugs_into_a_cli():
     assert args.benchmark == "chunked-prefill" and args.scale == "small" and callable(args.func)
     with pytest.raises(SystemExit):
         parser.parse_args(["micro", "no-such-benchmark"])
+
+
+def test_traces_of_each_engine_setting_and_their_timelines(report):
+    """`--trace DIR`: every benchmark leaves one trace per engine setting (its last run), each holding
+    every request of that run; the HTML report beside the JSON draws a timeline for each."""
+    doc = report[0]
+    trace_dir = Path(doc["meta"]["trace_dir"])
+    traces = sorted(trace_dir.glob("*.trace.json"))
+    assert all(any(t.name.startswith(f"{name}-") for t in traces) for name in BENCHMARKS)
+    for trace in traces:
+        timelines = request_timelines(load_trace(trace))
+        assert timelines and all(t.segments for t in timelines), trace.name
+    html = (trace_dir.parent / "r.html").read_text()
+    assert all(f"{t.name}: per-request timeline" in html for t in traces)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+from pathlib import Path
 
 # the benchmark modules (and torch) are imported when a benchmark runs: `infer --help` stays fast
 BENCHMARKS = ("kv-cache", "continuous-batching", "chunked-prefill", "scheduling", "prefix-caching")
@@ -67,6 +68,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="and more runs (30 at most) until each mode ran this long; best kept (default 2; small: 0)",
     )
     p.add_argument("--retrain", action="store_true", help="train the toy again")
+    p.add_argument(
+        "--trace",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="record the engine trace (Perfetto's JSON) of each engine setting's last run into "
+        "DIR/BENCHMARK-KNOBS.trace.json; the HTML report draws their per-request timelines",
+    )
 
 
 def add_micro_parser(subparsers) -> argparse.ArgumentParser:
@@ -82,7 +91,11 @@ def add_micro_parser(subparsers) -> argparse.ArgumentParser:
 def run_benchmarks(ctx, names: list[str]) -> list:
     modules = benchmark_modules()
     ctx.warm_up()
-    return [modules[name].run(ctx) for name in names]
+    results = []
+    for name in names:
+        ctx.benchmark = name
+        results.append(modules[name].run(ctx))
+    return results
 
 
 def cmd_micro(args) -> int:
@@ -98,7 +111,9 @@ def cmd_micro(args) -> int:
     min_seconds = (
         args.min_seconds if args.min_seconds is not None else (0.0 if args.scale == "small" else 2.0)
     )
-    ctx = Context(model, dtype, args.load_format, repeats, min_seconds, args.scale)
+    ctx = Context(model, dtype, args.load_format, repeats, min_seconds, args.scale, trace_dir=args.trace)
+    if args.trace is not None:
+        args.trace.mkdir(parents=True, exist_ok=True)
     names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
     now = datetime.datetime.now(datetime.UTC)
     started = now.strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -125,12 +140,11 @@ def cmd_micro(args) -> int:
             "repeats": repeats,
             "min_seconds": min_seconds,
             "scale": args.scale,
+            "trace_dir": str(args.trace) if args.trace is not None else None,
         }
     if args.json:
         write_json(args.json, meta, results)
     if not args.no_report:
-        from pathlib import Path
-
         from infer.bench.html_report import write_html
 
         path = (

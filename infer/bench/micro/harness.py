@@ -106,11 +106,19 @@ class Context:
     out: TextIO = field(default_factory=lambda: sys.stdout)
     vocab_size: int = 0  # filled by warm_up
     max_model_len: int = 0
+    trace_dir: Path | None = None  # `--trace DIR`: each engine configuration's trace, its last run's
+    benchmark: str = ""  # the benchmark running (names its traces)
 
     def engine(self, **knobs) -> LLMEngine:
-        return LLMEngine(
-            EngineConfig(model=self.model, dtype=self.dtype, load_format=self.load_format, **knobs)
+        trace = None
+        if self.trace_dir is not None and self.benchmark:
+            setting = "-".join(f"{k}={v}" for k, v in sorted(knobs.items()))
+            setting = "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in setting)
+            trace = str(self.trace_dir / f"{self.benchmark}-{setting}.trace.json")
+        config = EngineConfig(
+            model=self.model, dtype=self.dtype, load_format=self.load_format, trace_path=trace, **knobs
         )
+        return LLMEngine(config)
 
     def warm_up(self) -> None:
         """One throwaway run per attention path, so that no timed run pays for first-call setup."""
@@ -170,6 +178,7 @@ def drive(engine: LLMEngine, specs: list[RequestSpec], serial: bool = False) -> 
         run.wall_s = time.monotonic() - start
     finally:
         gc.enable()
+    engine.close()  # writes its trace, when tracing (a later run of the same setting overwrites it)
     run.requests = requests
     run.num_preemptions = engine.scheduler.num_preemptions
     run.num_evictions = engine.scheduler.kv_cache_manager.num_evictions
