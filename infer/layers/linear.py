@@ -71,7 +71,7 @@ class PrepackedLinear(nn.Module):
         fits = weight.nbytes <= SMALL_WEIGHT_BYTES and self.out_features % 16 == 0
         fits = fits and self.in_features % 2 == 0
         self._ops = _small_ops() if fits else None
-        small = pack_small(weight) if self._ops is not None else None
+        small = pack_pairs(weight) if self._ops is not None else None
         self.register_buffer("small_weight", small, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,10 +88,10 @@ def _small_ops():
     return ops if ops is not None and ops.isa().endswith("+bf16") else None
 
 
-def pack_small(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> the small-batch kernel's layout (oneDNN's for vdpbf16ps): blocks of 16 output
-    channels, each block's input pairs in order, a pair's 16 channels side by side with their two
-    inputs adjacent; returned as [out, in] of that memory."""
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> oneDNN's layout for vdpbf16ps, which the C++ linears read (small_linear.cpp, and
+    quant_linear.cpp's codes): blocks of 16 output channels, each block's input pairs in order, a pair's
+    16 channels side by side with their two inputs adjacent; returned as [out, in] of that memory."""
     out_features, in_features = weight.shape
     blocks = weight.reshape(out_features // 16, 16, in_features // 2, 2).transpose(1, 2)
     return blocks.contiguous().view(out_features, in_features)

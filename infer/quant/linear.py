@@ -23,7 +23,7 @@ from torch import nn
 
 from infer import kernels
 from infer.config import QUANTIZATION_METHODS
-from infer.layers.linear import MergedLinear
+from infer.layers.linear import MergedLinear, pack_pairs
 from infer.quant.weights import QuantizedWeight, concat, quantize
 
 logger = logging.getLogger("infer.quant")
@@ -161,8 +161,7 @@ def pack_kernel(q: torch.Tensor, bits: int) -> torch.Tensor:
     32 bytes, byte j holding code j of the first (low nibble) and of the second (high nibble): one
     mask, or one shift, unpacks a chunk in order."""
     out_features, in_features = q.shape
-    chunks = q.view(out_features // 16, 16, in_features // 2, 2).transpose(1, 2)  # [blocks, pairs, 16, 2]
-    chunks = chunks.reshape(out_features // 16, in_features // 2, 32)
+    chunks = pack_pairs(q).view(out_features // 16, in_features // 2, 32)  # [blocks, pairs, 16 x 2]
     if bits == 4:
         codes = chunks.to(torch.uint8).view(out_features // 16, in_features // 4, 2, 32)
         chunks = codes[:, :, 0] | (codes[:, :, 1] << 4)  # [blocks, pairs / 2, 32 bytes]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.layers import linear
-from infer.layers.linear import PrepackedLinear, can_prepack, pack_small
+from infer.layers.linear import PrepackedLinear, can_prepack, pack_pairs
 
 from .test_kernels import _ops
 
@@ -40,7 +40,7 @@ def test_every_row_count_matches_float32(out_features, in_features, bias):
     gen = torch.Generator().manual_seed(out_features + in_features)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
-    packed = pack_small(weight)
+    packed = pack_pairs(weight)
     for rows in (*range(1, 10), 16, 21, 32):
         x = torch.randn(rows, in_features, generator=gen).bfloat16()
         got = ops.small_linear(x, packed, b)
@@ -53,7 +53,7 @@ def test_every_row_count_matches_float32(out_features, in_features, bias):
 
 def test_refuses_what_it_cannot_compute():
     ops = bf16_ops()
-    weight = pack_small(torch.randn(32, 64).bfloat16())
+    weight = pack_pairs(torch.randn(32, 64).bfloat16())
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ops.small_linear(torch.randn(1, 64).bfloat16(), torch.randn(40, 64).bfloat16(), None)
     with pytest.raises(RuntimeError, match="bf16"):
@@ -66,7 +66,7 @@ def test_prepacked_linear_routes_small_weights_and_small_steps(monkeypatch):
     ops = bf16_ops()
     layer = torch.nn.Linear(512, 1024, bias=True).bfloat16()
     small = PrepackedLinear(layer)
-    assert small._ops is ops and torch.equal(small.small_weight, pack_small(layer.weight.detach()))
+    assert small._ops is ops and torch.equal(small.small_weight, pack_pairs(layer.weight.detach()))
     calls = []
 
     class Counting:
