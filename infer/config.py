@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KV_CACHE_BACKENDS = ("paged", "contiguous")
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "slo")
 BATCHING_MODES = ("continuous", "static")
 
 
@@ -60,7 +60,10 @@ class SchedulerConfig:
         cannot fit the budget is refused, as a preempted one must recompute all of it at once).
     prefill_chunk_size: largest prefill chunk of one request in one step; None = max_num_batched_tokens.
     policy: "fcfs" (arrival order) or "priority" (lower `Request.priority` first, ties by arrival; an
-        urgent waiting request may preempt a less urgent running one).
+        urgent waiting request may preempt a less urgent running one), or "slo" (by each request's
+        objectives, infer/core/scheduler.py).
+    slo_max_wait_s: under "slo", a request waiting this long is served before every request that has
+        not (in arrival order): the bound on how long the policy may defer it.
     batching_mode: "continuous" (admit and retire every step) or "static" (admit up to max_num_seqs,
         run them all to completion, then admit the next batch; for benchmarks).
     max_model_len: prompt + max_tokens of one request at most.
@@ -73,6 +76,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     batching_mode: str = "continuous"
     max_model_len: int = 2048
+    slo_max_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -96,6 +100,10 @@ class SchedulerConfig:
             )
         _one_of("policy", self.policy, POLICIES)
         _one_of("batching_mode", self.batching_mode, BATCHING_MODES)
+        if not (isinstance(self.slo_max_wait_s, int | float) and 0 < self.slo_max_wait_s < float("inf")):
+            raise ValueError(
+                f"slo_max_wait_s must be a finite number of seconds > 0, got {self.slo_max_wait_s!r}"
+            )
 
     @property
     def max_batch_size(self) -> int:

@@ -21,6 +21,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from infer.core.slo import Objectives
 from infer.sampling_params import SamplingParams
 
 
@@ -55,6 +56,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower is served first under the "priority" policy
+    slo: Objectives | None = None  # TTFT / TPOT objectives, used by the "slo" policy
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: frozenset[int] = frozenset()
 

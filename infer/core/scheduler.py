@@ -8,9 +8,21 @@ There are no prefill and decode phases, only a token budget per step and counts 
       3. admissions from the waiting queue, in key order       min(remaining - prefix hit, chunk, budget)
          (none in a step where 1. or 2. had to preempt: the pool is full)
 
-A request's key is (priority, arrival_time, seq) under "priority" and (0, arrival_time, seq) under
-"fcfs"; both queues are kept sorted by it, so `running[-1]` is always the preemption victim (lowest
-priority, latest arrival) and a preempted request re-enters the waiting queue at its original position.
+A request's key is (priority, arrival_time, seq) under "priority", (0, arrival_time, seq) under
+"fcfs", and (0, deadline, seq) under "slo", where deadline = arrival_time + its TTFT objective
+(slo_max_wait_s without one); both queues are kept sorted by it, so `running[-1]` is always the
+preemption victim (lowest priority, latest arrival or deadline) and a preempted request re-enters the
+waiting queue at its original position.
+
+"slo" (infer/core/slo.py has the objectives and the step-cost model, fit online from the engine's steps):
+  - admission order, each step: first the requests that have waited slo_max_wait_s or more (in arrival
+    order), then those that can still meet their TTFT deadline (earliest deadline first; one with no
+    objective can always), then the ones that cannot (earliest deadline first): a request that will be
+    late anyway does not make others late. Head-of-line blocking as in (b) below, along this order.
+  - prefill beside decodes: when a decoding request has a TPOT objective, the step's prefill tokens are
+    cut so that the step is predicted to end within min over those requests of max(tpot, slack), where
+    slack = first_token_time + tpot * num_output_tokens - now (the time it may still spend on its next
+    token and stay on its rate); at least MIN_SLO_PREFILL_TOKENS a step, so prompts always progress.
 
 Why no request is preempted forever:
   (a) a request is preempted only in favour of one with a strictly better key: a running request short
@@ -24,6 +36,11 @@ Why no request is preempted forever:
   So the best-keyed unfinished request finishes in finitely many steps, then the next one, and so on by
   induction on the key order: every request finishes, so none is preempted forever, and preemptions never
   cycle. Under fcfs the requests that can preempt R are fixed when R arrives (the earlier arrivals).
+  Under "slo" (b) holds along its admission order, and no request is deferred past slo_max_wait_s: from
+  then on it is served before every request that arrived after it (the urgent ones go first, in arrival
+  order), so its wait is bounded by slo_max_wait_s plus the service of the urgent requests that arrived
+  before it. The requests that can preempt a running R are those with an earlier deadline, hence that
+  arrived before R's deadline: finitely many, so R is preempted finitely often.
   Under "priority" an endless stream of more urgent arrivals delays a less urgent request by design
   (strict priority); with equal priorities the policy is exactly fcfs, since (a) then never lets a
   waiting request preempt and both queues are ordered by arrival.
@@ -39,6 +56,9 @@ from infer.config import CacheConfig, SchedulerConfig
 from infer.core.kv_cache_manager import make_kv_cache_manager
 from infer.core.outputs import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput, StepStats
 from infer.core.request import Request, RequestStatus
+from infer.core.slo import StepCostModel
+
+MIN_SLO_PREFILL_TOKENS = 16  # "slo": the prefill a step keeps however tight the decodes' objectives
 
 
 class _StepPlan:
@@ -68,6 +88,8 @@ class Scheduler:
     (WAITING or PREEMPTED, no blocks, num_computed_tokens == 0) and `running` (RUNNING, holding blocks
     for its computed tokens); both are sorted by key; len(running) <= max_num_seqs.
     clock: the time source of request timestamps (injectable for tests).
+    cost_model: the "slo" policy's step-cost model (injectable for tests; the engine feeds it through
+        observe_step).
     """
 
     def __init__(
@@ -75,6 +97,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         clock: Callable[[], float] = time.monotonic,
+        cost_model: StepCostModel | None = None,
     ) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
@@ -85,12 +108,25 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by key; RUNNING requests, holding blocks
         self.num_preemptions = 0
         self._by_priority = scheduler_config.policy == "priority"
+        self._slo = scheduler_config.policy == "slo"
+        self.cost_model = cost_model or StepCostModel()
         self._static = scheduler_config.batching_mode == "static"
         self._wave_slots = 0  # static batching: admissions left in the current wave
         self._finished_req_ids: list[str] = []  # since the last schedule()
 
     def _key(self, req: Request) -> tuple[int, float, int]:
+        if self._slo:
+            return (0, self.deadline(req), req.seq)
         return (req.priority if self._by_priority else 0, req.arrival_time, req.seq)
+
+    def deadline(self, req: Request) -> float:
+        """When req's first token is due: arrival + its TTFT objective, or + slo_max_wait_s without one."""
+        ttft = req.slo.ttft_s if req.slo is not None and req.slo.ttft_s is not None else None
+        return req.arrival_time + (ttft if ttft is not None else self.config.slo_max_wait_s)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step of num_tokens took seconds: what the "slo" policy's cost model learns from."""
+        self.cost_model.observe(num_tokens, seconds)
 
     @property
     def num_running(self) -> int:
@@ -166,6 +202,8 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Decodes first, then prefill chunks of running requests, each pass best key first."""
         for decode_pass in (True, False):
+            if not decode_pass and self._slo:
+                self._cap_prefill(plan)
             for req in list(self.running):
                 if plan.budget == 0:
                     return
@@ -174,6 +212,24 @@ class Scheduler:
                 num_new = self._num_new_tokens(req, req.num_computed_tokens, plan.budget)
                 if num_new and self._allocate_or_preempt(req, num_new, plan):
                     plan.grant(req, num_new)
+
+    def _cap_prefill(self, plan: _StepPlan) -> None:
+        """ "slo": leave the step only the prefill tokens that let it end within the tightest decode's
+        allowance, max(tpot, slack) (module docstring); at least MIN_SLO_PREFILL_TOKENS."""
+        now = self.clock()
+        limit = None
+        for req in plan.num_new_tokens:  # the decodes granted so far
+            tpot = req.slo.tpot_s if req.slo is not None else None
+            if tpot is None or req.first_token_time is None:
+                continue
+            slack = req.first_token_time + tpot * req.num_output_tokens - now
+            allowed = max(tpot, slack)
+            limit = allowed if limit is None else min(limit, allowed)
+        if limit is None:
+            return
+        num_decode = sum(plan.num_new_tokens.values())
+        prefill = max(MIN_SLO_PREFILL_TOKENS, self.cost_model.tokens_within(limit) - num_decode)
+        plan.budget = min(plan.budget, prefill)
 
     def _allocate_or_preempt(self, req: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
         """Get blocks for req, preempting the worst-keyed running requests until they fit.
@@ -189,8 +245,9 @@ class Scheduler:
         """Admit waiting requests in key order while the budget, max_num_seqs and the pool allow.
         Stops at the first request that cannot be admitted (head-of-line blocking, see module doc)."""
         kv = self.kv_cache_manager
+        order = self._slo_order() if self._slo else None
         while self.waiting and plan.budget > 0 and not (self._static and self._wave_slots == 0):
-            req = self.waiting[0]
+            req = order[0] if order is not None else self.waiting[0]
             if len(self.running) >= self.config.max_num_seqs:
                 if self._preempt_for(req, plan):
                     continue
@@ -203,7 +260,11 @@ class Scheduler:
                 if self._preempt_for(req, plan):
                     continue  # look up the prefix again: the victim's blocks may now be hits
                 return
-            self.waiting.pop(0)
+            if order is not None:
+                order.pop(0)
+                self.waiting.remove(req)
+            else:
+                self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.first_scheduled_time is None:
@@ -213,6 +274,22 @@ class Scheduler:
             plan.grant(req, num_new)
             if self._static:
                 self._wave_slots -= 1
+
+    def _slo_order(self) -> list[Request]:
+        """ "slo" admission order: waited slo_max_wait_s or more (arrival order), then able to meet the
+        TTFT deadline (by deadline), then not (by deadline). Able: its tokens, prefilled alone from now,
+        would end by its deadline (the cost model's time for them; waiting requests hold no KV)."""
+        now, max_wait = self.clock(), self.config.slo_max_wait_s
+        urgent, feasible, late = [], [], []
+        for req in self.waiting:  # by deadline
+            if now - req.arrival_time >= max_wait:
+                urgent.append(req)
+            elif now + self.cost_model.seconds(req.num_tokens) <= self.deadline(req):
+                feasible.append(req)
+            else:
+                late.append(req)
+        urgent.sort(key=lambda r: (r.arrival_time, r.seq))
+        return urgent + feasible + late
 
     def _preempt_for(self, req: Request, plan: _StepPlan) -> bool:
         """Under "priority", preempt the worst running request if it is strictly less urgent than req."""

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 from infer.config import EngineConfig
+from infer.core.slo import Objectives
 from infer.engine.llm_engine import LLMEngine, StepOutput
 from infer.sampling_params import SamplingParams
 
@@ -70,6 +71,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         req_id: str | None = None,
         priority: int = 0,
+        slo: Objectives | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Queue a request and return the iterator of its outputs once the engine has accepted it.
 
@@ -81,7 +83,7 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         added = self._loop.create_future()
         self._streams[req_id] = stream
-        self._send(("add", (prompt, params, req_id, priority), added))
+        self._send(("add", (prompt, params, req_id, priority, slo), added))
         try:
             await added
         except BaseException:
@@ -112,9 +114,10 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         req_id: str | None = None,
         priority: int = 0,
+        slo: Objectives | None = None,
     ) -> AsyncIterator[StepOutput]:
         """`add`, then yield the request's outputs as they come."""
-        outputs = await self.add(prompt, params, req_id, priority)
+        outputs = await self.add(prompt, params, req_id, priority, slo)
         async with aclosing(outputs):
             async for out in outputs:
                 yield out
@@ -161,9 +164,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                prompt, params, req_id, priority = payload
+                prompt, params, req_id, priority, slo = payload
                 try:
-                    self.engine.add_request(prompt, params, req_id, priority)
+                    self.engine.add_request(prompt, params, req_id, priority, slo)
                 except Exception as exc:
                     self._loop.call_soon_threadsafe(_settle, future, exc)
                 else:

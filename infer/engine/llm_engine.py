@@ -29,6 +29,7 @@ from infer.config import CacheConfig, EngineConfig, SchedulerConfig
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats
 from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
+from infer.core.slo import Objectives
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.tokenizer import Tokenizer
 from infer.engine.trace import StepTrace
@@ -141,8 +142,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         req_id: str | None = None,
         priority: int = 0,
+        slo: Objectives | None = None,
     ) -> Request:
-        """Queue a request. ValueError (nothing queued) for bad token ids or one that can never fit."""
+        """Queue a request. ValueError (nothing queued) for bad token ids or one that can never fit.
+        slo: its TTFT / TPOT objectives, which the "slo" scheduling policy serves."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -160,6 +163,7 @@ class LLMEngine:
             sampling_params=params,
             priority=priority,
             eos_token_ids=self.tokenizer.eos_token_ids,
+            slo=slo,
         )
         self.scheduler.add_request(req)
         self.requests[req.req_id] = req
@@ -197,6 +201,8 @@ class LLMEngine:
             update_s=updated - executed,
             detokenize_s=time.perf_counter() - updated,
         )
+        if sched.num_batched_tokens:  # the "slo" policy's cost model learns what a step of N tokens costs
+            self.scheduler.observe_step(sched.num_batched_tokens, time.perf_counter() - start)
         if self.trace is not None:
             self.trace.record_step(start, self.last_timing, sched, outputs)
         return outputs

@@ -53,6 +53,7 @@ CONFIGS = {
         policy="priority", block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=8
     ),
     "no_kv_cache": dict(use_kv_cache=False),
+    "slo": dict(policy="slo", block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, max_num_seqs=8),
 }
 
 

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from infer.core.request import RequestStatus
+from infer.core.slo import Objectives
 from tests.unit.core_fakes import EOS, FakeRunner, make_request, make_scheduler
 
 
@@ -33,7 +34,7 @@ def configs(draw):
         max_num_batched_tokens=budget,
         enable_chunked_prefill=chunked,
         prefill_chunk_size=draw(st.integers(1, budget)) if chunked else None,
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        policy=draw(st.sampled_from(["fcfs", "priority", "slo"])),
         batching_mode=draw(st.sampled_from(["continuous", "static"])),
         enable_prefix_caching=draw(st.booleans()),
         kv_cache_backend=backend,
@@ -73,6 +74,8 @@ def test_random_interleavings_keep_the_core_consistent(config, script, prefix):
         if kind == "add":
             prompt = prefix[: n % (len(prefix) + 1)] + [3 + (n >> k) % 40 for k in range(1 + n % 7)]
             req = make_request(f"r{next(ids)}", prompt, max_tokens=1 + n % 9, priority=n % 3)
+            if n % 4:  # objectives (used under "slo"; the clock ticks 1 a call): some tight, some loose
+                req.slo = Objectives(ttft_s=1 + n % 50, tpot_s=0.5 + n % 7)
             try:
                 s.add_request(req)
             except ValueError:  # can never fit this configuration: refused, nothing queued

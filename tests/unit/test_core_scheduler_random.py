@@ -9,6 +9,7 @@ import random
 import pytest
 
 from infer.core.request import RequestStatus
+from infer.core.slo import Objectives
 from tests.unit.core_fakes import EOS, FakeRunner, default_token, make_request, make_scheduler, plan
 
 CONFIGS = {
@@ -19,6 +20,7 @@ CONFIGS = {
     "contiguous-priority": dict(kv_cache_backend="contiguous", num_blocks=24, policy="priority"),
     "static-fcfs": dict(batching_mode="static"),
     "priority-wide": dict(policy="priority", max_num_seqs=8, num_blocks=20, prefill_chunk_size=7),
+    "slo-chunk5": dict(policy="slo", prefill_chunk_size=5),
 }
 BASE = dict(num_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32)
 
@@ -52,6 +54,8 @@ def run_workload(seed: int, config: dict, num_requests: int = 120, priorities: b
         prompt = prefix + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 10))]
         priority = rng.randint(0, 2) if priorities else 0
         req = make_request(f"r{i}", prompt, max_tokens=rng.randint(1, 10), priority=priority, arrival_time=t)
+        if rng.random() < 0.7:  # objectives, for "slo" (the others ignore them)
+            req.slo = Objectives(ttft_s=rng.choice([0.5, 5.0, 50.0]), tpot_s=rng.choice([None, 0.5, 3.0]))
         arrivals.append(req)
     pending, aborted, trace = list(arrivals), set(), []
     for step_index in range(5000):
