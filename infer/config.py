@@ -64,6 +64,9 @@ class SchedulerConfig:
         objectives, infer/core/scheduler.py).
     slo_max_wait_s: under "slo", a request waiting this long is served before every request that has
         not (in arrival order): the bound on how long the policy may defer it.
+    slo_reject_late: under "slo", refuse a request at admission (LateRequest) when even a lower bound
+        of its time to first token (the prefill queued ahead of it and its own, back to back at the
+        step-cost model's rate) misses its TTFT objective.
     batching_mode: "continuous" (admit and retire every step) or "static" (admit up to max_num_seqs,
         run them all to completion, then admit the next batch; for benchmarks).
     max_model_len: prompt + max_tokens of one request at most.
@@ -77,6 +80,7 @@ class SchedulerConfig:
     batching_mode: str = "continuous"
     max_model_len: int = 2048
     slo_max_wait_s: float = 30.0
+    slo_reject_late: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -142,6 +146,8 @@ class EngineConfig:
     trace_path: record the engine trace (infer.engine.trace: Chrome trace-event JSON for Perfetto) and
         write it there at shutdown (`LLMEngine.close()`); None = off, at no cost.
     trace_steps: the trace keeps the events of this many last steps (a ring), so its memory is bounded.
+    slo_config: a YAML file of request classes with default TTFT / TPOT objectives (infer.core.slo.
+        SloClasses), for requests that bring none; slo_max_wait_s, slo_reject_late: SchedulerConfig's.
     """
 
     model: str | None = None
@@ -165,6 +171,9 @@ class EngineConfig:
     quantization: str = "none"
     trace_path: str | None = None
     trace_steps: int = 10_000
+    slo_config: str | None = None
+    slo_max_wait_s: float = 30.0
+    slo_reject_late: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("trace_steps", self.trace_steps)

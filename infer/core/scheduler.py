@@ -56,7 +56,7 @@ from infer.config import CacheConfig, SchedulerConfig
 from infer.core.kv_cache_manager import make_kv_cache_manager
 from infer.core.outputs import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput, StepStats
 from infer.core.request import Request, RequestStatus
-from infer.core.slo import StepCostModel
+from infer.core.slo import LateRequest, StepCostModel
 
 MIN_SLO_PREFILL_TOKENS = 16  # "slo": the prefill a step keeps however tight the decodes' objectives
 
@@ -148,8 +148,29 @@ class Scheduler:
         if req.status != RequestStatus.WAITING or req.output_token_ids:
             raise ValueError(f"request {req.req_id!r} was already run; build a new Request")
         self._check_fits(req)
+        if self._slo and self.config.slo_reject_late:
+            self._check_on_time(req)
         self.requests[req.req_id] = req
         insort(self.waiting, req, key=self._key)
+
+    def _check_on_time(self, req: Request) -> None:
+        """LateRequest if even a lower bound of req's first token misses its TTFT deadline: the prefill
+        tokens ahead of it (waiting with an earlier deadline, running still in prefill) and its own, in
+        full steps back to back at the cost model's rate, decodes ignored."""
+        if req.slo is None or req.slo.ttft_s is None:
+            return
+        key = self._key(req)
+        ahead = [r for r in self.waiting if self._key(r) < key]
+        tokens = req.num_tokens + sum(r.num_tokens - r.num_computed_tokens for r in ahead)
+        tokens += sum(r.num_tokens - 1 - r.num_computed_tokens for r in self.running if r.is_prefill)
+        budget = self.config.max_num_batched_tokens
+        predicted = -(-tokens // budget) * self.cost_model.a + self.cost_model.b * tokens
+        if self.clock() + predicted > self.deadline(req):
+            raise LateRequest(
+                f"request {req.req_id!r} cannot meet its time-to-first-token objective of "
+                f"{req.slo.ttft_s * 1000:.0f} ms: {tokens} prompt tokens are queued up to and including it, "
+                f"at least {predicted * 1000:.0f} ms of prefill on this server now; retry later or relax it"
+            )
 
     def _check_fits(self, req: Request) -> None:
         cfg, kv = self.config, self.kv_cache_manager

@@ -29,7 +29,7 @@ from infer.config import CacheConfig, EngineConfig, SchedulerConfig
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats
 from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
-from infer.core.slo import Objectives
+from infer.core.slo import Objectives, SloClasses
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.tokenizer import Tokenizer
 from infer.engine.trace import StepTrace
@@ -107,8 +107,11 @@ class LLMEngine:
             policy=config.policy,
             batching_mode=config.batching_mode,
             max_model_len=self.max_model_len,
+            slo_max_wait_s=config.slo_max_wait_s,
+            slo_reject_late=config.slo_reject_late,
         )
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.slo_classes = SloClasses.from_file(config.slo_config) if config.slo_config else None
         self.runner = ModelRunner(
             model,
             num_blocks,
@@ -145,7 +148,8 @@ class LLMEngine:
         slo: Objectives | None = None,
     ) -> Request:
         """Queue a request. ValueError (nothing queued) for bad token ids or one that can never fit.
-        slo: its TTFT / TPOT objectives, which the "slo" scheduling policy serves."""
+        slo: its TTFT / TPOT objectives, which the "slo" scheduling policy serves; None: its class's in
+        config.slo_config, if any. LateRequest (a ValueError) under slo_reject_late."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -157,6 +161,8 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}) (the vocabulary); got {bad[:5]}")
+        if slo is None and self.slo_classes is not None:
+            slo = self.slo_classes.objectives_for(len(token_ids), params.max_tokens)
         req = Request(
             req_id=req_id if req_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=token_ids,

@@ -25,6 +25,7 @@ from infer.config import (
     EngineConfig,
     SchedulerConfig,
 )
+from infer.core.slo import SloClasses
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -181,7 +182,27 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         dest="policy",
         default=d["policy"],
         choices=POLICIES,
-        help="priority: lower first",
+        help="priority: lower first; slo: by each request's TTFT / TPOT objectives (ttft_slo_ms and "
+        "tpot_slo_ms in the body, else its class's in --slo-config)",
+    )
+    parser.add_argument(
+        "--slo-config",
+        metavar="FILE",
+        default=d["slo_config"],
+        help="YAML: request classes by prompt length and max_tokens with default ttft_ms / tpot_ms "
+        "(infer.core.slo.SloClasses), for requests that bring no objectives",
+    )
+    parser.add_argument(
+        "--slo-max-wait-s",
+        type=float,
+        default=d["slo_max_wait_s"],
+        help="slo: no request is deferred longer than this; after it, it is served in arrival order",
+    )
+    parser.add_argument(
+        "--slo-reject-late",
+        action=bool_flag,
+        default=d["slo_reject_late"],
+        help="slo: refuse (429) a request that cannot meet its TTFT objective even on an idle step",
     )
     parser.add_argument(
         "--batching-mode", default=d["batching_mode"], choices=BATCHING_MODES, help="static: for benchmarks"
@@ -263,7 +284,11 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         policy=engine.policy,
         batching_mode=engine.batching_mode,
         max_model_len=engine.max_model_len or 1,
+        slo_max_wait_s=engine.slo_max_wait_s,
+        slo_reject_late=engine.slo_reject_late,
     )
+    if engine.slo_config is not None:  # a bad file fails now, not after loading the model
+        SloClasses.from_file(engine.slo_config)
     CacheConfig(
         num_blocks=engine.num_kv_blocks or 1,
         block_size=engine.block_size,

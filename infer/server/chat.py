@@ -33,6 +33,7 @@ from infer.server.serving import (
     choice_params,
     engine_error,
     floor_logprob,
+    objectives,
     sampling_params,
     sse,
     start_stream,
@@ -59,7 +60,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         max_tokens = max(1, state.max_request_len - len(prompt_ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs)
-    jobs = [Job(prompt_ids, choice_params(params, j), body.priority) for j in range(body.n)]
+    slo = objectives(state, body)
+    jobs = [Job(prompt_ids, choice_params(params, j), body.priority, slo) for j in range(body.n)]
     state.admit(len(jobs), fits=state.fits(len(prompt_ids), max_tokens))
     chat_id = state.new_id("chatcmpl")
     fanout = Fanout(state, jobs, chat_id, arrival)

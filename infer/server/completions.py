@@ -26,6 +26,7 @@ from infer.server.serving import (
     choice_params,
     engine_error,
     floor_logprob,
+    objectives,
     sampling_params,
     sse,
     start_stream,
@@ -59,7 +60,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     prompts = await asyncio.to_thread(_prompt_ids, state, body.prompt)
     echo_text = await asyncio.to_thread(_echo_text, state, prompts) if body.echo else [""] * len(prompts)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
-    jobs = [Job(ids, choice_params(params, j), body.priority) for ids in prompts for j in range(body.n)]
+    slo = objectives(state, body)
+    jobs = [Job(ids, choice_params(params, j), body.priority, slo) for ids in prompts for j in range(body.n)]
     state.admit(len(jobs), fits=all(state.fits(len(ids), params.max_tokens) for ids in prompts))
     cmpl_id = state.new_id("cmpl")
     fanout = Fanout(state, jobs, cmpl_id, arrival)

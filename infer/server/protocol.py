@@ -1,12 +1,13 @@
 """OpenAI wire format: request bodies (validated by pydantic), responses, and OpenAI-shaped errors.
 
 Request models keep OpenAI's field names and defaults, plus the vLLM extensions (top_k, min_p, min_tokens,
-ignore_eos, priority) that clients pass through `extra_body`. Unknown fields are ignored, as vLLM and
-OpenAI's own server do for forward compatibility. Everything a request can carry is bounded here, at the
-edge, so that no value reaches the engine that could fail a step shared with other requests: ints fit
-int64, floats are finite, and every string is valid Unicode (JSON may carry lone UTF-16 surrogates, which
-no tokenizer can encode). Responses are plain dicts built by the handlers: the
-shapes are documented here once, and the official `openai` client parses them in the tests.
+ignore_eos, priority) and ours (ttft_slo_ms, tpot_slo_ms) that clients pass through `extra_body`.
+Unknown fields are ignored, as vLLM and OpenAI's own server do for forward compatibility. Everything a
+request can carry is bounded here, at the edge, so that no value reaches the engine that could fail a
+step shared with other requests: ints fit int64, floats are finite, and every string is valid Unicode
+(JSON may carry lone UTF-16 surrogates, which no tokenizer can encode). Responses are plain dicts built
+by the handlers: the shapes are documented here once, and the official `openai` client parses them in
+the tests.
 """
 
 from __future__ import annotations
@@ -134,6 +135,9 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: Int64 = 0  # vLLM: lower is served first; only with --scheduling-policy priority
+    # objectives for --scheduling-policy slo (extensions, like priority); None: the request's class's
+    ttft_slo_ms: Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)] | None = None
+    tpot_slo_ms: Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)] | None = None
     user: str | None = None  # accepted and ignored
     presence_penalty: float = 0.0  # accepted; only 0 is supported
     frequency_penalty: float = 0.0

@@ -33,6 +33,7 @@ import orjson
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from infer.core.slo import LateRequest, Objectives
 from infer.engine.async_engine import AsyncEngine, RequestFailed
 from infer.engine.llm_engine import StepOutput
 from infer.sampling_params import INT64_MIN, SamplingParams
@@ -164,6 +165,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int
+    slo: Objectives | None = None
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -203,7 +205,7 @@ class Fanout:
     async def _pump(self, index: int, job: Job) -> None:
         try:
             outputs = await self.state.engine.add(
-                job.prompt_ids, job.params, self.req_ids[index], job.priority
+                job.prompt_ids, job.params, self.req_ids[index], job.priority, job.slo
             )
             self.queue.put_nowait((index, _ACCEPTED))
             async with aclosing(outputs):
@@ -333,6 +335,8 @@ async def start_stream(request: Request, fanout: Fanout, param: str) -> bool:
 def engine_error(exc: Exception, param: str) -> APIError:
     """A refusal (ValueError, with the numbers) is the client's 400; a request the engine failed is our
     500, whose body names the request but no internals (the log has the exception)."""
+    if isinstance(exc, LateRequest):  # --slo-reject-late: the server's load, not the request, is the cause
+        return APIError(429, str(exc), "rate_limit_error", code="slo_unattainable")
     if isinstance(exc, ValueError):
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message or "KV" in message else None
@@ -368,6 +372,21 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
     except ValueError as exc:  # its messages start with the field's name
         field = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), param=field if field in type(body).model_fields else None) from exc
+
+
+def objectives(state: ServerState, body) -> Objectives | None:
+    """The request's own TTFT / TPOT objectives (seconds); None: its class's, if the server has classes.
+    400 unless the server schedules by them."""
+    if body.ttft_slo_ms is None and body.tpot_slo_ms is None:
+        return None
+    if state.llm.scheduler_config.policy != "slo":
+        raise bad_request(
+            f"ttft_slo_ms and tpot_slo_ms need --scheduling-policy slo (this server runs "
+            f"{state.llm.scheduler_config.policy!r}); leave them out",
+            param="ttft_slo_ms" if body.ttft_slo_ms is not None else "tpot_slo_ms",
+        )
+    ms = (body.ttft_slo_ms, body.tpot_slo_ms)
+    return Objectives(*(None if v is None else v / 1000 for v in ms))
 
 
 def check_priority(state: ServerState, priority: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from infer.core.slo import Objectives
 from infer.engine.llm import LLM
 from infer.sampling_params import SamplingParams
 from tests.models.tiny_models import save_byte_tokenizer, save_tiny_model
@@ -177,3 +178,21 @@ def test_stop_strings_cut_the_text_on_the_embedded_model():
     assert r.finish_reason == "stop" and r.text == full.text[:cut]
     assert stop not in r.text and len(r.token_ids) < len(full.token_ids)
     assert r.request.stop_reason == stop
+
+
+def test_slo_classes_give_requests_objectives_and_steps_feed_the_cost_model(tiny, tmp_path):
+    path, _, _ = tiny
+    (tmp_path / "slo.yaml").write_text(
+        "classes:\n  - {name: short, prompt_tokens: [0, 16], ttft_ms: 500, tpot_ms: 100}\n"
+    )
+    llm = LLM(path, dtype="float32", policy="slo", slo_config=str(tmp_path / "slo.yaml"), num_kv_blocks=256)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    short = engine.add_request(list(range(5, 15)), params)
+    long = engine.add_request(list(range(5, 45)), params)
+    own = engine.add_request(list(range(5, 15)), params, slo=Objectives(ttft_s=9.0))
+    assert short.slo == Objectives(ttft_s=0.5, tpot_s=0.1) and long.slo is None and own.slo.ttft_s == 9.0
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.cost_model.num_steps > 0
+    assert all(r.finish_reason == "length" for r in (short, long, own))
