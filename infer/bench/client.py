@@ -32,6 +32,7 @@ class RequestSpec:
     max_tokens: int
     req_class: str = "default"
     target_prompt_tokens: int | None = None
+    extra_body: dict | None = None  # more body fields, e.g. a class's priority
 
 
 def _headers(api_key: str | None) -> dict:
@@ -129,6 +130,8 @@ class StreamingClient:
         }
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if spec.extra_body:
+            body.update(spec.extra_body)
         return body
 
     async def send(self, req_id: int, spec: RequestSpec, intended_send: float) -> RequestRecord:

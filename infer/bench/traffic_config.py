@@ -97,6 +97,7 @@ class RequestClass:
     prompt_tokens: tuple[int, int]
     output_tokens: tuple[int, int]
     slo: SLO
+    extra_body: dict | None = None  # fields its requests add to the body (`priority: 0` per class, say)
 
 
 def request_classes(cfg: dict) -> list[RequestClass]:
@@ -106,7 +107,11 @@ def request_classes(cfg: dict) -> list[RequestClass]:
         olo, ohi = c["output_tokens"]
         if not (1 <= lo <= hi and 1 <= olo <= ohi and c["share"] > 0):
             raise ValueError(f"class {name}: need share > 0 and token ranges [lo, hi] with 1 <= lo <= hi")
-        out.append(RequestClass(name, c["share"], (lo, hi), (olo, ohi), SLO.from_ms(c.get("slo") or {})))
+        extra = c.get("extra_body")
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"class {name}: extra_body must be a mapping of body fields, got {extra!r}")
+        slo = SLO.from_ms(c.get("slo") or {})
+        out.append(RequestClass(name, c["share"], (lo, hi), (olo, ohi), slo, extra))
     return out
 
 
@@ -145,6 +150,7 @@ def build_requests(cfg: dict, nonce: str) -> list[RequestSpec]:
                 rng.randint(*c.output_tokens),
                 c.name,
                 target_prompt_tokens=cfg["shared_prefix_tokens"] + num_prompt,
+                extra_body=c.extra_body,
             )
         )
     return specs

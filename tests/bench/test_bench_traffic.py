@@ -11,6 +11,7 @@ import json
 import httpx
 import pytest
 
+from infer.bench.client import StreamingClient
 from infer.bench.html_report import write_html
 from infer.bench.request_timeline import load_trace, request_timelines
 from infer.bench.traffic import TRACE_NAME, run_config
@@ -59,6 +60,22 @@ def test_config_classes_replace_the_builtin_ones_and_shares_hold():
         lo, hi = cfg["classes"][s.req_class]["output_tokens"]
         assert lo <= s.max_tokens <= hi
     assert build_requests(cfg, "n") == build_requests(cfg, "n")  # seeded
+
+
+def test_a_class_can_add_body_fields_per_experiment():
+    """`extra_body` (a class's priority, say) goes into its requests' bodies (an experiment's classes
+    replace the defaults' whole)."""
+    siso = "{share: 0.5, prompt_tokens: [8, 16], output_tokens: [2, 4], extra_body: {priority: 0}}"
+    lilo = "{share: 0.5, prompt_tokens: [48, 64], output_tokens: [6, 8], extra_body: {priority: 2}}"
+    prio = f"{{classes: {{siso: {siso}, lilo: {lilo}}}}}"
+    text = CONFIG.replace("  launched: {}", f"  plain: {{}}\n  prio: {prio}")
+    exps = load_experiments(text)
+    plain, prio = build_requests(exps["plain"], "n"), build_requests(exps["prio"], "n")
+    assert all(s.extra_body is None for s in plain)
+    assert {(s.req_class, s.extra_body["priority"]) for s in prio} == {("siso", 0), ("lilo", 2)}
+    client = StreamingClient("http://127.0.0.1:1", "m")
+    assert client.body(prio[0])["priority"] == prio[0].extra_body["priority"]
+    assert "priority" not in client.body(plain[0])
 
 
 @pytest.mark.parametrize(
