@@ -20,9 +20,9 @@ waiting queue at its original position.
     objective can always), then the ones that cannot (earliest deadline first): a request that will be
     late anyway does not make others late. Head-of-line blocking as in (b) below, along this order.
   - prefill beside decodes: when a decoding request has a TPOT objective, the step's prefill tokens are
-    cut so that the step is predicted to end within min over those requests of max(tpot, slack), where
-    slack = first_token_time + tpot * num_output_tokens - now (the time it may still spend on its next
-    token and stay on its rate); at least MIN_SLO_PREFILL_TOKENS a step, so prompts always progress.
+    cut so that the step is predicted to end within the tightest such objective (every gap, not the
+    mean: clients judge the gaps' p95; lending a request's slack to longer steps measured worse, see
+    docs/benchmarks.md); at least MIN_SLO_PREFILL_TOKENS a step, so prompts always progress.
 
 Why no request is preempted forever:
   (a) a request is preempted only in favour of one with a strictly better key: a running request short
@@ -235,17 +235,13 @@ class Scheduler:
                     plan.grant(req, num_new)
 
     def _cap_prefill(self, plan: _StepPlan) -> None:
-        """ "slo": leave the step only the prefill tokens that let it end within the tightest decode's
-        allowance, max(tpot, slack) (module docstring); at least MIN_SLO_PREFILL_TOKENS."""
-        now = self.clock()
+        """ "slo": leave the step only the prefill tokens that let it end within the tightest TPOT
+        objective of the decodes granted so far (module docstring); at least MIN_SLO_PREFILL_TOKENS."""
         limit = None
         for req in plan.num_new_tokens:  # the decodes granted so far
             tpot = req.slo.tpot_s if req.slo is not None else None
-            if tpot is None or req.first_token_time is None:
-                continue
-            slack = req.first_token_time + tpot * req.num_output_tokens - now
-            allowed = max(tpot, slack)
-            limit = allowed if limit is None else min(limit, allowed)
+            if tpot is not None:
+                limit = tpot if limit is None else min(limit, tpot)
         if limit is None:
             return
         num_decode = sum(plan.num_new_tokens.values())
