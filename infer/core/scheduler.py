@@ -18,7 +18,8 @@ waiting queue at its original position.
   - admission order, each step: first the requests that have waited slo_max_wait_s or more (in arrival
     order), then those that can still meet their TTFT deadline (earliest deadline first; one without
     an objective is due slo_max_wait_s after arrival), then the ones that cannot (earliest deadline
-    first): a request that will be late anyway does not make others late. Head-of-line blocking as in (b) below, along this order.
+    first): a request that will be late anyway does not make others late. Head-of-line blocking as in
+    (b) below, along this order.
   - prefill beside decodes: when a decoding request has a TPOT objective, the step's prefill tokens are
     cut so that the step is predicted to end within the tightest such objective (every gap, not the
     mean: clients judge the gaps' p95; lending a request's slack to longer steps measured worse, see
