@@ -70,6 +70,7 @@ class Request:
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     stop_reason: int | str | None = field(init=False, default=None)  # the stop token id or stop string
     num_preemptions: int = field(init=False, default=0)
+    num_slow_gaps: int = field(init=False, default=0)  # "slo": its decode steps longer than its tpot
     block_hashes: list[bytes] = field(init=False, default_factory=list)  # of full blocks, filled lazily
 
     # Timestamps (the scheduler's clock, time.monotonic by default).

@@ -20,10 +20,12 @@ waiting queue at its original position.
     an objective is due slo_max_wait_s after arrival), then the ones that cannot (earliest deadline
     first): a request that will be late anyway does not make others late. Head-of-line blocking as in
     (b) below, along this order.
-  - prefill beside decodes: when a decoding request has a TPOT objective, the step's prefill tokens are
-    cut so that the step is predicted to end within the tightest such objective (every gap, not the
-    mean: clients judge the gaps' p95; lending a request's slack to longer steps measured worse, see
-    docs/benchmarks.md); at least MIN_SLO_PREFILL_TOKENS a step, so prompts always progress.
+  - prefill beside decodes: clients judge a request's gaps by their p95, so a request with a TPOT
+    objective may have SLOW_GAP_SHARE of its gaps (of max_tokens - 1) longer than it. Once a decoding
+    request has spent that, the step's prefill tokens are cut so that the step is predicted to end
+    within its objective (the tightest of such requests'); at least MIN_SLO_PREFILL_TOKENS a step, so
+    prompts always progress. Capping every gap, or lending a request's mean-rate slack, measured worse
+    (docs/benchmarks.md).
 
 Why no request is preempted forever:
   (a) a request is preempted only in favour of one with a strictly better key: a running request short
@@ -60,6 +62,7 @@ from infer.core.request import Request, RequestStatus
 from infer.core.slo import LateRequest, StepCostModel
 
 MIN_SLO_PREFILL_TOKENS = 16  # "slo": the prefill a step keeps however tight the decodes' objectives
+SLOW_GAP_SHARE = 0.04  # "slo": the share of a request's gaps that may exceed its tpot (clients judge the p95)
 
 
 class _StepPlan:
@@ -114,6 +117,7 @@ class Scheduler:
         self._static = scheduler_config.batching_mode == "static"
         self._wave_slots = 0  # static batching: admissions left in the current wave
         self._finished_req_ids: list[str] = []  # since the last schedule()
+        self._last_decodes: list[Request] = []  # "slo": the decodes of the last step, for observe_step
 
     def _key(self, req: Request) -> tuple[int, float, int]:
         if self._slo:
@@ -126,8 +130,13 @@ class Scheduler:
         return req.arrival_time + (ttft if ttft is not None else self.config.slo_max_wait_s)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step of num_tokens took seconds: what the "slo" policy's cost model learns from."""
+        """The last step, of num_tokens, took seconds: what the "slo" policy's cost model learns from,
+        and a slow gap for each of its decodes whose TPOT objective it exceeded."""
         self.cost_model.observe(num_tokens, seconds)
+        for req in self._last_decodes:
+            if req.slo is not None and req.slo.tpot_s is not None and seconds > req.slo.tpot_s:
+                req.num_slow_gaps += 1
+        self._last_decodes = []
 
     @property
     def num_running(self) -> int:
@@ -237,11 +246,13 @@ class Scheduler:
 
     def _cap_prefill(self, plan: _StepPlan) -> None:
         """ "slo": leave the step only the prefill tokens that let it end within the tightest TPOT
-        objective of the decodes granted so far (module docstring); at least MIN_SLO_PREFILL_TOKENS."""
+        objective of the decodes granted so far that have no slow gap left to spend (module docstring);
+        at least MIN_SLO_PREFILL_TOKENS."""
         limit = None
         for req in plan.num_new_tokens:  # the decodes granted so far
             tpot = req.slo.tpot_s if req.slo is not None else None
-            if tpot is not None:
+            allowed = int(SLOW_GAP_SHARE * (req.sampling_params.max_tokens - 1))
+            if tpot is not None and req.num_slow_gaps >= allowed:
                 limit = tpot if limit is None else min(limit, tpot)
         if limit is None:
             return
@@ -350,6 +361,8 @@ class Scheduler:
             )
             if req.num_output_tokens and start == req.num_tokens - 1:  # feeds the last sampled token
                 num_decode += num_new
+                if self._slo:
+                    self._last_decodes.append(req)
             else:
                 num_prefill += num_new
                 req.num_prefill_tokens_computed += num_new

@@ -45,12 +45,14 @@ def request(req_id: str, prompt: int, clock: Clock, ttft: float | None = None, t
 
 
 def step(s: Scheduler, runner: FakeRunner, clock: Clock):
-    """One step whose duration is what the cost model says for its tokens."""
+    """One step whose duration is what the cost model says for its tokens, reported as the engine does."""
     out = s.schedule()
     s.check_integrity()
     s.update(out, runner.execute(out))
     s.check_integrity()
-    clock.now += s.cost_model.seconds(out.num_batched_tokens)
+    seconds = s.cost_model.seconds(out.num_batched_tokens)
+    clock.now += seconds
+    s.observe_step(out.num_batched_tokens, seconds)
     return out
 
 
@@ -78,12 +80,13 @@ def test_a_tight_deadline_short_request_is_not_queued_behind_a_long_prefill():
 
 @pytest.mark.parametrize("policy", ["fcfs", "slo"])
 def test_prefill_beside_a_decode_is_cut_to_its_tpot(policy):
-    """A decode with a 20 ms TPOT objective: a step may hold tokens_within(20 ms) = 180 tokens; the
-    waiting prompt gets what is left of them. FCFS fills the whole budget."""
+    """A decode with a 20 ms TPOT objective and no slow gap to spare (20 tokens: 4% of 19 gaps is none):
+    a step may hold tokens_within(20 ms) = 180 tokens; the waiting prompt gets what is left of them.
+    FCFS fills the whole budget."""
     clock = Clock()
     s = slo_scheduler(clock, policy, budget=512)
     runner = FakeRunner(s)
-    decoder = request("decoder", 16, clock, tpot=0.02, max_tokens=100)
+    decoder = request("decoder", 16, clock, tpot=0.02, max_tokens=20)
     s.add_request(decoder)
     step(s, runner, clock)  # its prefill and first token
     s.add_request(request("prompt", 2000, clock))
@@ -103,8 +106,8 @@ def test_every_gap_is_capped_and_a_tpot_too_tight_for_any_prefill_keeps_a_floor(
     clock = Clock()
     s = slo_scheduler(clock, budget=2048)
     runner = FakeRunner(s)
-    loose = request("loose", 16, clock, tpot=0.05, max_tokens=100)
-    tight = request("tight", 16, clock, tpot=0.02, max_tokens=100)
+    loose = request("loose", 16, clock, tpot=0.05, max_tokens=20)
+    tight = request("tight", 16, clock, tpot=0.02, max_tokens=20)
     s.add_request(loose)
     s.add_request(tight)
     for _ in range(3):
@@ -116,6 +119,21 @@ def test_every_gap_is_capped_and_a_tpot_too_tight_for_any_prefill_keeps_a_floor(
     tight.slo = Objectives(tpot_s=0.0021)  # tokens_within(2.1 ms) = 1: not even both decodes fit
     out = step(s, runner, clock)
     assert out.stats.num_prefill_tokens == MIN_SLO_PREFILL_TOKENS
+
+
+def test_a_decode_spends_its_slow_gaps_before_it_caps_the_prefill():
+    """Clients judge the p95 of a request's gaps: 4% of them may be slow. A 101-token request has 4 to
+    spend; the steps beside a long prompt run uncapped (and slow) until it has spent them."""
+    clock = Clock()
+    s = slo_scheduler(clock, budget=512)
+    runner = FakeRunner(s)
+    decoder = request("decoder", 16, clock, tpot=0.02049, max_tokens=101)
+    s.add_request(decoder)
+    step(s, runner, clock)
+    s.add_request(request("prompt", 4000, clock))
+    budgets = [step(s, runner, clock).num_batched_tokens for _ in range(6)]
+    assert budgets == [512] * 4 + [s.cost_model.tokens_within(0.02049)] * 2
+    assert decoder.num_slow_gaps == 4  # the capped steps were not slow
 
 
 def test_a_request_that_will_be_late_anyway_goes_after_those_that_can_make_it():
