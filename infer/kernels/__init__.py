@@ -110,6 +110,13 @@ def layer_ops(x: torch.Tensor):
 LAYER_OPS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def bf16_ops():
+    """torch.ops.infer_kernels when this build has AVX-512 BF16 (`isa()` ends in "+bf16"): what
+    quant_linear and small_linear need; else None (callers keep torch's or oneDNN's path)."""
+    ops = load()
+    return ops if ops is not None and ops.isa().endswith("+bf16") else None
+
+
 def _load():
     if os.environ.get("INFER_NO_KERNELS", "") not in ("", "0"):
         return None

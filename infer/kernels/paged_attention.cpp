@@ -69,9 +69,7 @@ struct Workspace {
   std::vector<const void*> keys, values, next_keys, next_values;  // this tile's slots, the next tile's
 
   void reserve(int64_t rows, int64_t head_dim) {
-    auto grow = [](auto& v, int64_t n) {
-      if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-    };
+    using infer_paged::grow;
     grow(q, rows * head_dim);
     grow(q_bf16, rows * head_dim);
     grow(scores, rows * kStride);

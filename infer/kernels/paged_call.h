@@ -96,4 +96,10 @@ inline PagedCall check_call(const at::Tensor& q, const at::Tensor& key_cache, co
   return c;
 }
 
+// a per-thread workspace vector: at least n elements, never shrunk (kept across calls)
+template <typename V>
+inline void grow(V& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
 }  // namespace infer_paged

@@ -181,9 +181,7 @@ struct Workspace {
   std::vector<const void*> keys, values;  // [kTile] a tile's rows of one kv head, to pack
 
   void reserve(int64_t rows, int64_t head_dim) {
-    auto grow = [](auto& v, int64_t n) {
-      if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-    };
+    using infer_paged::grow;
     grow(q, rows * head_dim);
     grow(p, rows * kTile);
     grow(acc, rows * head_dim);

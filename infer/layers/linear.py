@@ -70,7 +70,7 @@ class PrepackedLinear(nn.Module):
         self.bias = linear.bias
         fits = weight.nbytes <= SMALL_WEIGHT_BYTES and self.out_features % 16 == 0
         fits = fits and self.in_features % 2 == 0
-        self._ops = _small_ops() if fits else None
+        self._ops = kernels.bf16_ops() if fits else None
         small = pack_pairs(weight) if self._ops is not None else None
         self.register_buffer("small_weight", small, persistent=False)
 
@@ -81,11 +81,6 @@ class PrepackedLinear(nn.Module):
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
-
-
-def _small_ops():
-    ops = kernels.load()
-    return ops if ops is not None and ops.isa().endswith("+bf16") else None
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:

@@ -38,11 +38,6 @@ DECODE_ROWS = 4
 INT8_ACTIVATIONS = os.environ.get("INFER_INT8_ACTIVATIONS", "1") != "0"
 
 
-def _kernel_ops():
-    ops = kernels.load()
-    return ops if ops is not None and ops.isa().endswith("+bf16") else None
-
-
 class QuantizedLinear(nn.Module):
     """y = x @ W^T + b with W held as int8 or int4 codes (see module docstring for the paths)."""
 
@@ -72,7 +67,7 @@ class QuantizedLinear(nn.Module):
     # ---- packing, once ----
 
     def _pack_kernel(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
-        self._ops = _kernel_ops()
+        self._ops = kernels.bf16_ops()
         q, zeros = _unsigned_int4(w) if w.bits == 4 else (w.q, w.zeros)
         self.register_buffer("qweight", pack_kernel(q, w.bits), persistent=False)
         self.register_buffer("scales", w.scales.t().contiguous(), persistent=False)  # [groups, out]
@@ -145,7 +140,7 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
     out_features, in_features = w.shape
     found = []
     kernel_shape = out_features % 16 == 0 and in_features % 32 == 0 and w.group_size % 32 == 0
-    if dtype == torch.bfloat16 and kernel_shape and _kernel_ops() is not None:
+    if dtype == torch.bfloat16 and kernel_shape and kernels.bf16_ops() is not None:
         found.append("infer")
     if w.bits == 8 and w.zeros is None and w.group_size == in_features:
         found.append("torch")

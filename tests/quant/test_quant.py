@@ -8,16 +8,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from infer import kernels
 from infer.engine.llm import LLM
 from infer.models.loader import EMBEDDED_MODEL, load_model
 from infer.quant import linear as quant_linear
-from infer.quant.linear import QuantizedLinear, _group_for, _kernel_ops, quantize_model
+from infer.quant.linear import QuantizedLinear, _group_for, quantize_model
 from infer.quant.perplexity import held_out_text, perplexity
 from infer.quant.weights import quantize
 from infer.sampling_params import SamplingParams
 from tests.quant.packing import quantize_for, write_quantized_checkpoint
 
-HAS_KERNEL = _kernel_ops() is not None
+HAS_KERNEL = kernels.bf16_ops() is not None
 SCHEMES = [(8, None, True), (8, 32, False), (8, 64, True), (4, 32, False), (4, 64, True), (4, 128, False)]
 
 
