@@ -131,7 +131,10 @@ class Scheduler:
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """The last step, of num_tokens, took seconds: what the "slo" policy's cost model learns from,
-        and a slow gap for each of its decodes whose TPOT objective it exceeded."""
+        and a slow gap for each of its decodes whose TPOT objective it exceeded. Nothing under the other
+        policies (no work on their steps)."""
+        if not self._slo:
+            return
         self.cost_model.observe(num_tokens, seconds)
         for req in self._last_decodes:
             if req.slo is not None and req.slo.tpot_s is not None and seconds > req.slo.tpot_s:

@@ -207,7 +207,7 @@ class LLMEngine:
             update_s=updated - executed,
             detokenize_s=time.perf_counter() - updated,
         )
-        if sched.num_batched_tokens:  # the "slo" policy's cost model learns what a step of N tokens costs
+        if sched.num_batched_tokens:  # the "slo" policy learns what a step of N tokens costs
             self.scheduler.observe_step(sched.num_batched_tokens, time.perf_counter() - start)
         if self.trace is not None:
             self.trace.record_step(start, self.last_timing, sched, outputs)
