@@ -39,6 +39,10 @@ class Objectives:
             if not ok:
                 raise ValueError(f"{name} must be a finite number > 0 (seconds) or None, got {value!r}")
 
+    @classmethod
+    def from_ms(cls, ttft_ms: float | None, tpot_ms: float | None) -> Objectives:
+        return cls(*(None if v is None else v / 1000 for v in (ttft_ms, tpot_ms)))
+
 
 class StepCostModel:
     """seconds(N) = a + b * N for a step of N tokens: exponentially weighted least squares over the
@@ -126,9 +130,8 @@ class SloClasses:
             unknown = set(entry) - {"name", "prompt_tokens", "max_tokens", "ttft_ms", "tpot_ms"}
             if unknown:
                 raise ValueError(f"{where} ({entry['name']}): unknown keys {sorted(unknown)}")
-            ms = {k: entry.get(k) for k in ("ttft_ms", "tpot_ms")}
             try:
-                objectives = Objectives(*(None if v is None else v / 1000 for v in ms.values()))
+                objectives = Objectives.from_ms(entry.get("ttft_ms"), entry.get("tpot_ms"))
             except (TypeError, ValueError) as exc:
                 message = f"{where} ({entry['name']}): ttft_ms and tpot_ms: numbers > 0 ({exc})"
                 raise ValueError(message) from exc

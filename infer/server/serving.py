@@ -385,8 +385,7 @@ def objectives(state: ServerState, body) -> Objectives | None:
             f"{state.llm.scheduler_config.policy!r}); leave them out",
             param="ttft_slo_ms" if body.ttft_slo_ms is not None else "tpot_slo_ms",
         )
-    ms = (body.ttft_slo_ms, body.tpot_slo_ms)
-    return Objectives(*(None if v is None else v / 1000 for v in ms))
+    return Objectives.from_ms(body.ttft_slo_ms, body.tpot_slo_ms)
 
 
 def check_priority(state: ServerState, priority: int) -> None:
