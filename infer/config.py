@@ -148,6 +148,8 @@ class EngineConfig:
     trace_steps: the trace keeps the events of this many last steps (a ring), so its memory is bounded.
     slo_config: a YAML file of request classes with default TTFT / TPOT objectives (infer.core.slo.
         SloClasses), for requests that bring none; slo_max_wait_s, slo_reject_late: SchedulerConfig's.
+    tensor_parallel_size: ranks that each hold a shard of every layer (infer.runner.parallel); 1 = one
+        process.
     """
 
     model: str | None = None
@@ -174,9 +176,11 @@ class EngineConfig:
     slo_config: str | None = None
     slo_max_wait_s: float = 30.0
     slo_reject_late: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _positive_int("trace_steps", self.trace_steps)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if not self.kv_cache_memory_gb > 0:

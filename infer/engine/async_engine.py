@@ -9,6 +9,10 @@ on one thread only. With OpenMP (libgomp), a second thread running parallel torc
 is still alive makes more OpenMP threads than cores; libgomp then stops spinning between parallel regions
 and every small matmul pays a futex wake-up: ~+120 us per GEMV here, a decode step of the embedded model
 14 ms instead of 8 (a model loaded on an executor thread, then stepped on the engine thread).
+
+An engine that cannot go on (`LLMEngine.fatal_error`: a tensor-parallel rank died) ends every request
+with RequestFailed, refuses new ones, and calls `on_fatal`: the server then exits non-zero. The idle
+thread looks at it every IDLE_CHECK_S, so a death between requests is noticed too.
 """
 
 from __future__ import annotations
@@ -27,12 +31,21 @@ from infer.engine.llm_engine import LLMEngine, StepOutput
 from infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("infer.engine")
+IDLE_CHECK_S = 1.0
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, factory: Callable[[], LLMEngine] | None = None):
-        """Give a config or a factory: `start` builds the engine on the engine thread."""
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        factory: Callable[[], LLMEngine] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
+        """Give a config or a factory: `start` builds the engine on the engine thread. `on_fatal` runs on
+        the event loop if the engine stops for good (see the module docstring)."""
         self.engine: LLMEngine | None = None
+        self.on_fatal = on_fatal
+        self.dead: BaseException | None = None
         self._factory = factory or (lambda: LLMEngine(config or EngineConfig()))
         self._built: asyncio.Future | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -128,6 +141,8 @@ class AsyncEngine:
     def _send(self, command) -> None:
         self._commands.put(command)
         self._wakeup.set()
+        if self.dead is not None and command[2] is not None:  # the thread is gone: answer for it
+            _settle(command[2], RequestFailed(command[1][2], f"the engine stopped: {self.dead}"))
 
     # -- the engine thread ----------------------------------------------------------------------------
 
@@ -141,14 +156,18 @@ class AsyncEngine:
         engine = self.engine
         while not self._stopping:
             self._apply_commands()
+            if engine.fatal_error is not None:
+                self._die(engine.fatal_error)
+                break
             if not engine.has_unfinished():
-                self._wakeup.wait()
+                self._wakeup.wait(IDLE_CHECK_S)
                 self._wakeup.clear()
                 continue
             try:
                 outputs = engine.step()
             except Exception as exc:  # a failed step fails its requests, not the server
-                self._fail_all(exc)
+                if engine.fatal_error is None:
+                    self._fail_all(exc)
                 continue
             if outputs:  # one wake-up of the event loop per step, not one per request
                 self._loop.call_soon_threadsafe(self._put_all, [(out.req_id, out) for out in outputs])
@@ -156,6 +175,21 @@ class AsyncEngine:
             engine.close()  # writes the trace file, when tracing
         except OSError as exc:
             logger.error("could not write the engine trace: %s", exc)
+        engine.shutdown()
+
+    def _die(self, exc: BaseException) -> None:
+        """The engine cannot go on: fail every request, answer the commands still queued, report."""
+        self.dead = exc
+        self._fail_all(exc, "the engine stopped")
+        while True:
+            try:
+                kind, payload, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if future is not None:
+                self._loop.call_soon_threadsafe(_settle, future, RequestFailed(payload[2], str(exc)))
+        if self.on_fatal is not None:
+            self._loop.call_soon_threadsafe(self.on_fatal, exc)
 
     def _apply_commands(self) -> None:
         while True:
@@ -185,10 +219,10 @@ class AsyncEngine:
     def _deliver(self, req_id: str, item) -> None:
         self._loop.call_soon_threadsafe(self._put_all, [(req_id, item)])
 
-    def _fail_all(self, exc: Exception) -> None:
+    def _fail_all(self, exc: BaseException, why: str = "engine step failed") -> None:
         """A step failed outside any one request's work (LLMEngine attributes the rest): a bug in the
         engine's own bookkeeping, so no request's state can be trusted."""
-        logger.error("engine step failed; ending every request", exc_info=exc)
+        logger.error("%s; ending every request", why, exc_info=exc)
         req_ids = list(self.engine.requests)
         self.engine.abort(req_ids)
         for req_id in req_ids:

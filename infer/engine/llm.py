@@ -22,7 +22,8 @@ class GenerationResult:
 
 
 class LLM:
-    """`with LLM(trace_path="trace.json") as llm:` writes the trace on leaving (or call `close()`)."""
+    """`with LLM(trace_path="trace.json") as llm:` writes the trace on leaving (or call `close()`), and
+    stops the other tensor-parallel ranks (with tensor_parallel_size > 1)."""
 
     def __init__(self, model: str | None = None, **engine_args):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
@@ -36,6 +37,7 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+        self.engine.shutdown()  # the other tensor-parallel ranks, if any
 
     def generate(
         self,

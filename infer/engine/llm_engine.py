@@ -33,9 +33,11 @@ from infer.core.slo import Objectives, SloClasses
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.tokenizer import Tokenizer
 from infer.engine.trace import StepTrace
+from infer.layers.parallel import SINGLE
 from infer.models.loader import EMBEDDED_MODEL, load_model, weight_bytes
 from infer.runner.kv_cache import kv_bytes_per_token
 from infer.runner.model_runner import ModelRunner
+from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
 from infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("infer.engine")
@@ -74,9 +76,24 @@ class StepTiming:
         return self.schedule_s + self.prepare_s + self.update_s + self.detokenize_s
 
 
+def run_tensor_parallel_worker(config: EngineConfig) -> int:
+    """A launcher's rank > 0 (RANK set): serve rank 0's steps with this rank's shard; the exit code."""
+    return run_worker(config)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        ranks, workers = start_ranks(config) if config.tensor_parallel_size > 1 else (None, [])
+        try:
+            self._build(config, ranks, workers)
+        except BaseException:
+            if ranks is not None:  # the other ranks wait for a broadcast that will not come
+                stop_ranks(ranks, workers)
+            raise
+
+    def _build(self, config: EngineConfig, ranks, workers) -> None:
+        tp = ranks.tp if ranks else SINGLE
         model, self.model_config, path = load_model(
             config.model,
             config.dtype,
@@ -84,12 +101,13 @@ class LLMEngine:
             config.seed,
             config.prepack_weights,
             config.quantization,
+            tp=tp,
         )
         tokenizer_path = path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_path)
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
         dtype = next(model.parameters()).dtype
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, tp)  # per rank
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // (config.block_size * self.kv_bytes_per_token)
         )
@@ -119,7 +137,11 @@ class LLMEngine:
             config.seed,
             config.use_kv_cache,
             self.tokenizer.eos_token_ids,
+            tp,
         )
+        if ranks is not None:
+            ranks.broadcast(num_blocks)
+            self.runner = ParallelRunner(self.runner, ranks, workers)
         self.quantization = {**model.quantization, "weight_mib": round(weight_bytes(model) / 2**20, 1)}
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -134,6 +156,16 @@ class LLMEngine:
         """Write the trace file, if tracing (at shutdown; again whenever called). The engine stays usable."""
         if self.trace is not None:
             self.trace.write(self.config.trace_path)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any; the engine cannot step afterwards."""
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.shutdown()
+
+    @property
+    def fatal_error(self) -> RankFailure | None:
+        """Set when the engine cannot go on (a tensor-parallel rank died): its owner must stop."""
+        return getattr(self.runner, "failure", None)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -217,6 +249,8 @@ class LLMEngine:
         """The runner's output, and the requests whose part of the step raised (see the module docstring)."""
         try:
             return self.runner.execute(sched), {}
+        except RankFailure:
+            raise  # no request's fault: the engine stops
         except Exception as exc:
             if len(sched.scheduled) == 1:
                 return ModelRunnerOutput([], []), {sched.scheduled[0].req_id: exc}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from infer.layers.parallel import SINGLE, TensorParallel, VocabParallelEmbedding
 from infer.layers.rotary import RotaryEmbedding
 from infer.models.config import SLIDING, ModelConfig
 from infer.models.llama import CausalLM, LlamaAttention, LlamaMLP
@@ -33,10 +34,10 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallel):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, norm_cls=GemmaRMSNorm)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, norm_cls=GemmaRMSNorm, tp=tp)
+        self.mlp = LlamaMLP(cfg, tp)
         dim, eps = cfg.hidden_size, cfg.norm_eps
         self.input_layernorm = GemmaRMSNorm(dim, eps)
         self.post_attention_layernorm = GemmaRMSNorm(dim, eps)
@@ -49,16 +50,16 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.embed_scale = cfg.hidden_size**0.5
         full = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         local = full
         if cfg.rope_local is not None:
             local = RotaryEmbedding(cfg.rope_local, cfg.head_dim, cfg.max_position_embeddings)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, i, local if cfg.layer_types[i] == SLIDING else full)
+            Gemma3DecoderLayer(cfg, i, local if cfg.layer_types[i] == SLIDING else full, tp)
             for i in range(cfg.num_layers)
         )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.norm_eps)
@@ -72,10 +73,10 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.model = Gemma3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
+        super().__init__(cfg, tp)
+        self.model = Gemma3Model(cfg, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_rows(cfg.vocab_size), bias=False)
         self.tie_weights()
 
     def input_embeddings(self) -> nn.Embedding:

@@ -13,15 +13,19 @@ from infer.layers.activations import gated_act, get_activation
 from infer.layers.attention import AttentionMetadata, attention
 from infer.layers.linear import MergedLinear
 from infer.layers.norms import RMSNorm
+from infer.layers.parallel import COLUMN, ROW, SINGLE, VOCAB, TensorParallel, VocabParallelEmbedding
 from infer.layers.rotary import RotaryEmbedding
 from infer.models.config import SLIDING, ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, norm_cls=RMSNorm):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, norm_cls=RMSNorm, tp=SINGLE
+    ):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer_idx, self.tp, self.head_dim = layer_idx, tp, cfg.head_dim
+        self.num_heads = tp.split(cfg.num_heads, "the number of attention heads")  # this rank's
+        self.num_kv_heads = tp.kv_heads(cfg.num_kv_heads)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
@@ -41,26 +45,27 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = attention(q, k, v, meta, self.layer_idx, self.scale, self.sliding_window)
-        return self.o_proj(out.flatten(1))  # [num_tokens, hidden_size]
+        return self.tp.all_reduce(self.o_proj(out.flatten(1)))  # [num_tokens, hidden_size]
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        size = cfg.intermediate_size
+        self.tp = tp
+        size = tp.split(cfg.intermediate_size, "intermediate_size")
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_act(self.act, self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(gated_act(self.act, self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallel):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, tp=tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
@@ -77,11 +82,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -100,19 +105,30 @@ class CausalLM(nn.Module):
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
+    # module name -> how its weights split over tensor-parallel ranks (infer.layers.parallel); the
+    # modules not named (norms, rotary) are replicated
+    tp_plan: dict[str, str] = {
+        "qkv_proj": COLUMN,
+        "gate_up_proj": COLUMN,
+        "o_proj": ROW,
+        "down_proj": ROW,
+        "embed_tokens": VOCAB,
+        "lm_head": VOCAB,
+    }
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.config = cfg
+        self.config, self.tp = cfg, tp
 
-    def remap_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        """Checkpoint name/tensor -> ours; None skips it. Identity unless a model's format differs."""
+    def remap_weight(self, name: str, tensor) -> tuple[str, object] | None:
+        """Checkpoint name/tensor -> ours; None skips it. Identity unless a model's format differs.
+        The loader passes a lazily read tensor (infer.models.loader.LazyTensor: `.shape`, `.t()`)."""
         return name, tensor
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """[num_tokens, vocab_size] logits in float32, or with float32=False in the LM head's dtype unless
         soft-capping needs float math (the sampler upcasts where it computes: greedy rows need not)."""
-        logits = self.lm_head(hidden)
+        logits = self.tp.gather_vocab(self.lm_head(hidden), self.config.vocab_size)
         cap = self.config.final_logit_softcapping
         if cap:
             logits = logits.float()
@@ -125,10 +141,10 @@ class CausalLM(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
+        super().__init__(cfg, tp)
+        self.model = LlamaModel(cfg, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_rows(cfg.vocab_size), bias=False)
         self.tie_weights()
 
     def input_embeddings(self) -> nn.Embedding:

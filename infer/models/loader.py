@@ -1,7 +1,8 @@
 """Find a model (folder, preset, hub id), build our model class, and load its weights.
 
 Weights are copied tensor by tensor from memory-mapped safetensors files into parameters that were
-allocated once, uninitialised, in the target dtype: a checkpoint is never held twice in RAM.
+allocated once, uninitialised, in the target dtype: a checkpoint is never held twice in RAM. Under tensor
+parallelism each rank reads only its slice of each tensor (LazyTensor), as the model's `tp_plan` says.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from infer.layers.linear import can_prepack, prepack_linears
+from infer.layers.linear import MergedLinear, can_prepack, prepack_linears
+from infer.layers.parallel import COLUMN, ROW, SINGLE, TensorParallel, shard_range
 from infer.models.config import ModelConfig
 from infer.models.dtypes import to_torch_dtype
 from infer.models.registry import model_class
@@ -96,11 +98,13 @@ def load_model(
     seed: int = 0,
     prepack: bool = True,
     quantization: str = "none",
+    tp: TensorParallel = SINGLE,
 ) -> tuple[nn.Module, ModelConfig, Path]:
     """Returns (model in eval mode on CPU, its config, its folder). `quantization` int8 or int4 swaps the
     linear layers for quantized ones (infer.quant; `model.quantization` summarises what was done). With
     `prepack`, the remaining bf16 linear layers get their weights reordered once for oneDNN where the CPU
-    supports it (infer.layers.linear)."""
+    supports it (infer.layers.linear). `tp`: this rank's shard of the model (infer.layers.parallel); random
+    weights (load_format dummy) are then drawn per shard, so they differ from the unsharded model's."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unknown load format {load_format!r}; choose auto, safetensors or dummy")
     path = resolve_model_path(model, load_format)
@@ -108,7 +112,7 @@ def load_model(
     cfg = ModelConfig.from_hf(hf_config)
     torch_dtype = pick_dtype(cfg, dtype)
     with torch.device("meta"):
-        net = model_class(cfg.architecture)(cfg)
+        net = model_class(cfg.architecture)(cfg, tp)
     net = net.to(dtype=torch_dtype).to_empty(device="cpu")
     net.tie_weights()
     for module in net.modules():  # buffers (rope tables) were left uninitialised by to_empty
@@ -119,11 +123,16 @@ def load_model(
         raise ValueError(
             f"{path.name} is already quantized ({quant.method}): drop --quantization {quantization}"
         )
+    if quant is not None and tp.size > 1:
+        raise ValueError(
+            f"{path.name} is pre-quantized ({quant.method}): tensor parallelism loads bf16/fp32 checkpoints "
+            "only (--quantization int8/int4 quantizes each rank's shard at load)"
+        )
     swapped = {}
     if load_format == "dummy":
         init_dummy_weights(net, seed)
     else:
-        swapped = load_weights(net, path, quant)
+        swapped = load_weights(net, path, quant, tp)
     net = net.eval().requires_grad_(False)
     net.quantization = summarize(quant, swapped) if quant else quantize_model(net, quantization)
     if prepack and can_prepack(torch_dtype):
@@ -143,10 +152,12 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 @torch.no_grad()
-def load_weights(net: nn.Module, path: Path, quant: CheckpointQuant | None = None) -> dict:
-    """Copy the checkpoint's tensors into `net`. With `quant` (a pre-quantized checkpoint), the tensors of
-    its quantized linears are unpacked instead, and those linears swapped for QuantizedLinear layers;
-    returns what was swapped (infer.quant.linear.swap_quantized)."""
+def load_weights(
+    net: nn.Module, path: Path, quant: CheckpointQuant | None = None, tp: TensorParallel = SINGLE
+) -> dict:
+    """Copy the checkpoint's tensors (this rank's slices of them) into `net`. With `quant` (a
+    pre-quantized checkpoint), the tensors of its quantized linears are unpacked instead, and those
+    linears swapped for QuantizedLinear layers; returns what was swapped (swap_quantized)."""
     params = dict(net.named_parameters())
     packed = {ckpt: (fused, i) for fused, names in net.packed_modules.items() for i, ckpt in enumerate(names)}
     loaded: set[str] = set()
@@ -160,7 +171,7 @@ def load_weights(net: nn.Module, path: Path, quant: CheckpointQuant | None = Non
                 if hit:
                     pending.setdefault(hit[0], {})[hit[1]] = f.get_tensor(ckpt_name)
                     continue
-                remapped = net.remap_weight(ckpt_name, f.get_tensor(ckpt_name))
+                remapped = net.remap_weight(ckpt_name, LazyTensor(f.get_slice(ckpt_name)))
                 if remapped is None:
                     continue
                 name, tensor = remapped
@@ -170,14 +181,15 @@ def load_weights(net: nn.Module, path: Path, quant: CheckpointQuant | None = Non
                 parent, _, child = module_path.rpartition(".")
                 if child in packed:
                     fused, shard = packed[child]
-                    target = f"{parent}.{fused}" if parent else fused
-                    net.get_submodule(target).load_shard(leaf, tensor, shard)
+                    module = net.get_submodule(f"{parent}.{fused}" if parent else fused)
+                    shape = (module.output_sizes[shard], *getattr(module, leaf).shape[1:])
+                    module.load_shard(
+                        leaf, _rank_part(tensor, net.tp_plan.get(fused), leaf, shape, tp), shard
+                    )
                     loaded.add(name)
                 elif name in params:
-                    if params[name].shape != tensor.shape:
-                        expected, got = tuple(params[name].shape), tuple(tensor.shape)
-                        raise ValueError(f"{name}: expected {expected}, got {got}")
-                    params[name].copy_(tensor)
+                    module = net.get_submodule(module_path)
+                    _load_param(name, module, leaf, tensor, net.tp_plan.get(child), tp)
                     loaded.add(name)
                 else:
                     raise ValueError(f"unexpected weight {ckpt_name!r} in {file.name}")
@@ -189,6 +201,70 @@ def load_weights(net: nn.Module, path: Path, quant: CheckpointQuant | None = Non
     if missing:
         raise ValueError(f"weights missing from {path}: {', '.join(sorted(missing)[:8])}")
     return swapped
+
+
+class LazyTensor:
+    """A checkpoint tensor not read yet. `.t()` and `.narrow()` only record what is wanted; `.load()`
+    reads just that part of the memory-mapped file (a rank's shard, not the whole tensor)."""
+
+    def __init__(self, source, ranges: list[tuple[int, int]] | None = None, transposed: bool = False):
+        self.source = source  # a safetensors slice (safe_open(...).get_slice(name))
+        self.ranges = ranges if ranges is not None else [(0, n) for n in source.get_shape()]
+        self.transposed = transposed
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(n for _, n in self.ranges)
+
+    def t(self) -> LazyTensor:
+        return LazyTensor(self.source, self.ranges[::-1], not self.transposed)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        ranges = list(self.ranges)
+        ranges[dim] = (ranges[dim][0] + start, length)
+        return LazyTensor(self.source, ranges, self.transposed)
+
+    def load(self) -> torch.Tensor:
+        stored = self.ranges[::-1] if self.transposed else self.ranges
+        tensor = self.source[tuple(slice(a, a + n) for a, n in stored)]
+        return tensor.t() if self.transposed else tensor
+
+
+def _load_param(
+    name: str, module: nn.Module, leaf: str, tensor: LazyTensor, style: str | None, tp: TensorParallel
+):
+    """Copy this rank's part of `tensor` into module.<leaf>. A weight the checkpoint stores fused (GPT-2's
+    c_attn: q | k | v) is split into its projections first, each sharded on its own."""
+    param = getattr(module, leaf)
+    if isinstance(module, MergedLinear) and style == COLUMN and tp.size > 1:
+        offset = 0
+        for shard, size in enumerate(module.output_sizes):
+            part = tensor.narrow(0, offset, size * tp.size)
+            module.load_shard(leaf, _rank_part(part, style, leaf, (size, *param.shape[1:]), tp), shard)
+            offset += size * tp.size
+        return
+    part = _rank_part(tensor, style, leaf, tuple(param.shape), tp)
+    if param.shape != part.shape:
+        raise ValueError(f"{name}: expected {tuple(param.shape)}, got {tuple(part.shape)}")
+    param.copy_(part)
+
+
+def _rank_part(
+    tensor: LazyTensor, style: str | None, leaf: str, shape: tuple, tp: TensorParallel
+) -> torch.Tensor:
+    """What this rank's parameter of `shape` holds of checkpoint `tensor`: column shards split the
+    outputs (dim 0), row shards the inputs (dim 1; their bias is added once, by rank 0, after the
+    all-reduce), vocab shards the rows, zero-padded past the vocabulary; anything else whole."""
+    if style is None or tp.size == 1 or len(tensor.shape) == 0:
+        return tensor.load()
+    if style == ROW and leaf == "bias":
+        return tensor.load() if tp.rank == 0 else torch.zeros(shape)
+    dim = 1 if style == ROW else 0
+    start, length = shard_range(style, tensor.shape[dim], shape[dim], tp)
+    part = tensor.narrow(dim, start, length).load()
+    if length < shape[dim]:  # the vocabulary's last shard
+        part = torch.cat([part, part.new_zeros(shape[dim] - length, *part.shape[1:])])
+    return part
 
 
 def _tensor_names(files: list[Path]) -> set[str]:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import torch
 
+from infer.layers.parallel import SINGLE, TensorParallel
 from infer.models.config import ModelConfig
 
 
 def allocate_kv_cache(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    """Under tensor parallelism, the pools of this rank's KV heads only."""
+    shape = (num_blocks, block_size, tp.kv_heads(cfg.num_kv_heads), cfg.head_dim)
     return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> int:
+    """Per rank, under tensor parallelism."""
+    return 2 * cfg.num_layers * tp.kv_heads(cfg.num_kv_heads) * cfg.head_dim * dtype.itemsize

@@ -16,6 +16,7 @@ import torch
 from infer import kernels
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
 from infer.layers.attention import AttentionMetadata
+from infer.layers.parallel import SINGLE, TensorParallel
 from infer.runner.kv_cache import allocate_kv_cache
 from infer.runner.sampler import Sampler
 
@@ -24,7 +25,9 @@ class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler.
 
     use_kv_cache=False is the no-cache mode of the KV-cache benchmark: every step recomputes each
-    scheduled request's whole sequence (the runner keeps the token history itself).
+    scheduled request's whole sequence (the runner keeps the token history itself). Under tensor
+    parallelism (`tp`) every rank has a runner over its shard and runs `logits()`; rank 0 also samples
+    (infer.runner.parallel).
     """
 
     def __init__(
@@ -35,13 +38,14 @@ class ModelRunner:
         seed: int = 0,
         use_kv_cache: bool = True,
         eos_token_ids: frozenset[int] = frozenset(),
+        tp: TensorParallel = SINGLE,
     ):
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
         self.block_size = block_size
         self.dtype = next(model.parameters()).dtype
         self.kv_caches = (
-            allocate_kv_cache(model.config, num_blocks, block_size, self.dtype) if use_kv_cache else None
+            allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, tp) if use_kv_cache else None
         )
         self.sampler = Sampler(seed)
         kernels.load()  # now, not in the first step that needs it (a first build takes ~10 s)
@@ -52,24 +56,33 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.kv_caches or [])
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.sample(*self.logits(sched))
+
+    @torch.inference_mode()
+    def logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list]:
+        """The forward of one step: logits of the requests that sample this step, and those requests."""
         self.sampler.forget(sched.finished_req_ids)
         for req_id in sched.finished_req_ids:
             self.history.pop(req_id, None)
         self.last_prepare_s = 0.0
         if sched.is_empty:
-            return ModelRunnerOutput([], [])
+            return None, []
         start = time.perf_counter()
         input_ids, positions, meta = self._prepare(sched)
         self.last_prepare_s = time.perf_counter() - start
         hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sample]
         if not sampled:
-            return ModelRunnerOutput([], [])
+            return None, []
         ends = list(itertools.accumulate(meta.query_lens))  # one past the last row of each request
         logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sampled]], float32=False)
-        reqs = [sched.scheduled[i] for i in sampled]
+        return logits, [sched.scheduled[i] for i in sampled]
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor | None, reqs: list) -> ModelRunnerOutput:
+        if logits is None:
+            return ModelRunnerOutput([], [])
         self._ban_early_stops(logits, reqs)
         req_ids = [s.req_id for s in reqs]
         result = self.sampler(logits, req_ids, [s.sampling_params for s in reqs])

@@ -142,7 +142,7 @@ def _public_name(model: str) -> str:
 
 async def _load(state: ServerState, on_ready, on_fatal) -> None:
     try:
-        await state.load()
+        await state.load(on_fatal)
     except Exception as exc:
         logger.error("could not load the model: %s: %s", type(exc).__name__, exc)
         if on_fatal is not None:

@@ -117,6 +117,14 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--seed", type=int, default=d["seed"], help="engine seed (dummy weights, unseeded sampling)"
     )
     parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d["tensor_parallel_size"],
+        help="ranks that each hold a shard of every layer, over torch.distributed (gloo): started here, "
+        "or by a launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun)",
+    )
+    parser.add_argument(
         "--max-model-len",
         type=int,
         default=d["max_model_len"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
@@ -112,6 +113,10 @@ def run(args: ServerArgs) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.engine.tensor_parallel_size > 1 and int(os.environ.get("RANK", "0")) > 0:
+        from infer.engine.llm_engine import run_tensor_parallel_worker
+
+        return run_tensor_parallel_worker(args.engine)  # a launcher's rank > 0: no HTTP, only the model
     server: DrainingServer | None = None
 
     def on_fatal(exc: BaseException) -> None:

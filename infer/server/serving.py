@@ -59,10 +59,17 @@ class ServerState:
         self.fanouts: set[Fanout] = set()
         self._ids = itertools.count()
 
-    async def load(self) -> None:
+    async def load(self, on_fatal=None) -> None:
         """Load the model off the event loop (so /health can answer 503 meanwhile): on the engine thread,
-        where it will run (see infer.engine.async_engine on why torch keeps to one thread)."""
-        engine = AsyncEngine(factory=lambda: MeteredEngine(self.args.engine, self.metrics))
+        where it will run (see infer.engine.async_engine on why torch keeps to one thread). `on_fatal`:
+        the engine stopped for good after loading (a tensor-parallel rank died)."""
+
+        def fatal(exc: BaseException) -> None:
+            self.ready = False  # /health answers 503 until the server is gone
+            if on_fatal is not None:
+                on_fatal(exc)
+
+        engine = AsyncEngine(factory=lambda: MeteredEngine(self.args.engine, self.metrics), on_fatal=fatal)
         engine.start()
         await engine.ready()
         self.engine = engine

@@ -39,8 +39,9 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m infer.server ARGS` on a free loopback port; `start()` returns once /health is 200."""
 
-    def __init__(self, args: list[str], log_path: Path):
-        self.port = free_port()
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, port: int = 0):
+        self.port = port or free_port()
+        self.env = env or {}
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [*args, "--port", str(self.port)]
         self.log_path = log_path
@@ -48,7 +49,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 90.0) -> ServerProcess:
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed by stop())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "infer.server", *self.args],
             stdout=self.log,
