@@ -5,6 +5,7 @@ The model's own configuration (from config.json) lives in `infer.models.config`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 KV_CACHE_BACKENDS = ("paged", "contiguous")
@@ -188,3 +189,16 @@ class EngineConfig:
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         _one_of("quantization", self.quantization, QUANTIZATION_METHODS)
+
+
+def check_local_ranks(tensor_parallel_size: int) -> None:
+    """Tensor-parallel ranks started on this machine need a CPU core each (with a launcher, RANK set, the
+    launcher places them and this does not apply)."""
+    if tensor_parallel_size == 1 or "RANK" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if tensor_parallel_size > cores:
+        raise ValueError(
+            f"--tensor-parallel-size {tensor_parallel_size} needs a CPU core per rank; this machine gives "
+            f"{cores}: lower it, or launch ranks on several machines (torchrun, see the README)"
+        )

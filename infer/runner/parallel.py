@@ -47,6 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from infer.config import check_local_ranks
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
 from infer.layers.parallel import TensorParallel
 
@@ -65,17 +66,13 @@ def launched_rank() -> int | None:
     return int(os.environ["RANK"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 class Ranks:
     """The process group of one engine, seen from any rank: joined at construction."""
 
     def __init__(self, rank: int, size: int, local: bool, init_method: str = "env://"):
         self.tp = TensorParallel(rank, size)
         if local:  # we started the ranks on this machine: share its cores between them
-            torch.set_num_threads(max(1, usable_cores() // size))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=size, timeout=_STEP_TIMEOUT
         )
@@ -104,12 +101,7 @@ def start_ranks(config) -> tuple[Ranks, list[subprocess.Popen]]:
                 f"0 needs --tensor-parallel-size {size} = WORLD_SIZE"
             )
         return Ranks(0, size, local=False), []
-    cores = usable_cores()
-    if size > cores:
-        raise ValueError(
-            f"--tensor-parallel-size {size} needs a CPU core per rank; this machine gives {cores}: "
-            "lower it, or launch ranks on several machines (torchrun, see the README)"
-        )
+    check_local_ranks(size)
     port = _free_port()
     args = [sys.executable, "-m", "infer.runner.parallel", json.dumps(dataclasses.asdict(config))]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(size)}

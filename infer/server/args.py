@@ -24,6 +24,7 @@ from infer.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    check_local_ranks,
 )
 from infer.core.slo import SloClasses
 
@@ -295,6 +296,7 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         slo_max_wait_s=engine.slo_max_wait_s,
         slo_reject_late=engine.slo_reject_late,
     )
+    check_local_ranks(engine.tensor_parallel_size)
     if engine.slo_config is not None:  # a bad file fails now, not after loading the model
         SloClasses.from_file(engine.slo_config)
     CacheConfig(

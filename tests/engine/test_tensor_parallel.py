@@ -81,3 +81,19 @@ def test_a_size_beyond_the_cores_or_the_heads_is_refused(tmp_path):
         LLM(str(path), tensor_parallel_size=len(os.sched_getaffinity(0)) + 1)
     with pytest.raises(ValueError, match="attention heads \\(4\\) must divide evenly"):
         load_model(str(path), tp=TensorParallel(0, 3))  # rank 0's shard, built before any collective
+
+
+def test_a_rank_reads_only_its_slice(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from infer.models.loader import LazyTensor
+
+    stored = torch.arange(24.0).view(4, 6)  # as GPT-2's Conv1D: [in, out]
+    save_file({"w": stored}, tmp_path / "w.safetensors")
+    with safe_open(tmp_path / "w.safetensors", framework="pt") as f:
+        lazy = LazyTensor(f.get_slice("w")).t()  # [out, in], nothing read
+        assert lazy.shape == (6, 4)
+        part = lazy.narrow(0, 2, 3).narrow(1, 1, 2)
+        assert part.shape == (3, 2)
+        assert torch.equal(part.load(), stored.t()[2:5, 1:3])

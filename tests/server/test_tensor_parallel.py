@@ -130,3 +130,18 @@ def test_ranks_placed_by_a_launcher(model_args, expected, tmp_path):
             server.stop()
             if rank1.poll() is None:
                 rank1.kill()
+
+
+def test_more_ranks_than_cores_are_refused_before_loading():
+    cores = len(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "infer.server", "--tensor-parallel-size", str(cores + 1)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=env,
+    )
+    assert proc.returncode == 2
+    assert f"needs a CPU core per rank; this machine gives {cores}" in proc.stderr
