@@ -140,6 +140,19 @@ def load_model(
     return net, cfg, path
 
 
+def load_engine_model(config, tp: TensorParallel = SINGLE) -> tuple[nn.Module, ModelConfig, Path]:
+    """load_model with an EngineConfig's fields: what every rank of an engine loads."""
+    return load_model(
+        config.model,
+        config.dtype,
+        config.load_format,
+        config.seed,
+        config.prepack_weights,
+        config.quantization,
+        tp,
+    )
+
+
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():

@@ -128,22 +128,14 @@ def _free_port() -> int:
 def run_worker(config) -> int:
     """A rank > 0 (RANK and WORLD_SIZE set): load its shard, then run every step rank 0 broadcasts
     until it broadcasts None. Returns the exit code (0 after a clean stop)."""
-    from infer.models.loader import load_model
+    from infer.models.loader import load_engine_model
     from infer.runner.model_runner import ModelRunner
 
     rank, local = launched_rank(), os.environ.get("INFER_TP_LOCAL") == "1"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp-rank-{rank}: %(message)s")
     try:
         ranks = Ranks(rank, config.tensor_parallel_size, local)
-        model, _, _ = load_model(
-            config.model,
-            config.dtype,
-            config.load_format,
-            config.seed,
-            config.prepack_weights,
-            config.quantization,
-            tp=ranks.tp,
-        )
+        model, _, _ = load_engine_model(config, ranks.tp)
         num_blocks = ranks.broadcast(None)
         runner = ModelRunner(
             model, num_blocks, config.block_size, config.seed, config.use_kv_cache, tp=ranks.tp
