@@ -91,8 +91,8 @@ class InferRequestRouter(RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        if pending_request is None or not candidate_replicas:
-            return [candidate_replicas]
+        if pending_request is None or pending_request.metadata.call_method != "generate":
+            return [candidate_replicas]  # facts(), say: any replica, least loaded by Serve's own choice
         by_id = {r.replica_id: r for r in candidate_replicas}
         ids = sorted(by_id, key=lambda i: i.unique_id)  # a stable order for round-robin and ties
         hashes, turn = self._request(pending_request)
@@ -104,6 +104,8 @@ class InferRequestRouter(RequestRouter):
         return [[by_id[i] for i in rank] for rank in decision.ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        if pending_request.metadata.call_method != "generate":
+            return
         self.routed[replica_id.unique_id] += 1
         hashes, _ = self._requests.pop(pending_request.metadata.internal_request_id, ([], 0))
         if hashes:
