@@ -125,6 +125,17 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
+def test_more_replicas_than_cores_are_refused_at_start():
+    cores = len(os.sched_getaffinity(0))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "infer.server", "--replicas", str(cores + 1), "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert f"--replicas {cores + 1} needs at least {cores + 1} CPUs" in done.stderr
+
+
 def test_models_lists_the_model_with_its_context(client):
     (card,) = client.models.list().data
     assert card.id == "embedded" and card.owned_by == "infer"
