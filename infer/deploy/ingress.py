@@ -1,10 +1,9 @@
 """The ingress: the single-process server's own FastAPI app, whose engine is N replicas behind a handle.
 
-    client ─HTTP─► Ray Serve proxy ─► Ingress replica: infer.server's app, unchanged (validation, chat
-                                      template, tokenizing, admission 503/429, errors, SSE, /metrics)
-                                        state.engine = RemoteEngine ── handle.generate(prompt_ids, ...) ──►
-                                        InferRequestRouter picks the replica (infer.deploy.router)
-                                                                       ──► EngineReplica x N
+    client ─HTTP─► infer.server's app, unchanged (validation, chat template, tokenizing, admission
+                   503/429, errors, SSE, /metrics, the SIGTERM drain)
+                     state.engine = RemoteEngine ── handle.generate(prompt_ids, ...) ──►
+                     InferRequestRouter picks the replica (infer.deploy.router) ──► EngineReplica x N
 
 Nothing of the HTTP API is written twice: `create_app` gets a `ReplicaServerState`, whose `engine` has
 `AsyncEngine.add`'s contract (a refusal raises ValueError before any output; the iterator yields
@@ -159,14 +158,17 @@ def _replica_error(req_id: str, exc: Exception) -> RequestFailed:
 
 
 class ReplicaServerState(ServerState):
-    """ServerState whose engine is the replica deployment; `load` waits for one replica to answer."""
+    """ServerState whose engine is the replica deployment. `load` deploys it (`deploy()` blocks until
+    every replica is up and returns the handle), then asks one replica for its facts."""
 
-    def __init__(self, args: ServerArgs, handle, num_replicas: int, deployment_name: str):
+    def __init__(self, args: ServerArgs, deploy, num_replicas: int, deployment_name: str):
         super().__init__(args)
-        self.handle, self.num_replicas, self.deployment_name = handle, num_replicas, deployment_name
+        self.deploy, self.num_replicas, self.deployment_name = deploy, num_replicas, deployment_name
+        self.handle = None
         self.view: EngineView | None = None
 
     async def load(self) -> None:
+        self.handle = await asyncio.to_thread(self.deploy)
         facts = await self.handle.facts.remote()
         self.view = await asyncio.to_thread(EngineView, facts, self.num_replicas)  # reads the tokenizer
         self.engine = RemoteEngine(self.handle, self.metrics)
