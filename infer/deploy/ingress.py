@@ -129,14 +129,16 @@ class RemoteEngine:
         return self._outputs(req_id, stream, _Timeline(req_id, arrival))
 
     async def _outputs(self, req_id: str, stream, timeline: _Timeline) -> AsyncIterator[StepOutput]:
-        finished = False
+        finished = failed = False
         try:
             while not finished:
                 try:
                     kind, payload, queue_s = await stream.__anext__()
                 except StopAsyncIteration:
+                    failed = True
                     raise RequestFailed(req_id, "the replica's stream ended before the request") from None
                 except Exception as exc:
+                    failed = True
                     raise _replica_error(req_id, exc) from exc
                 if kind == "failed":
                     finished = True
@@ -146,9 +148,10 @@ class RemoteEngine:
                 finished = payload.finished
                 yield payload
         finally:
-            if not finished:  # closed early (the client left) or failed: end it on the replica too
+            if not finished:  # closed early (the client left) or its replica failed: end it there too
                 stream.cancel()
-                self.metrics.finished["abort"].inc()
+                if not failed:  # as the engine counts an abort (a failure is no finish reason)
+                    self.metrics.finished["abort"].inc()
 
 
 def _replica_error(req_id: str, exc: Exception) -> RequestFailed:
