@@ -5,7 +5,7 @@
     router.py    the policies as Ray Serve's RequestRouter (the extension point, not a proxy of ours)
     replica.py   EngineReplica: one AsyncEngine per replica, streaming outputs to the ingress
     ingress.py   infer.server's app over a RemoteEngine (the same routes, errors and admission); /metrics
-    app.py       the Serve application, `infer serve --replicas N` and `serve run infer.deploy.app:build`
+    app.py       the Serve application and `infer serve --replicas N` (the endpoint stays in this process)
 
 Only args.py and routing.py import without Ray: `ray[serve]` is an optional extra (`pip install
 infer[ray]`), imported by this path alone.
