@@ -7,6 +7,6 @@
     ingress.py   infer.server's app over a RemoteEngine (the same routes, errors and admission); /metrics
     app.py       the Serve application and `infer serve --replicas N` (the endpoint stays in this process)
 
-Only args.py and routing.py import without Ray: `ray[serve]` is an optional extra (`pip install
-infer[ray]`), imported by this path alone.
+Only router.py and app.py import Ray: `ray[serve]` is an optional extra (`pip install infer[ray]`),
+imported by this path alone (the flags parse and the policies test without it).
 """
