@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_server_args(serve, positional_model=True)
+    from infer.deploy.args import add_replica_args
+
+    add_replica_args(serve)  # --replicas N: infer.deploy (Ray Serve, an optional extra)
     serve.set_defaults(func=cmd_serve)
 
     from infer.bench.cli import add_bench_parsers

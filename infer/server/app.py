@@ -41,9 +41,11 @@ def create_app(
     args: ServerArgs,
     on_ready: Callable[[ServerState], None] | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
+    state: ServerState | None = None,
 ) -> FastAPI:
-    """on_ready runs once the engine is up; on_fatal if loading fails (the launcher then exits non-zero)."""
-    state = ServerState(args)
+    """on_ready runs once the engine is up; on_fatal if loading fails (the launcher then exits non-zero).
+    state: a ServerState whose engine lives elsewhere (infer.deploy's replicas); default, this process's."""
+    state = state if state is not None else ServerState(args)
     created = int(time.time())
 
     @asynccontextmanager

@@ -107,7 +107,8 @@ def log_config(args: ServerArgs, state: ServerState) -> None:
     logger.info("ready on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
 
 
-def run(args: ServerArgs) -> int:
+def run(args: ServerArgs, state: ServerState | None = None) -> int:
+    """Serve until SIGTERM. state: an engine elsewhere (infer.deploy's replicas); default, this process's."""
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -122,7 +123,7 @@ def run(args: ServerArgs) -> int:
     def on_fatal(exc: BaseException) -> None:
         server.fatal(exc)
 
-    app = create_app(args, on_ready=lambda state: log_config(args, state), on_fatal=on_fatal)
+    app = create_app(args, on_ready=lambda state: log_config(args, state), on_fatal=on_fatal, state=state)
     config = uvicorn.Config(
         app,
         host=args.host,
