@@ -72,6 +72,10 @@ def replica_args(ns: argparse.Namespace) -> ReplicaArgs | None:
         raise ValueError(f"--routing-imbalance-bound must be >= 0, got {ns.routing_imbalance_bound}")
     if getattr(ns, "trace_path", None):
         raise ValueError("--trace is not supported with --replicas yet: trace a single-process server")
+    if getattr(ns, "tensor_parallel_size", 1) > 1:
+        raise ValueError(
+            "--tensor-parallel-size is not supported with --replicas yet: a replica is one process"
+        )
     return ReplicaArgs(replicas, ns.ray_address, ns.routing_policy, ns.routing_imbalance_bound)
 
 

@@ -170,7 +170,7 @@ class ReplicaServerState(ServerState):
         self.handle = None
         self.view: EngineView | None = None
 
-    async def load(self) -> None:
+    async def load(self, on_fatal=None) -> None:  # a replica that dies is Ray's to restart, not fatal
         self.handle = await asyncio.to_thread(self.deploy)
         facts = await self.handle.facts.remote()
         self.view = await asyncio.to_thread(EngineView, facts, self.num_replicas)  # reads the tokenizer

@@ -156,6 +156,7 @@ def test_replicas_beyond_the_cores_or_memory_are_refused_with_the_reason():
 def parse(argv: list[str]):
     parser = argparse.ArgumentParser()
     parser.add_argument("--trace", dest="trace_path", default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     add_replica_args(parser)
     return replica_args(parser.parse_args(argv))
 
@@ -168,3 +169,5 @@ def test_replica_flags():
         parse(["--replicas", "0"])
     with pytest.raises(ValueError, match="--trace is not supported with --replicas"):
         parse(["--replicas", "2", "--trace", "t.json"])
+    with pytest.raises(ValueError, match="--tensor-parallel-size is not supported with --replicas"):
+        parse(["--replicas", "2", "--tensor-parallel-size", "2"])
