@@ -191,12 +191,17 @@ class EngineConfig:
         _one_of("quantization", self.quantization, QUANTIZATION_METHODS)
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def check_local_ranks(tensor_parallel_size: int) -> None:
     """Tensor-parallel ranks started on this machine need a CPU core each (with a launcher, RANK set, the
     launcher places them and this does not apply)."""
     if tensor_parallel_size == 1 or "RANK" in os.environ:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
     if tensor_parallel_size > cores:
         raise ValueError(
             f"--tensor-parallel-size {tensor_parallel_size} needs a CPU core per rank; this machine gives "

@@ -286,14 +286,14 @@ def server_specs(args: argparse.Namespace, model_dir: Path, out) -> list[ServerS
 def model_folder(args: argparse.Namespace) -> tuple[Path, Path]:
     """The model's folder, and the tokenizer folder infer serve will use (the model's own, else the
     embedded model's, as the engine decides)."""
-    from infer.models.loader import EMBEDDED_MODEL, resolve_model_path
+    from infer.models.loader import resolve_model_path, tokenizer_folder
 
     flags = shlex.split(args.infer_flags)
     model = args.model or flag_value(flags, "--model")
     path = resolve_model_path(model, flag_value(flags, "--load-format") or "auto")
     if args.tokenizer:
         return path, Path(args.tokenizer)
-    return path, path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
+    return path, tokenizer_folder(path)
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> dict:

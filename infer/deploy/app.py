@@ -30,6 +30,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from infer.config import usable_cores
 from infer.deploy.args import ReplicaArgs, cpus_per_replica
 from infer.deploy.ingress import ReplicaServerState
 from infer.deploy.replica import EngineReplica
@@ -69,7 +70,7 @@ def run(args: ServerArgs, replica: ReplicaArgs) -> int:
     """Start (or join) Ray, serve until SIGTERM (launch.run's drain), then take the replicas down."""
     kv_bytes = args.engine.kv_cache_memory_gb * 2**30 if args.engine.num_kv_blocks is None else 0
     if replica.ray_address is None:
-        num_cpus = len(os.sched_getaffinity(0))
+        num_cpus = usable_cores()
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         cpus = cpus_per_replica(replica.replicas, num_cpus, memory, kv_bytes)  # refuse before starting Ray
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)

@@ -39,7 +39,7 @@ from infer.deploy.routing import ROUTERS
 from infer.engine.async_engine import RequestFailed
 from infer.engine.llm_engine import StepOutput
 from infer.engine.tokenizer import Tokenizer
-from infer.models.loader import EMBEDDED_MODEL, resolve_model_path
+from infer.models.loader import resolve_model_path, tokenizer_folder
 from infer.sampling_params import SamplingParams
 from infer.server.args import ServerArgs
 from infer.server.metrics import PREFIX, Metrics
@@ -70,9 +70,7 @@ class EngineView:
         self.scheduler = SimpleNamespace(kv_cache_manager=kv)
         self.trace = None  # refused at start with --replicas (infer.deploy.args)
         path = resolve_model_path(self.config.model, self.config.load_format)
-        self.tokenizer = Tokenizer.from_pretrained(
-            path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL  # as LLMEngine finds it
-        )
+        self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder(path))  # as LLMEngine finds it
 
 
 @dataclasses.dataclass

@@ -34,7 +34,7 @@ from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.tokenizer import Tokenizer
 from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
-from infer.models.loader import EMBEDDED_MODEL, load_engine_model, weight_bytes
+from infer.models.loader import load_engine_model, tokenizer_folder, weight_bytes
 from infer.runner.kv_cache import kv_bytes_per_token
 from infer.runner.model_runner import ModelRunner
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
@@ -95,8 +95,7 @@ class LLMEngine:
     def _build(self, config: EngineConfig, ranks, workers) -> None:
         tp = ranks.tp if ranks else SINGLE
         model, self.model_config, path = load_engine_model(config, tp)
-        tokenizer_path = path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
-        self.tokenizer = Tokenizer.from_pretrained(tokenizer_path)
+        self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder(path))
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
         dtype = next(model.parameters()).dtype
         self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, tp)  # per rank

@@ -63,6 +63,12 @@ def _download(repo_id: str) -> Path:
         ) from exc
 
 
+def tokenizer_folder(path: Path) -> Path:
+    """Where the tokenizer of the model in `path` is read: its own tokenizer.json, else the embedded
+    model's (random-weight presets ship a config.json only)."""
+    return path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
+
+
 def read_config(path: Path) -> dict:
     with open(path / "config.json") as f:
         return json.load(f)

@@ -47,7 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from infer.config import check_local_ranks
+from infer.config import check_local_ranks, usable_cores
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
 from infer.layers.parallel import TensorParallel
 
@@ -72,7 +72,7 @@ class Ranks:
     def __init__(self, rank: int, size: int, local: bool, init_method: str = "env://"):
         self.tp = TensorParallel(rank, size)
         if local:  # we started the ranks on this machine: share its cores between them
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+            torch.set_num_threads(max(1, usable_cores() // size))
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=size, timeout=_STEP_TIMEOUT
         )
