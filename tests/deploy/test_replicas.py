@@ -23,9 +23,8 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'infer[ray]' to test it")
 
-from tests.server.conftest import free_port, metric  # noqa: E402
+from tests.server.conftest import REPO, ServerProcess, free_port, metric  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 ENGINE_REPLICA = "ServeReplica:infer:EngineReplica"  # the process title Ray gives an engine replica
 START_TIMEOUT_S = 240
 # a prompt of several full KV blocks (16 tokens each) that every prefix test shares
@@ -62,36 +61,15 @@ def title(pid: int) -> str:
         return ""
 
 
-class ReplicaServer:
+class ReplicaServer(ServerProcess):
     """`python -m infer.server --replicas 2 ...` on a free port; stop() leaves no Ray process behind."""
 
     def __init__(self, args: list[str], log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [*args, "--port", str(self.port)]
-        self.log_path = log_path
+        env = {"PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
+        super().__init__(args, log_path, env=env, new_session=True)
 
     def start(self) -> ReplicaServer:
-        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed by stop())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infer.server", *self.args], stdout=self.log, stderr=subprocess.STDOUT,
-            cwd=REPO, env=env, start_new_session=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {START_TIMEOUT_S}s:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 6000) -> str:
-        self.log.flush()
-        return self.log_path.read_text()[-n:]
+        return super().start(timeout=START_TIMEOUT_S)
 
     def engine_pids(self) -> list[int]:
         return sorted(p for p in descendants(self.proc.pid) if ENGINE_REPLICA in title(p))

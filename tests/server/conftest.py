@@ -39,9 +39,17 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m infer.server ARGS` on a free loopback port; `start()` returns once /health is 200."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None, port: int = 0):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        port: int = 0,
+        new_session: bool = False,
+    ):
         self.port = port or free_port()
         self.env = env or {}
+        self.new_session = new_session
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [*args, "--port", str(self.port)]
         self.log_path = log_path
@@ -56,6 +64,7 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             cwd=REPO,
             env=env,
+            start_new_session=self.new_session,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
