@@ -117,6 +117,11 @@ def bf16_ops():
     return ops if ops is not None and ops.isa().endswith("+bf16") else None
 
 
+def cpu_has_amx() -> bool:
+    """Intel's AMX tiles (Sapphire Rapids and later), which oneDNN uses for bf16 matmuls."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def _load():
     if os.environ.get("INFER_NO_KERNELS", "") not in ("", "0"):
         return None

@@ -13,8 +13,11 @@ from infer import kernels
 
 # Weights of up to this many bytes also get the small-batch kernel's copy (infer/kernels/small_linear.cpp),
 # used for steps of up to SMALL_ROWS rows: there oneDNN's cost per call, not the bytes, set the time.
+# Where oneDNN has AMX tiles, they out-compute the kernel's vdpbf16ps from ~8 rows up (a llama-50m decode
+# step on a 2-core Sapphire Rapids, kernel on / off: 1.27x at 2 streams, 1.07x at 6, 0.97x at 8, 0.73x
+# at 32); without AMX the kernel still won at 32 (AMD EPYC Zen 5: 1.08x).
 SMALL_WEIGHT_BYTES = 8 * 2**20
-SMALL_ROWS = 32
+SMALL_ROWS = 6 if kernels.cpu_has_amx() else 32
 
 
 class MergedLinear(nn.Linear):
@@ -54,7 +57,8 @@ class PrepackedLinear(nn.Module):
     A weight of up to SMALL_WEIGHT_BYTES also keeps a second copy in the layout of the small-batch kernel
     (a non-persistent buffer, so weight_bytes counts it), which serves steps of up to SMALL_ROWS rows:
     a llama-50m layer's linears 1.2-1.8x faster than oneDNN's at one row, 1.06-1.2x at 32; the decode
-    step 10-17% faster at 1-8 streams, 3-5% at 16-32 (docs/benchmarks.md). Larger weights read at the
+    step 10-17% faster at 1-8 streams, 3-5% at 16-32 on an AMD EPYC; with AMX, 7-27% at 1-6 streams and
+    slower beyond (docs/benchmarks.md). Larger weights read at the
     same speed either way and keep one copy.
     """
 

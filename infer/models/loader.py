@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from infer import kernels
 from infer.layers.linear import MergedLinear, can_prepack, prepack_linears
 from infer.layers.parallel import COLUMN, ROW, SINGLE, TensorParallel, shard_range
 from infer.models.config import ModelConfig
@@ -92,9 +93,8 @@ def pick_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
 
 
 def _cpu_has_fast_bf16() -> bool:
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    return bool((amx or avx512_bf16) and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool((kernels.cpu_has_amx() or avx512_bf16) and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def load_model(
