@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["serve"]:  # a server process, not a call from Python
+        from infer.server.tcmalloc import reexec_with_tcmalloc
+
+        reexec_with_tcmalloc()
     args = build_parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
     try:

@@ -35,4 +35,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m infer.server", po
 
 
 if __name__ == "__main__":
+    from infer.server.tcmalloc import reexec_with_tcmalloc
+
+    reexec_with_tcmalloc()
     sys.exit(main())

@@ -19,6 +19,7 @@ import time
 
 import uvicorn
 
+from infer.server import tcmalloc
 from infer.server.app import create_app
 from infer.server.args import ServerArgs
 from infer.server.serving import ServerState
@@ -102,6 +103,7 @@ def log_config(args: ServerArgs, state: ServerState) -> None:
         if quant["layers"]
         else "",
     )
+    logger.info("allocator: %s", tcmalloc.allocator())
     if args.cuda_graphs:
         logger.warning("--cuda-graphs: the engine has no GPU path yet; the flag has no effect")
     logger.info("ready on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
