@@ -1,12 +1,14 @@
 """The C++ layer ops (infer/kernels/layer_ops.cpp: RMSNorm and its fused residual add, rotary in place,
 SiLU-and-multiply) against the torch code of the layers they replace: each op alone, and whole engine
 steps with the ops on and off. `--switch` times engine steps with another of the step's kernels on and
-off instead: the greedy argmax over bf16 logits (off: float32 logits, torch's argmax, as before it), or
-the small-batch linear (infer/kernels/small_linear.cpp; off: oneDNN for every step).
+off instead: the greedy argmax over bf16 logits (off: float32 logits, torch's argmax, as before it),
+the small-batch linear (infer/kernels/small_linear.cpp; off: oneDNN for every step), or SDPA for long bf16
+prompts on AMX (infer/layers/attention.py, SDPA_PREFILL_MIN_QUERY_LEN; off: the prefill kernel for all).
 
     python benchmarks/bench_layer_ops.py                               # ops, then llama-50m steps
     python benchmarks/bench_layer_ops.py --model /work/models/llama-1b --load-format dummy --skip-ops
     python benchmarks/bench_layer_ops.py --switch small_linear         # llama-50m steps, oneDNN vs kernel
+    python benchmarks/bench_layer_ops.py --switch sdpa_prefill         # prefill kernel vs SDPA (AMX only)
 
 Both paths run alternately in one process, best of --rounds (a shared machine drifts by tens of percent
 between runs: never compare numbers from two runs). "torch" swaps `infer.kernels.layer_ops` for a
@@ -26,23 +28,25 @@ import torch.nn.functional as F
 from infer import kernels
 from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
-from infer.layers import linear
+from infer.layers import attention, linear
 from infer.layers.rotary import _rotate
 from infer.runner import sampler
 from infer.sampling_params import SamplingParams
 
-REAL = kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS
+REAL = kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS, attention.SDPA_PREFILL_MIN_QUERY_LEN
 
 
 def switch(name: str, on: bool) -> None:
     """Turn one of the step's kernels on (as shipped) or off (the code it replaced)."""
-    kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS = REAL
+    kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS, attention.SDPA_PREFILL_MIN_QUERY_LEN = REAL
     if on:
         return
     if name == "layer_ops":
         kernels.layer_ops = lambda x: None
     elif name == "argmax":
         sampler.argmax = lambda logits: logits.float().argmax(dim=-1)
+    elif name == "sdpa_prefill":
+        attention.SDPA_PREFILL_MIN_QUERY_LEN = None
     else:
         linear.SMALL_ROWS = 0
 
@@ -138,7 +142,8 @@ def bench_steps(args) -> None:
         return ms
 
     cases = [
-        (f"prefill {n} x {n_tok}", lambda n=n, t=n_tok: prefill(n, t)) for n, n_tok in ((4, 128), (1, 2000))
+        (f"prefill {n} x {n_tok}", lambda n=n, t=n_tok: prefill(n, t))
+        for n, n_tok in ((4, 128), (1, 512), (1, 2000))
     ]
     cases += [(f"decode step, {b} streams", lambda b=b: decode(b)) for b in (1, 4, 8, 16, 32)]
     results: dict = {}
@@ -167,7 +172,7 @@ def main() -> None:
     parser.add_argument("--skip-ops", action="store_true", help="only the engine steps")
     parser.add_argument(
         "--switch",
-        choices=("layer_ops", "argmax", "small_linear"),
+        choices=("layer_ops", "argmax", "small_linear", "sdpa_prefill"),
         default="layer_ops",
         help="the kernel the engine steps turn off and on (other than layer_ops: steps only)",
     )

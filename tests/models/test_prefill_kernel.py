@@ -155,6 +155,7 @@ STEPS = {
 def test_attention_serves_loop_seqs(step, dtype, window, monkeypatch):
     _prefill_ops()
     monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 0)  # the long chunk goes on its own
+    monkeypatch.setattr(attention_module, "SDPA_PREFILL_MIN_QUERY_LEN", None)  # the kernel, even with AMX
     query_lens, seq_lens = STEPS[step]
     q, k, v, meta, tables = make_step(8, 2, 64, query_lens, seq_lens, dtype)
     assert meta.loop_seqs
@@ -176,3 +177,38 @@ def test_chunks_of_8_tokens_or_more_leave_the_decodes_for_the_prefill_kernel(mon
     monkeypatch.setattr(kernels, "load", lambda: None)
     _, _, _, meta, _ = make_step(8, 2, 64, *step, torch.bfloat16)
     assert meta.batch_seqs == [0, 1, 2, 3] and not meta.loop_seqs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_bf16_queries_go_to_sdpa_where_it_is_faster(dtype, monkeypatch):
+    """SDPA_PREFILL_MIN_QUERY_LEN (set with AMX): bf16 prompts and chunks of at least that many queries go
+    to SDPA, shorter ones to the kernel in one call, decodes to the batched kernel; float32 stays on the
+    kernel. Every row matches the reference whichever path served it."""
+    ops = _prefill_ops()
+    monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 0)
+    monkeypatch.setattr(attention_module, "SDPA_PREFILL_MIN_QUERY_LEN", 64)
+    query_lens, seq_lens = [1, 64, 20, 1, 300, 63], [30, 64, 120, 5, 900, 63]
+    q, k, v, meta, tables = make_step(8, 2, 64, query_lens, seq_lens, dtype)
+    assert meta.batch_seqs == [0, 3] and meta.loop_seqs == [1, 2, 4, 5]
+    assert meta.sdpa_seqs == ([1, 4] if dtype == torch.bfloat16 else [])
+    kernel_rows, sdpa_rows = [], []
+
+    class Counting:  # the prefill kernel's calls, by rows
+        def prefill_attention(self, q, *args):
+            kernel_rows.append(q.shape[0])
+            return ops.prefill_attention(q, *args)
+
+    def counting_prefill(q, *args):
+        sdpa_rows.append(q.shape[0])
+        return prefill(q, *args)
+
+    prefill = attention_module._prefill
+    monkeypatch.setattr(attention_module, "_prefill_kernel", lambda q, cache: Counting())
+    monkeypatch.setattr(attention_module, "_prefill", counting_prefill)
+    got = attention_module.attention(q, k, v, meta, 0, 0.125)
+    expected = reference(q, meta, tables, 0.125, None)
+    torch.testing.assert_close(got.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+    if dtype == torch.bfloat16:
+        assert kernel_rows == [20 + 63] and sdpa_rows == [64, 300]
+    else:
+        assert kernel_rows == [64 + 20 + 300 + 63] and sdpa_rows == []
