@@ -2,13 +2,16 @@
 SiLU-and-multiply) against the torch code of the layers they replace: each op alone, and whole engine
 steps with the ops on and off. `--switch` times engine steps with another of the step's kernels on and
 off instead: the greedy argmax over bf16 logits (off: float32 logits, torch's argmax, as before it),
-the small-batch linear (infer/kernels/small_linear.cpp; off: oneDNN for every step), or SDPA for long bf16
-prompts on AMX (infer/layers/attention.py, SDPA_PREFILL_MIN_QUERY_LEN; off: the prefill kernel for all).
+the small-batch linear (infer/kernels/small_linear.cpp; off: oneDNN for every step where it holds a
+copy), its AMX tiles (off: an engine loaded by the rules before them, kernel up to 6 rows, oneDNN for
+the rest and alone for weights over 8 MiB; AMX only), or SDPA for long bf16 prompts on AMX
+(infer/layers/attention.py, SDPA_PREFILL_MIN_QUERY_LEN; off: the prefill kernel for all).
 
     python benchmarks/bench_layer_ops.py                               # ops, then llama-50m steps
     python benchmarks/bench_layer_ops.py --model /work/models/llama-1b --load-format dummy --skip-ops
     python benchmarks/bench_layer_ops.py --switch small_linear         # llama-50m steps, oneDNN vs kernel
     python benchmarks/bench_layer_ops.py --switch sdpa_prefill         # prefill kernel vs SDPA (AMX only)
+    python benchmarks/bench_layer_ops.py --switch tiles                # linears before / with AMX tiles
 
 Both paths run alternately in one process, best of --rounds (a shared machine drifts by tens of percent
 between runs: never compare numbers from two runs). "torch" swaps `infer.kernels.layer_ops` for a
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +51,8 @@ def switch(name: str, on: bool) -> None:
         sampler.argmax = lambda logits: logits.float().argmax(dim=-1)
     elif name == "sdpa_prefill":
         attention.SDPA_PREFILL_MIN_QUERY_LEN = None
+    elif name == "tiles":
+        linear.SMALL_ROWS = 6
     else:
         linear.SMALL_ROWS = 0
 
@@ -109,14 +115,19 @@ def bench_ops(rounds: int, dtype: torch.dtype) -> None:
 
 def bench_steps(args) -> None:
     config = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype)
-    engine = LLMEngine(config)
+    engines = {"on": LLMEngine(config)}
+    if args.switch == "tiles":  # the "off" side: which weights get which copy is decided at load
+        if not kernels.cpu_has_amx():
+            raise SystemExit("--switch tiles needs a CPU with AMX")
+        with mock.patch.object(linear.kernels, "cpu_has_amx", lambda: False):
+            engines["off"] = LLMEngine(config)
     gen = torch.Generator().manual_seed(0)
-    vocab = engine.model_config.vocab_size
+    vocab = engines["on"].model_config.vocab_size
 
     def prompt(n):
         return torch.randint(10, vocab - 10, (n,), generator=gen).tolist()
 
-    def prefill(num, length):
+    def prefill(engine, num, length):
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         for _ in range(num):
             engine.add_request(prompt(length), params)
@@ -125,7 +136,7 @@ def bench_steps(args) -> None:
             engine.step()
         return (time.perf_counter() - start) * 1000
 
-    def decode(batch, steps=30):
+    def decode(engine, batch, steps=30):
         params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
         for _ in range(batch):
             engine.add_request(prompt(128), params)
@@ -142,18 +153,18 @@ def bench_steps(args) -> None:
         return ms
 
     cases = [
-        (f"prefill {n} x {n_tok}", lambda n=n, t=n_tok: prefill(n, t))
+        (f"prefill {n} x {n_tok}", lambda e, n=n, t=n_tok: prefill(e, n, t))
         for n, n_tok in ((4, 128), (1, 512), (1, 2000))
     ]
-    cases += [(f"decode step, {b} streams", lambda b=b: decode(b)) for b in (1, 4, 8, 16, 32)]
+    cases += [(f"decode step, {b} streams", lambda e, b=b: decode(e, b)) for b in (1, 4, 8, 16, 32)]
     results: dict = {}
     for _ in range(args.rounds):
         for name, fn in cases:
             for mode in ("off", "on"):
                 switch(args.switch, mode == "on")
-                results.setdefault((name, mode), []).append(fn())
+                results.setdefault((name, mode), []).append(fn(engines.get(mode, engines["on"])))
     switch(args.switch, True)
-    dtype = next(engine.runner.model.parameters()).dtype
+    dtype = next(engines["on"].runner.model.parameters()).dtype
     what = f"{args.model}, {dtype}, {args.switch} off / on"
     print(f"\nengine steps, ms, best of {args.rounds} alternated rounds ({what})")
     for name, _ in cases:
@@ -172,7 +183,7 @@ def main() -> None:
     parser.add_argument("--skip-ops", action="store_true", help="only the engine steps")
     parser.add_argument(
         "--switch",
-        choices=("layer_ops", "argmax", "small_linear", "sdpa_prefill"),
+        choices=("layer_ops", "argmax", "small_linear", "tiles", "sdpa_prefill"),
         default="layer_ops",
         help="the kernel the engine steps turn off and on (other than layer_ops: steps only)",
     )

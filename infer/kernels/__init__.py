@@ -9,8 +9,8 @@ all of a step's (attention.py again); AVX-512 BF16 CPUs only, SDPA elsewhere.
 (infer/layers/norms.py, rotary.py, activations.py; `layer_ops(x)` says whether they serve a tensor).
 `quant_linear.cpp`: int8 and int4 weights times bf16 activations, for quantized models
 (infer/quant/linear.py); AVX-512 BF16 CPUs only (`isa()` ends in "+bf16"), torch's kernels elsewhere.
-`small_linear.cpp`: bf16 linears of small weights at decode batches, where oneDNN's cost per call
-dominates (infer/layers/linear.py); AVX-512 BF16 CPUs only, oneDNN elsewhere and for larger steps.
+`small_linear.cpp`: bf16 linears at decode batches, where oneDNN's cost per call dominates, and with AMX
+tiles every step of large weights (infer/layers/linear.py); AVX-512 BF16 CPUs only, oneDNN elsewhere.
 
 The build goes through `torch.utils.cpp_extension` (g++ and ninja, -O3 -march=native -fopenmp) into
 `.build/kernels/<key>/` under the repository (~/.cache/infer/kernels when installed elsewhere), where

@@ -13,11 +13,13 @@ from infer import kernels
 
 # Weights of up to this many bytes also get the small-batch kernel's copy (infer/kernels/small_linear.cpp),
 # used for steps of up to SMALL_ROWS rows: there oneDNN's cost per call, not the bytes, set the time.
-# Where oneDNN has AMX tiles, they out-compute the kernel's vdpbf16ps from ~8 rows up (a llama-50m decode
-# step on a 2-core Sapphire Rapids, kernel on / off: 1.27x at 2 streams, 1.07x at 6, 0.97x at 8, 0.73x
-# at 32); without AMX the kernel still won at 32 (AMD EPYC Zen 5: 1.08x).
+# Without AMX the kernel's vdpbf16ps won up to 32 rows (AMD EPYC Zen 5: a llama-50m decode step 1.08x at
+# 32 streams). With AMX the kernel runs 7+ rows on tiles and beat oneDNN's prepacked linears at every
+# row count measured up to 128 (and on the llama-50m shapes up to 512: a weight pass per 32 rows, from
+# L2 after the first; docs/benchmarks.md), so decodes and mixed steps go to it and long prefills stay
+# on oneDNN, whose blocked GEMM is the tested path for large K.
 SMALL_WEIGHT_BYTES = 8 * 2**20
-SMALL_ROWS = 6 if kernels.cpu_has_amx() else 32
+SMALL_ROWS = 128 if kernels.cpu_has_amx() else 32
 
 
 class MergedLinear(nn.Linear):
@@ -57,9 +59,13 @@ class PrepackedLinear(nn.Module):
     A weight of up to SMALL_WEIGHT_BYTES also keeps a second copy in the layout of the small-batch kernel
     (a non-persistent buffer, so weight_bytes counts it), which serves steps of up to SMALL_ROWS rows:
     a llama-50m layer's linears 1.2-1.8x faster than oneDNN's at one row, 1.06-1.2x at 32; the decode
-    step 10-17% faster at 1-8 streams, 3-5% at 16-32 on an AMD EPYC; with AMX, 7-27% at 1-6 streams and
-    slower beyond (docs/benchmarks.md). Larger weights read at the
-    same speed either way and keep one copy.
+    step 10-17% faster at 1-8 streams, 3-5% at 16-32 on an AMD EPYC; with AMX (tiles from 7 rows up),
+    faster at every batch (docs/benchmarks.md). Larger weights keep one copy.
+
+    With AMX, a larger weight whose sizes divide by 32 keeps the kernel's copy alone (no oneDNN copy),
+    and every step goes to the kernel: for weights of tens of MB its tiles read as fast as oneDNN or
+    faster at every row count measured, 1 to 2048 (Llama-3.2-1B's linears and LM head, the llama-50m
+    LM head; docs/benchmarks.md), while small weights with 2048-row prefills are still oneDNN's.
     """
 
     def __init__(self, linear: nn.Linear, tied: bool = False):
@@ -70,17 +76,19 @@ class PrepackedLinear(nn.Module):
         if isinstance(linear, MergedLinear):
             self.output_sizes = linear.output_sizes  # the model splits the output by them
         weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         self.bias = linear.bias
-        fits = weight.nbytes <= SMALL_WEIGHT_BYTES and self.out_features % 16 == 0
-        fits = fits and self.in_features % 2 == 0
+        small = weight.nbytes <= SMALL_WEIGHT_BYTES
+        tiles = self.out_features % 32 == 0 and self.in_features % 32 == 0 and kernels.cpu_has_amx()
+        fits = (small or tiles) and self.out_features % 16 == 0 and self.in_features % 2 == 0
         self._ops = kernels.bf16_ops() if fits else None
-        small = pack_pairs(weight) if self._ops is not None else None
-        self.register_buffer("small_weight", small, persistent=False)
+        kernel_weight = pack_pairs(weight) if self._ops is not None else None
+        self.register_buffer("small_weight", kernel_weight, persistent=False)
+        only = self._ops is not None and not small
+        self.packed_weight = None if only else torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self._ops is not None and flat.shape[0] <= SMALL_ROWS:
+        if self._ops is not None and (self.packed_weight is None or flat.shape[0] <= SMALL_ROWS):
             out = self._ops.small_linear(flat.contiguous(), self.small_weight, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")

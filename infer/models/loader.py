@@ -329,6 +329,5 @@ def weight_bytes(net: nn.Module) -> int:
     """Bytes the weights take: parameters and buffers (quantized codes, scales), and prepacked bf16
     weights (opaque to torch, counted by their element count)."""
     held = sum(t.nbytes for t in (*net.parameters(), *net.buffers()))
-    return held + 2 * sum(
-        getattr(m, "num_packed_params", 0) for m in net.modules() if hasattr(m, "packed_weight")
-    )
+    packed = (m for m in net.modules() if getattr(m, "packed_weight", None) is not None)
+    return held + 2 * sum(getattr(m, "num_packed_params", 0) for m in packed)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from infer import kernels
 from infer.layers import linear
 from infer.layers.linear import PrepackedLinear, can_prepack, pack_pairs
 
@@ -24,7 +25,7 @@ def reference(x, weight, bias):
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
-SHAPES = [(16, 2), (48, 64), (80, 512), (1024, 512), (512, 1376)]
+SHAPES = [(16, 2), (48, 64), (80, 512), (64, 64), (1024, 512), (512, 1376)]
 
 
 def assert_within_a_bf16_unit(got, expected, unit=2**-8):
@@ -35,13 +36,15 @@ def assert_within_a_bf16_unit(got, expected, unit=2**-8):
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_row_count_matches_float32(out_features, in_features, bias):
     """1-4 rows (tiles of 4 blocks), 5-8 (tiles of 2), more (chunks of 8 rows and a remainder); tiles
-    with 1-4 blocks (48 = 3 blocks, 80 = one tile and 1 block)."""
+    with 1-4 blocks (48 = 3 blocks, 80 = one tile and 1 block). Built with AMX, 7+ rows of weights whose
+    sizes divide by 32 (64 x 64, 1024 x 512, 512 x 1376) run on tiles: passes of 32 rows, the last one
+    partial (its own tile shapes), one or two 16-row halves."""
     ops = bf16_ops()
     gen = torch.Generator().manual_seed(out_features + in_features)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
     b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
     packed = pack_pairs(weight)
-    for rows in (*range(1, 10), 16, 21, 32):
+    for rows in (*range(1, 10), 16, 17, 21, 32, 33, 48, 70, 128):
         x = torch.randn(rows, in_features, generator=gen).bfloat16()
         got = ops.small_linear(x, packed, b)
         expected = reference(x, weight, b)
@@ -62,7 +65,8 @@ def test_refuses_what_it_cannot_compute():
 
 def test_prepacked_linear_routes_small_weights_and_small_steps(monkeypatch):
     """Steps of up to SMALL_ROWS rows of a small weight go to the kernel, larger ones to oneDNN; a weight
-    over SMALL_WEIGHT_BYTES keeps oneDNN's copy alone. Both paths agree with float32 math."""
+    over SMALL_WEIGHT_BYTES keeps one copy: the kernel's on a CPU with AMX (every step goes to it), else
+    oneDNN's. Both paths agree with float32 math."""
     ops = bf16_ops()
     layer = torch.nn.Linear(512, 1024, bias=True).bfloat16()
     small = PrepackedLinear(layer)
@@ -75,8 +79,8 @@ def test_prepacked_linear_routes_small_weights_and_small_steps(monkeypatch):
             return ops.small_linear(x, weight, bias)
 
     small._ops = Counting()
-    x = torch.randn(40, 512).bfloat16()
-    for rows in (1, linear.SMALL_ROWS, linear.SMALL_ROWS + 1, 40):
+    x = torch.randn(linear.SMALL_ROWS + 8, 512).bfloat16()
+    for rows in (1, linear.SMALL_ROWS, linear.SMALL_ROWS + 1, linear.SMALL_ROWS + 8):
         expected = reference(x[:rows], layer.weight, layer.bias)
         got = small(x[:rows])
         assert_within_a_bf16_unit(got, expected, 2**-7)  # oneDNN's rows too
@@ -84,4 +88,14 @@ def test_prepacked_linear_routes_small_weights_and_small_steps(monkeypatch):
 
     monkeypatch.setattr(linear, "SMALL_WEIGHT_BYTES", layer.weight.nbytes - 1)
     large = PrepackedLinear(layer)
-    assert large.small_weight is None and large._ops is None
+    if not kernels.cpu_has_amx():
+        assert large.small_weight is None and large._ops is None and large.packed_weight is not None
+        return
+    assert large.packed_weight is None and torch.equal(large.small_weight, pack_pairs(layer.weight.detach()))
+    calls.clear()
+    large._ops = Counting()
+    rows = linear.SMALL_ROWS + 8
+    assert_within_a_bf16_unit(large(x[:rows]), reference(x[:rows], layer.weight, layer.bias))
+    assert calls == [rows]
+    odd = torch.nn.Linear(512, 1040, bias=False).bfloat16()  # 1040 channels: not a multiple of 32
+    assert PrepackedLinear(odd)._ops is None
