@@ -1,5 +1,11 @@
 """An async streaming client for any OpenAI-compatible server, and the loop that drives it with arrivals.
 
+The client runs on aiohttp, whose HTTP parser is C: on a 2-core machine the client shares the cores with
+the server it measures, and httpx (pure Python parsing and line splitting) took 92 us of CPU per streamed
+chunk against aiohttp's 27; at 32 streams that was a third of a core taken from the server, which then
+measured 1,874-2,274 output tok/s where the same server measured 2,755-2,809 under aiohttp (Sapphire
+Rapids, llama-50m, 256 requests; docs/benchmarks.md "Session 9").
+
 One request = one POST /v1/completions with `stream: true` and `stream_options: {include_usage: true}`. The
 client stamps, on one monotonic clock relative to the run's start: the intended send, the actual send,
 every chunk that carries text (the first is the first token), and the end. Token counts are read from the
@@ -14,7 +20,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import aiohttp
 import httpx
+import orjson
 
 from infer.bench.arrivals import Arrivals
 from infer.bench.metrics import RequestRecord
@@ -33,6 +41,9 @@ class RequestSpec:
     req_class: str = "default"
     target_prompt_tokens: int | None = None
     extra_body: dict | None = None  # more body fields, e.g. a class's priority
+
+
+JSON = {"Content-Type": "application/json"}
 
 
 def _headers(api_key: str | None) -> dict:
@@ -105,16 +116,17 @@ class StreamingClient:
         self.timeout = timeout
         self.ignore_eos = ignore_eos  # fixed output lengths; vLLM and ours honour it, others ignore it
         self.temperature = temperature
-        self._http: httpx.AsyncClient | None = None
+        self._http: aiohttp.ClientSession | None = None
         self.t0 = time.perf_counter()
 
     async def __aenter__(self) -> StreamingClient:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        self._http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.timeout, connect=10.0))
+        # no cap on connections (the arrivals decide concurrency); idle ones kept for reuse
+        timeout = aiohttp.ClientTimeout(total=None, connect=10.0)
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self._http.aclose()
+        await self._http.close()
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -147,10 +159,10 @@ class StreamingClient:
         try:
             async with asyncio.timeout(self.timeout):  # the whole request, not one read
                 await self._post(spec, rec)
-        except (TimeoutError, httpx.TimeoutException) as exc:
+        except TimeoutError as exc:  # aiohttp's own timeouts are TimeoutErrors too
             rec.status = "timeout"
             rec.error = f"{type(exc).__name__}: no complete answer within {self.timeout}s"
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             rec.status, rec.error = "error", f"{type(exc).__name__}: {exc}"
         except asyncio.CancelledError:
             rec.status, rec.error = "aborted", "cancelled by the client"
@@ -159,27 +171,27 @@ class StreamingClient:
 
     async def _post(self, spec: RequestSpec, rec: RequestRecord) -> None:
         body, headers = self.body(spec), self.headers
-        async with self._http.stream("POST", self.url, json=body, headers=headers) as resp:
-            rec.http_status = resp.status_code
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
+        async with self._http.post(self.url, data=orjson.dumps(body), headers=headers | JSON) as resp:
+            rec.http_status = resp.status
+            if resp.status != 200:
+                text = (await resp.read()).decode(errors="replace")
                 rec.status, rec.error = "error", _error_message(text)
             else:
                 await self._read_stream(resp, rec)
 
-    async def _read_stream(self, resp: httpx.Response, rec: RequestRecord) -> None:
+    async def _read_stream(self, resp: aiohttp.ClientResponse, rec: RequestRecord) -> None:
         done = False
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
+        async for line in resp.content:  # one SSE line a time, b"\n" included
+            if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
-            if data == "[DONE]":
+            if data == b"[DONE]":
                 done = True
                 break
             t = self.now()
-            event = json.loads(data)
+            event = orjson.loads(data)
             if "error" in event:  # an error after the stream started
-                rec.status, rec.error = "error", _error_message(data)
+                rec.status, rec.error = "error", _error_message(data.decode(errors="replace"))
                 return
             if any(c.get("text") for c in event.get("choices") or []):
                 rec.chunk_times.append(t)

@@ -196,3 +196,20 @@ def test_slo_classes_give_requests_objectives_and_steps_feed_the_cost_model(tiny
         engine.step()
     assert engine.scheduler.cost_model.num_steps > 0
     assert all(r.finish_reason == "length" for r in (short, long, own))
+
+
+def test_default_token_budget_follows_the_cpu(monkeypatch):
+    """No budget given: 2048 tokens a step on a CPU with AMX, 512 elsewhere (docs/benchmarks.md, the
+    race); a given budget is kept, also through dataclasses.replace."""
+    import dataclasses
+
+    from infer import kernels
+    from infer.config import EngineConfig
+
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: True)
+    assert EngineConfig().max_num_batched_tokens == 2048
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)
+    assert EngineConfig().max_num_batched_tokens == 512
+    given = EngineConfig(max_num_batched_tokens=96)
+    assert given.max_num_batched_tokens == 96
+    assert dataclasses.replace(given, max_num_seqs=8).max_num_batched_tokens == 96
