@@ -134,3 +134,40 @@ def test_a_model_that_fails_to_load_is_reported_by_ready_and_by_requests(tmp_pat
         return True
 
     assert run(engine, go)
+
+
+def test_a_burst_of_requests_to_an_idle_engine_starts_as_one_step(model_path, monkeypatch):
+    """Requests that reach an idle engine within BURST_QUIET_S of each other are prefilled in its first
+    step together (the quiet window widened here so that a slow machine cannot split the burst)."""
+    from infer.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "BURST_QUIET_S", 0.05)
+    monkeypatch.setattr(async_engine, "BURST_MAX_S", 1.0)
+    steps = []
+
+    def factory():
+        engine = LLMEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=64))
+        step = engine.step
+
+        def counting_step():
+            outputs = step()
+            steps.append((len(outputs), engine.last_stats.num_prefill_tokens))
+            return outputs
+
+        engine.step = counting_step
+        return engine
+
+    engine = AsyncEngine(factory=factory)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    async def one(i):
+        await asyncio.sleep(0.005 * i)  # spread over 15 ms: within the widened quiet window
+        return [o async for o in engine.generate([5 + i, 9, 11], params)]
+
+    async def main():
+        await engine.ready()
+        return await asyncio.gather(*(one(i) for i in range(4)))
+
+    outs = run(engine, main)
+    assert all(o[-1].finished for o in outs)
+    assert steps[0] == (4, 12)  # all four prompts (3 tokens each) in the first step, each with its token
