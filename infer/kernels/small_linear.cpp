@@ -4,8 +4,9 @@
 // A llama-50m layer's four linears (0.5-2.8 MB of weights each) took 22-57 us per call through oneDNN's
 // prepacked path at one row, 1.2-1.8x more than here, and still 1.06-1.2x more at 32 rows (AMD EPYC
 // Zen 5, 2 threads, weights streamed from DRAM as in a real step). For weights of tens of MB (an LM
-// head, a 1B model's layers) both read at the same speed, so infer/layers/linear.py sends only weights
-// of up to SMALL_WEIGHT_BYTES here, and steps of more than SMALL_ROWS rows (prefill) to oneDNN's GEMM.
+// head, a 1B model's layers) both read at the same speed there, so without AMX infer/layers/linear.py
+// sends only weights of up to SMALL_WEIGHT_BYTES here, and steps of more than SMALL_ROWS rows (prefill)
+// to oneDNN's GEMM.
 //
 // With AMX (Sapphire Rapids and later), 7+ rows go to the tiles (run_amx below), which beat oneDNN's
 // prepacked path at every row count measured on a 2-core Sapphire Rapids, weights from DRAM: llama-50m's
@@ -33,10 +34,6 @@
 
 #include "vec.h"
 
-#ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 6
-#endif
-
 namespace {
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -44,7 +41,7 @@ namespace {
 constexpr int64_t kBlock = 16;     // output channels per block: one float32 vector
 constexpr int64_t kPrefetch = 16;  // input pairs ahead (1 KB of each block's stream)
 constexpr int64_t kChunkRows = 8;
-constexpr int64_t kAmxMinRows = AMX_MIN_ROWS;
+constexpr int64_t kAmxMinRows = 6;  // up to here vdpbf16ps (at 1 row 10% faster than tiles), tiles beyond
 
 struct Problem {
   const c10::BFloat16* x;
@@ -123,7 +120,6 @@ void run(const Problem& P) {
   });
 }
 
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX tiles (Sapphire Rapids): the same layout read 16 input pairs at a time as a B tile (16 rows of 16
 // channels x 2 inputs: 1 KB, contiguous), x as A tiles of 16 rows x 32 inputs, products in 16 x 16 float32
@@ -144,7 +140,7 @@ bool amx_permitted() {  // Linux hands out the tile state only on request (once 
   return ok;
 }
 
-// Rows m0..m0+32 of x times channel blocks 2bp, 2bp+1; the caller has loaded `rows_config(M - m0)`.
+// Rows m0..m0+32 of x times channel blocks 2bp, 2bp+1; the caller has loaded the rows' `rows_config`.
 inline void amx_tile(const Problem& P, int64_t m0, int64_t bp) {
   const int64_t r0 = std::min<int64_t>(16, P.M - m0), r1 = std::min<int64_t>(16, P.M - m0 - r0);
   const int64_t pairs = P.K / 2, x_stride = P.K * 2;
@@ -207,15 +203,13 @@ void run_amx(const Problem& P) {
     at::parallel_for(0, P.N / 32, 1, [&](int64_t begin, int64_t end) {
       const int64_t tail = rows % kAmxRows, full = rows - tail;
       const TileConfig full_cfg = rows_config(kAmxRows), tail_cfg = rows_config(tail);
+      const bool both = full > 0 && tail > 0;  // else one configuration serves the whole range
+      _tile_loadconfig(full > 0 ? &full_cfg : &tail_cfg);
       for (int64_t bp = begin; bp < end; ++bp) {
-        if (full > 0) {
-          _tile_loadconfig(&full_cfg);
-          for (int64_t m0 = b0; m0 < b0 + full; m0 += kAmxRows) amx_tile(P, m0, bp);
-        }
-        if (tail > 0) {
-          _tile_loadconfig(&tail_cfg);
-          amx_tile(P, b0 + full, bp);
-        }
+        if (both) _tile_loadconfig(&full_cfg);
+        for (int64_t m0 = b0; m0 < b0 + full; m0 += kAmxRows) amx_tile(P, m0, bp);
+        if (both) _tile_loadconfig(&tail_cfg);
+        if (tail > 0) amx_tile(P, b0 + full, bp);
       }
       _tile_release();
     });
