@@ -162,7 +162,7 @@ class StreamingClient:
         except TimeoutError as exc:  # aiohttp's own timeouts are TimeoutErrors too
             rec.status = "timeout"
             rec.error = f"{type(exc).__name__}: no complete answer within {self.timeout}s"
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, ValueError) as exc:  # ValueError: an unparsable or over-long SSE line
             rec.status, rec.error = "error", f"{type(exc).__name__}: {exc}"
         except asyncio.CancelledError:
             rec.status, rec.error = "aborted", "cancelled by the client"

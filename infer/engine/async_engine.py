@@ -42,7 +42,7 @@ from infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("infer.engine")
 IDLE_CHECK_S = 1.0
-BURST_QUIET_S = 0.0005  # an idle engine woken by a request waits for this long a silence (see below)
+BURST_QUIET_S = 0.0005  # an idle engine woken by a request waits for this long a silence (docstring)
 BURST_MAX_S = 0.004  # and no longer than this in all
 
 
