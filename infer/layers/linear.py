@@ -17,7 +17,7 @@ from infer import kernels
 # 32 streams). With AMX the kernel runs 7+ rows on tiles and beat oneDNN's prepacked linears at every
 # row count measured up to 128 (and on the llama-50m shapes up to 512: a weight pass per 32 rows, from
 # L2 after the first; docs/benchmarks.md), so decodes and mixed steps go to it and long prefills stay
-# on oneDNN, whose blocked GEMM is the tested path for large K.
+# on oneDNN, whose blocked GEMM is still faster for small-K weights at 2048 rows (3072x512: 2.6 vs 3.8 ms).
 SMALL_WEIGHT_BYTES = 8 * 2**20
 SMALL_ROWS = 128 if kernels.cpu_has_amx() else 32
 
@@ -57,15 +57,16 @@ class PrepackedLinear(nn.Module):
     The packed weight is an opaque mkldnn tensor: a plain attribute, not a parameter or a buffer.
 
     A weight of up to SMALL_WEIGHT_BYTES also keeps a second copy in the layout of the small-batch kernel
-    (a non-persistent buffer, so weight_bytes counts it), which serves steps of up to SMALL_ROWS rows:
-    a llama-50m layer's linears 1.2-1.8x faster than oneDNN's at one row, 1.06-1.2x at 32; the decode
-    step 10-17% faster at 1-8 streams, 3-5% at 16-32 on an AMD EPYC; with AMX (tiles from 7 rows up),
-    faster at every batch (docs/benchmarks.md). Larger weights keep one copy.
+    (`kernel_weight`, a non-persistent buffer, so weight_bytes counts it), which serves steps of up to
+    SMALL_ROWS rows: a llama-50m layer's linears 1.2-1.8x faster than oneDNN's at one row, 1.06-1.2x at
+    32; the decode step 10-17% faster at 1-8 streams, 3-5% at 16-32 on an AMD EPYC; with AMX (tiles from
+    7 rows up), faster at every batch (docs/benchmarks.md). Larger weights keep one copy.
 
     With AMX, a larger weight whose sizes divide by 32 keeps the kernel's copy alone (no oneDNN copy),
-    and every step goes to the kernel: for weights of tens of MB its tiles read as fast as oneDNN or
-    faster at every row count measured, 1 to 2048 (Llama-3.2-1B's linears and LM head, the llama-50m
-    LM head; docs/benchmarks.md), while small weights with 2048-row prefills are still oneDNN's.
+    and every step goes to the kernel: Llama-3.2-1B's linears were as fast as oneDNN or faster at every
+    row count measured, 1 to 2048, and LM heads (which see one row per sampled sequence) at 1 to 128
+    (docs/benchmarks.md); the llama-50m head at 512 rows, which only an offline evaluation asks of it,
+    is slower (13.0 vs 10.3 ms).
     """
 
     def __init__(self, linear: nn.Linear, tied: bool = False):
@@ -82,14 +83,14 @@ class PrepackedLinear(nn.Module):
         fits = (small or tiles) and self.out_features % 16 == 0 and self.in_features % 2 == 0
         self._ops = kernels.bf16_ops() if fits else None
         kernel_weight = pack_pairs(weight) if self._ops is not None else None
-        self.register_buffer("small_weight", kernel_weight, persistent=False)
+        self.register_buffer("kernel_weight", kernel_weight, persistent=False)
         only = self._ops is not None and not small
         self.packed_weight = None if only else torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if self._ops is not None and (self.packed_weight is None or flat.shape[0] <= SMALL_ROWS):
-            out = self._ops.small_linear(flat.contiguous(), self.small_weight, self.bias)
+            out = self._ops.small_linear(flat.contiguous(), self.kernel_weight, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)

@@ -70,7 +70,7 @@ def test_prepacked_linear_routes_small_weights_and_small_steps(monkeypatch):
     ops = bf16_ops()
     layer = torch.nn.Linear(512, 1024, bias=True).bfloat16()
     small = PrepackedLinear(layer)
-    assert small._ops is ops and torch.equal(small.small_weight, pack_pairs(layer.weight.detach()))
+    assert small._ops is ops and torch.equal(small.kernel_weight, pack_pairs(layer.weight.detach()))
     calls = []
 
     class Counting:
@@ -89,9 +89,9 @@ def test_prepacked_linear_routes_small_weights_and_small_steps(monkeypatch):
     monkeypatch.setattr(linear, "SMALL_WEIGHT_BYTES", layer.weight.nbytes - 1)
     large = PrepackedLinear(layer)
     if not kernels.cpu_has_amx():
-        assert large.small_weight is None and large._ops is None and large.packed_weight is not None
+        assert large.kernel_weight is None and large._ops is None and large.packed_weight is not None
         return
-    assert large.packed_weight is None and torch.equal(large.small_weight, pack_pairs(layer.weight.detach()))
+    assert large.packed_weight is None and torch.equal(large.kernel_weight, pack_pairs(layer.weight.detach()))
     calls.clear()
     large._ops = Counting()
     rows = linear.SMALL_ROWS + 8
