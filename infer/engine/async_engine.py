@@ -167,15 +167,18 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(_settle, self._built, None)
         engine = self.engine
         while not self._stopping:
+            idle = not engine.has_unfinished()
             self._apply_commands()
             if engine.fatal_error is not None:
                 self._die(engine.fatal_error)
                 break
             if not engine.has_unfinished():
-                if self._wakeup.wait(IDLE_CHECK_S):
-                    self._gather_burst()
+                self._wakeup.wait(IDLE_CHECK_S)
                 self._wakeup.clear()
                 continue
+            if idle:  # work just reached an idle engine, however it was noticed: let its burst arrive
+                self._gather_burst()
+                self._apply_commands()
             try:
                 outputs = engine.step()
             except Exception as exc:  # a failed step fails its requests, not the server
@@ -191,8 +194,8 @@ class AsyncEngine:
         engine.shutdown()
 
     def _gather_burst(self) -> None:
-        """An idle engine woken by a request waits until requests stop arriving for BURST_QUIET_S (at
-        most BURST_MAX_S), so that a burst starts as one step (see the module docstring)."""
+        """Wait until commands stop arriving for BURST_QUIET_S (at most BURST_MAX_S); the caller applies
+        them, so that a burst reaching an idle engine starts as one step (see the module docstring)."""
         deadline = time.monotonic() + BURST_MAX_S
         while True:
             self._wakeup.clear()
