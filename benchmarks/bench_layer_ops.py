@@ -4,14 +4,16 @@ steps with the ops on and off. `--switch` times engine steps with another of the
 off instead: the greedy argmax over bf16 logits (off: float32 logits, torch's argmax, as before it),
 the small-batch linear (infer/kernels/small_linear.cpp; off: oneDNN for every step where it holds a
 copy), its AMX tiles (off: an engine loaded by the rules before them, kernel up to 6 rows, oneDNN for
-the rest and alone for weights over 8 MiB; AMX only), or SDPA for long bf16 prompts on AMX
-(infer/layers/attention.py, SDPA_PREFILL_MIN_QUERY_LEN; off: the prefill kernel for all).
+the rest and alone for weights over 8 MiB; AMX only), SDPA for long bf16 prompts on AMX
+(infer/layers/attention.py, SDPA_PREFILL_MIN_QUERY_LEN; off: the prefill kernel for all), or the gate_up
+projection with SiLU-and-multiply in its epilogue (off: an engine loaded without it, two ops; AMX only).
 
     python benchmarks/bench_layer_ops.py                               # ops, then llama-50m steps
     python benchmarks/bench_layer_ops.py --model /work/models/llama-1b --load-format dummy --skip-ops
     python benchmarks/bench_layer_ops.py --switch small_linear         # llama-50m steps, oneDNN vs kernel
     python benchmarks/bench_layer_ops.py --switch sdpa_prefill         # prefill kernel vs SDPA (AMX only)
     python benchmarks/bench_layer_ops.py --switch tiles                # linears before / with AMX tiles
+    python benchmarks/bench_layer_ops.py --switch fused_silu           # gate_up + SiLU-and-mul in one pass
 
 Both paths run alternately in one process, best of --rounds (a shared machine drifts by tens of percent
 between runs: never compare numbers from two runs). "torch" swaps `infer.kernels.layer_ops` for a
@@ -121,6 +123,13 @@ def bench_steps(args) -> None:
             raise SystemExit("--switch tiles needs a CPU with AMX")
         with mock.patch.object(linear.kernels, "cpu_has_amx", lambda: False):
             engines["off"] = LLMEngine(config)
+    if args.switch == "fused_silu":  # the "off" side: gate_up and SiLU-and-multiply as two ops
+        if not kernels.cpu_has_amx():
+            raise SystemExit("--switch fused_silu needs a CPU with AMX")
+        init = linear.PrepackedLinear.__init__
+        unfused = lambda self, lin, tied=False, gated=False: init(self, lin, tied)  # noqa: E731
+        with mock.patch.object(linear.PrepackedLinear, "__init__", unfused):
+            engines["off"] = LLMEngine(config)
     gen = torch.Generator().manual_seed(0)
     vocab = engines["on"].model_config.vocab_size
 
@@ -183,7 +192,7 @@ def main() -> None:
     parser.add_argument("--skip-ops", action="store_true", help="only the engine steps")
     parser.add_argument(
         "--switch",
-        choices=("layer_ops", "argmax", "small_linear", "tiles", "sdpa_prefill"),
+        choices=("layer_ops", "argmax", "small_linear", "tiles", "sdpa_prefill", "fused_silu"),
         default="layer_ops",
         help="the kernel the engine steps turn off and on (other than layer_ops: steps only)",
     )

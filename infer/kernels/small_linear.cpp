@@ -16,6 +16,9 @@
 // Only 2048-row prefills of small-K weights stay faster in oneDNN (3072x512: 2.6 vs 3.8 ms), which is
 // why weights of up to 8 MiB keep oneDNN's copy for steps over SMALL_ROWS.
 //
+// small_linear_silu: a gate_up projection with SiLU-and-multiply in the tiles' epilogue (its weight's
+// rows interleaved by 16: gate, up, gate, ...), so a SiLU MLP never writes its [rows, 2I] product.
+//
 // Layout (packed once, infer/layers/linear.py): [N / 16][K / 2][16 channels][2 inputs] bf16, oneDNN's
 // for vdpbf16ps. A vector of 32 weights is 16 output channels x one input pair, x enters as one broadcast
 // pair, and the 16 float32 lanes of an accumulator are 16 output channels: no horizontal sums. Threads
@@ -120,6 +123,22 @@ void run(const Problem& P) {
   });
 }
 
+
+// SiLU-and-multiply of 16 output channels from their float32 gate and up sums (+ bias), rounded where
+// the unfused path rounds (layer_ops.cpp silu_and_mul after a bf16 gate_up): the same bits.
+inline void silu_mul_16(const float* gate, const float* up, const c10::BFloat16* bias, c10::BFloat16* dst) {
+  using namespace infer_vec;
+  VecF g = vload(gate), u = vload(up);
+  if (bias) {
+    g = vadd(g, vload(bias));
+    u = vadd(u, vload(bias + 16));
+  }
+  g = vround_to<c10::BFloat16>(g);
+  u = vround_to<c10::BFloat16>(u);
+  const VecF silu = vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g))));
+  vstore_as(dst, vmul(vround_to<c10::BFloat16>(silu), u));
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX tiles (Sapphire Rapids): the same layout read 16 input pairs at a time as a B tile (16 rows of 16
 // channels x 2 inputs: 1 KB, contiguous), x as A tiles of 16 rows x 32 inputs, products in 16 x 16 float32
@@ -141,6 +160,7 @@ bool amx_permitted() {  // Linux hands out the tile state only on request (once 
 }
 
 // Rows m0..m0+32 of x times channel blocks 2bp, 2bp+1; the caller has loaded the rows' `rows_config`.
+template <bool kGated>
 inline void amx_tile(const Problem& P, int64_t m0, int64_t bp) {
   const int64_t r0 = std::min<int64_t>(16, P.M - m0), r1 = std::min<int64_t>(16, P.M - m0 - r0);
   const int64_t pairs = P.K / 2, x_stride = P.K * 2;
@@ -172,13 +192,18 @@ inline void amx_tile(const Problem& P, int64_t m0, int64_t bp) {
     _tile_stored(3, &c[16][16], 128);
   }
   const int64_t n = bp * 32;
-  for (int64_t r = 0; r < r0 + r1; ++r)
+  for (int64_t r = 0; r < r0 + r1; ++r) {
+    if constexpr (kGated) {  // the pair is 16 gate channels and their 16 up channels
+      silu_mul_16(&c[r][0], &c[r][16], P.bias ? P.bias + n : nullptr, P.y + (m0 + r) * (P.N / 2) + bp * 16);
+      continue;
+    }
     for (int h = 0; h < 2; ++h) {
       __m512 v = _mm512_load_ps(&c[r][h * 16]);
       if (P.bias) v = _mm512_add_ps(v, infer_vec::vload(P.bias + n + h * 16));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(P.y + (m0 + r) * P.N + n + h * 16),
                           (__m256i)_mm512_cvtneps_pbh(v));
     }
+  }
 }
 
 TileConfig rows_config(int64_t rows) {  // A and C tiles for `rows` (1-32) rows of x
@@ -196,6 +221,7 @@ TileConfig rows_config(int64_t rows) {  // A and C tiles for `rows` (1-32) rows 
 // DRAM once per block and from L1/L2 for its other passes. Decode steps are one block: one weight read.
 constexpr int64_t kAmxBlockBytes = 1 << 20;
 
+template <bool kGated>
 void run_amx(const Problem& P) {
   const int64_t block_rows = std::max<int64_t>(kAmxRows, kAmxBlockBytes / (2 * P.K) / kAmxRows * kAmxRows);
   for (int64_t b0 = 0; b0 < P.M; b0 += block_rows) {
@@ -207,9 +233,9 @@ void run_amx(const Problem& P) {
       _tile_loadconfig(full > 0 ? &full_cfg : &tail_cfg);
       for (int64_t bp = begin; bp < end; ++bp) {
         if (both) _tile_loadconfig(&full_cfg);
-        for (int64_t m0 = b0; m0 < b0 + full; m0 += kAmxRows) amx_tile(P, m0, bp);
+        for (int64_t m0 = b0; m0 < b0 + full; m0 += kAmxRows) amx_tile<kGated>(P, m0, bp);
         if (both) _tile_loadconfig(&tail_cfg);
-        if (tail > 0) amx_tile(P, b0 + full, bp);
+        if (tail > 0) amx_tile<kGated>(P, b0 + full, bp);
       }
       _tile_release();
     });
@@ -235,7 +261,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
   if (M == 0) return y;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (M > kAmxMinRows && N % 32 == 0 && K % 32 == 0 && amx_permitted()) {
-    run_amx(P);
+    run_amx<false>(P);
     return y;
   }
 #endif
@@ -246,8 +272,54 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
 #endif
 }
 
+
+// The gate_up projection and SiLU-and-multiply in one pass: `weight` is a gate_up weight whose rows
+// alternate 16 gate channels and the same 16 up channels (infer/layers/linear.py `interleave_gate_up`),
+// packed as for small_linear; out[m, i] = round(silu(round(gate_i))) * round(up_i), rounded, as
+// silu_and_mul(small_linear(...)) of the plain weight. On tiles the epilogue applies it to each 32 x 32
+// result, so the [M, 2I] gate_up output (12 MB for a 2048-token llama-50m step) is never written and
+// read back; up to 6 rows (vdpbf16ps) through a small buffer.
+at::Tensor small_linear_silu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
+                  weight.size(1) == K,
+              "weight: contiguous bf16 [N, K] (interleaved gate | up, in the kernel's layout)");
+  TORCH_CHECK(N % 32 == 0 && K % 2 == 0, "N: a multiple of 32; K: even");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 && bias->numel() == N),
+              "bias: contiguous bf16 [N]");
+  at::Tensor y = at::empty({M, N / 2}, x.options());
+  if (M == 0) return y;
+  const c10::BFloat16* b = bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (M > kAmxMinRows && K % 32 == 0 && amx_permitted()) {
+    run_amx<true>(Problem{x.const_data_ptr<c10::BFloat16>(), weight.const_data_ptr<c10::BFloat16>(), b,
+                          y.data_ptr<c10::BFloat16>(), M, N, K});
+    return y;
+  }
+#endif
+  at::Tensor both = at::empty({M, N}, x.options());  // few rows: the plain kernel, then the epilogue
+  run(Problem{x.const_data_ptr<c10::BFloat16>(), weight.const_data_ptr<c10::BFloat16>(), b,
+              both.data_ptr<c10::BFloat16>(), M, N, K});
+  const c10::BFloat16* src = both.const_data_ptr<c10::BFloat16>();
+  c10::BFloat16* dst = y.data_ptr<c10::BFloat16>();
+  alignas(64) float gate[16], up[16];
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t bp = 0; bp < N / 32; ++bp) {
+      const c10::BFloat16* row = src + m * N + bp * 32;
+      for (int i = 0; i < 16; ++i) gate[i] = row[i], up[i] = row[16 + i];
+      silu_mul_16(gate, up, nullptr, dst + m * (N / 2) + bp * 16);
+    }
+  return y;
+#else
+  TORCH_CHECK(false, "small_linear_silu needs AVX-512 BF16; this build has ", infer_vec::kIsa);
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer_kernels, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &small_linear);
+  m.def("small_linear_silu(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &small_linear_silu);
 }

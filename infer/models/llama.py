@@ -58,7 +58,12 @@ class LlamaMLP(nn.Module):
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(gated_act(self.act, self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj
+        if getattr(gate_up, "fused_silu", False):  # a PrepackedLinear applying it (infer/layers/linear.py)
+            h = gate_up.silu_and_mul(x)
+        else:
+            h = gated_act(self.act, gate_up(x))
+        return self.tp.all_reduce(self.down_proj(h))
 
 
 class LlamaDecoderLayer(nn.Module):

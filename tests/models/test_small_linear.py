@@ -99,3 +99,57 @@ def test_prepacked_linear_routes_small_weights_and_small_steps(monkeypatch):
     assert calls == [rows]
     odd = torch.nn.Linear(512, 1040, bias=False).bfloat16()  # 1040 channels: not a multiple of 32
     assert PrepackedLinear(odd)._ops is None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_with_silu_in_the_epilogue_equals_the_two_ops(bias):
+    """small_linear_silu over a gate_up weight interleaved in 16-channel groups: the same bits as
+    silu_and_mul(small_linear(...)) of the plain weight, on every path (vdpbf16ps up to 6 rows, tiles
+    beyond, partial passes of 32 rows, several row blocks)."""
+    ops = bf16_ops()
+    gen = torch.Generator().manual_seed(7)
+    out_features, in_features = 2 * 96, 512
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    plain, fused = pack_pairs(weight), pack_pairs(linear.interleave_gate_up(weight))
+    fused_bias = None if b is None else linear.interleave_gate_up(b)
+    for rows in (1, 2, 6, 7, 16, 33, 70, 1100):
+        x = (torch.randn(rows, in_features, generator=gen) * 3).bfloat16()
+        expected = ops.silu_and_mul(ops.small_linear(x, plain, b))
+        assert torch.equal(ops.small_linear_silu(x, fused, fused_bias), expected), rows
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.small_linear_silu(torch.randn(1, 512).bfloat16(), pack_pairs(weight[:48]), None)
+
+
+def test_gated_prepacked_linear_fuses_silu_only_on_amx():
+    """A gate_up projection followed by SiLU (prepack_linears names it) keeps one interleaved kernel copy
+    on AMX: silu_and_mul(x) equals the unfused layer's gated product, and forward() still returns
+    gate | up in checkpoint order. Without AMX it is an ordinary PrepackedLinear."""
+    bf16_ops()
+    layer = torch.nn.Linear(256, 2 * 192, bias=True).bfloat16()
+    plain, gated = PrepackedLinear(layer), PrepackedLinear(layer, gated=True)
+    x = torch.randn(40, 256).bfloat16()
+    if not kernels.cpu_has_amx():
+        assert not gated.fused_silu
+        return
+    assert gated.fused_silu and gated.packed_weight is None and not plain.fused_silu
+    torch.testing.assert_close(gated(x), plain(x), rtol=0, atol=0)
+    expected = _ops().silu_and_mul(plain(x))
+    assert torch.equal(gated.silu_and_mul(x), expected)
+    assert torch.equal(gated.silu_and_mul(x[:3]), _ops().silu_and_mul(plain(x[:3])))
+
+
+def test_prepack_linears_fuses_the_gate_up_of_silu_mlps():
+    bf16_ops()
+
+    class MLP(torch.nn.Module):
+        def __init__(self, act):
+            super().__init__()
+            self.act = act
+            self.gate_up_proj = torch.nn.Linear(64, 128, bias=False).bfloat16()
+            self.down_proj = torch.nn.Linear(64, 64, bias=False).bfloat16()
+
+    silu, gelu = MLP(F.silu), MLP(F.gelu)
+    assert linear.prepack_linears(silu) == linear.prepack_linears(gelu) == 2
+    assert silu.gate_up_proj.fused_silu == kernels.cpu_has_amx()
+    assert not gelu.gate_up_proj.fused_silu and not silu.down_proj.fused_silu
