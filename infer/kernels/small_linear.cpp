@@ -245,16 +245,25 @@ void run_amx(const Problem& P) {
 
 #endif
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+// What both ops take: x [M, K], the weight [N, K] in the kernel's layout, N a multiple of `channels`
+void check_args(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                int64_t channels) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous bf16 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const int64_t K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
                   weight.size(1) == K,
               "weight: contiguous bf16 [N, K] (in the kernel's layout)");
-  TORCH_CHECK(N % kBlock == 0 && K % 2 == 0, "N: a multiple of 16; K: even");
+  TORCH_CHECK(N % channels == 0 && K % 2 == 0, "N: a multiple of ", channels, "; K: even");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 && bias->numel() == N),
               "bias: contiguous bf16 [N]");
+}
+#endif
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  check_args(x, weight, bias, kBlock);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const Problem P{x.const_data_ptr<c10::BFloat16>(), weight.const_data_ptr<c10::BFloat16>(),
                   bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), M, N, K};
@@ -281,14 +290,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
 // read back; up to 6 rows (vdpbf16ps) through a small buffer.
 at::Tensor small_linear_silu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous bf16 [M, K]");
+  check_args(x, weight, bias, 32);  // weight: interleaved gate | up
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
-                  weight.size(1) == K,
-              "weight: contiguous bf16 [N, K] (interleaved gate | up, in the kernel's layout)");
-  TORCH_CHECK(N % 32 == 0 && K % 2 == 0, "N: a multiple of 32; K: even");
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 && bias->numel() == N),
-              "bias: contiguous bf16 [N]");
   at::Tensor y = at::empty({M, N / 2}, x.options());
   if (M == 0) return y;
   const c10::BFloat16* b = bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr;
