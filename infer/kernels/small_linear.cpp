@@ -123,7 +123,6 @@ void run(const Problem& P) {
   });
 }
 
-
 // SiLU-and-multiply of 16 output channels from their float32 gate and up sums (+ bias), rounded where
 // the unfused path rounds (layer_ops.cpp silu_and_mul after a bf16 gate_up): the same bits.
 inline void silu_mul_16(const float* gate, const float* up, const c10::BFloat16* bias, c10::BFloat16* dst) {
@@ -280,7 +279,6 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
   TORCH_CHECK(false, "small_linear needs AVX-512 BF16; this build has ", infer_vec::kIsa);
 #endif
 }
-
 
 // The gate_up projection and SiLU-and-multiply in one pass: `weight` is a gate_up weight whose rows
 // alternate 16 gate channels and the same 16 up channels (infer/layers/linear.py `interleave_gate_up`),

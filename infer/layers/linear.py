@@ -73,8 +73,9 @@ class PrepackedLinear(nn.Module):
     its rows interleaved so that each 32-channel tile pair holds 16 outputs' gate and up, and
     `silu_and_mul(x)` applies the activation in the tiles' epilogue (small_linear.cpp
     `small_linear_silu`) at every row count: the [rows, 2 x intermediate] product is never written
-    out and read back. llama-50m engine steps 1.03-1.14x (prefill) and 1.06-1.55x (decode) faster
-    (`bench_layer_ops.py --switch fused_silu`, docs/benchmarks.md).
+    out and read back. llama-50m engine steps 1.03-1.14x faster (prefill) and 1.06x or more (decode;
+    `bench_layer_ops.py --switch fused_silu`); the race at 32 streams 1.29 -> 1.31-1.36x vLLM's
+    (docs/benchmarks.md, session 10).
     """
 
     def __init__(self, linear: nn.Linear, tied: bool = False, gated: bool = False):
