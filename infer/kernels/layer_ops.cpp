@@ -168,7 +168,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
       const T* up = gate + I;
       for (int64_t i = 0; i < I; i += kLanes) {
         const VecF g = vload(gate + i);
-        const VecF silu = vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g))));
+        const VecF silu = vsilu(g);
         vstore_as(dst + r * I + i, vmul(vround_to<T>(silu), vload(up + i)));
       }
     });

@@ -134,7 +134,7 @@ inline void silu_mul_16(const float* gate, const float* up, const c10::BFloat16*
   }
   g = vround_to<c10::BFloat16>(g);
   u = vround_to<c10::BFloat16>(u);
-  const VecF silu = vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g))));
+  const VecF silu = vsilu(g);
   vstore_as(dst, vmul(vround_to<c10::BFloat16>(silu), u));
 }
 

@@ -195,6 +195,10 @@ inline VecF vexp(VecF x) {
 }
 #endif
 
+// silu(x) = x / (1 + e^-x): layer_ops.cpp's silu_and_mul and small_linear.cpp's fused epilogue both call
+// this one, so that the fused path keeps giving the same bits as the two ops
+inline VecF vsilu(VecF x) { return vdiv(x, vadd(vset1(1.f), vexp(vsub(vzero(), x)))); }
+
 // Stores that convert to the destination's dtype, rounding to nearest even as torch's conversions do.
 // Any ISA: through a float array and c10's conversion; AVX-512: in registers (below).
 template <typename T>
