@@ -381,9 +381,7 @@ def prefill_row(heads, dtype, batch, length, chunk, rounds) -> str:
     scale = heads[2] ** -0.5
     with kernels_off():
         sdpa_meta = make_meta()
-    saved, attention_module.SDPA_PREFILL_MIN_QUERY_LEN = attention_module.SDPA_PREFILL_MIN_QUERY_LEN, None
-    kernel_meta = make_meta()  # every sequence on the kernel, even those SDPA serves with AMX
-    attention_module.SDPA_PREFILL_MIN_QUERY_LEN = saved
+    kernel_meta = make_meta()
 
     def sdpa():
         with kernels_off():

@@ -4,14 +4,14 @@ steps with the ops on and off. `--switch` times engine steps with another of the
 off instead: the greedy argmax over bf16 logits (off: float32 logits, torch's argmax, as before it),
 the small-batch linear (infer/kernels/small_linear.cpp; off: oneDNN for every step where it holds a
 copy), its AMX tiles (off: an engine loaded by the rules before them, kernel up to 6 rows, oneDNN for
-the rest and alone for weights over 8 MiB; AMX only), SDPA for long bf16 prompts on AMX
-(infer/layers/attention.py, SDPA_PREFILL_MIN_QUERY_LEN; off: the prefill kernel for all), or the gate_up
-projection with SiLU-and-multiply in its epilogue (off: an engine loaded without it, two ops; AMX only).
+the rest and alone for weights over 8 MiB; AMX only), the prefill-attention kernel (off: SDPA, one call
+per prompt or long chunk, its fallback), or the gate_up projection with SiLU-and-multiply in its
+epilogue (off: an engine loaded without it, two ops; AMX only).
 
     python benchmarks/bench_layer_ops.py                               # ops, then llama-50m steps
     python benchmarks/bench_layer_ops.py --model /work/models/llama-1b --load-format dummy --skip-ops
     python benchmarks/bench_layer_ops.py --switch small_linear         # llama-50m steps, oneDNN vs kernel
-    python benchmarks/bench_layer_ops.py --switch sdpa_prefill         # prefill kernel vs SDPA (AMX only)
+    python benchmarks/bench_layer_ops.py --switch prefill_kernel       # SDPA vs the prefill kernel
     python benchmarks/bench_layer_ops.py --switch tiles                # linears before / with AMX tiles
     python benchmarks/bench_layer_ops.py --switch fused_silu           # gate_up + SiLU-and-mul in one pass
 
@@ -39,20 +39,20 @@ from infer.layers.rotary import _rotate
 from infer.runner import sampler
 from infer.sampling_params import SamplingParams
 
-REAL = kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS, attention.SDPA_PREFILL_MIN_QUERY_LEN
+REAL = kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS, attention._prefill_kernel
 
 
 def switch(name: str, on: bool) -> None:
     """Turn one of the step's kernels on (as shipped) or off (the code it replaced)."""
-    kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS, attention.SDPA_PREFILL_MIN_QUERY_LEN = REAL
+    kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS, attention._prefill_kernel = REAL
     if on:
         return
     if name == "layer_ops":
         kernels.layer_ops = lambda x: None
     elif name == "argmax":
         sampler.argmax = lambda logits: logits.float().argmax(dim=-1)
-    elif name == "sdpa_prefill":
-        attention.SDPA_PREFILL_MIN_QUERY_LEN = None
+    elif name == "prefill_kernel":
+        attention._prefill_kernel = lambda q, cache: None
     elif name == "tiles":
         linear.SMALL_ROWS = 6
     else:
@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--skip-ops", action="store_true", help="only the engine steps")
     parser.add_argument(
         "--switch",
-        choices=("layer_ops", "argmax", "small_linear", "tiles", "sdpa_prefill", "fused_silu"),
+        choices=("layer_ops", "argmax", "small_linear", "tiles", "prefill_kernel", "fused_silu"),
         default="layer_ops",
         help="the kernel the engine steps turn off and on (other than layer_ops: steps only)",
     )

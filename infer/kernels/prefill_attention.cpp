@@ -27,9 +27,13 @@
 // vdpbf16ps (float16 converted as it is packed), and an exp accurate to float32. Accumulation and the
 // softmax are float32 in every dtype.
 //
+// With AMX (a build whose -march has it, Sapphire Rapids on), bf16 items run the two products on the
+// tiles instead (amx_tiles below, head_dim a multiple of 64): same packing, same softmax.
+//
 // One layer of llama-50m shape (8 q / 4 kv heads of 64), bf16, on 2 Zen 5 cores: a 2048-token prompt
 // SDPA 32 ms -> 6.0 ms (~720 GFLOP/s of the causal half, where the bf16 linears reach ~900; SDPA ~130),
-// 4 x 128 tokens 1.16 -> 0.15 ms (infer/layers/attention.py has the table). Needs AVX-512 BF16:
+// 4 x 128 tokens 1.16 -> 0.15 ms (infer/layers/attention.py has the table). On 2 Sapphire Rapids cores,
+// where SDPA runs on AMX too: 7.8 ms (SDPA), 21.9 (vdpbf16ps), 5.0 (tiles). Needs AVX-512 BF16:
 // elsewhere the op raises, isa() (paged_attention.cpp) says so, and the Python side keeps SDPA.
 
 #include <ATen/Parallel.h>
@@ -44,6 +48,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "paged_call.h"
 #include "vec.h"
 
@@ -55,6 +60,8 @@ namespace {
 constexpr int64_t kTile = 64;      // keys per tile: 4 vectors of scores per row
 constexpr int64_t kRows = 6;       // rows per register block (S: 6 x 4, PV: 6 x 4 accumulators)
 constexpr int64_t kItemRows = 60;  // rows per item (queries x group), at most: 10 blocks of 6
+constexpr int64_t kAmxRows = 16;      // rows per block on AMX tiles (one tile's rows)
+constexpr int64_t kAmxItemRows = 64;  // rows per item on AMX, at most: 4 blocks of 16
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -158,6 +165,7 @@ struct Problem : infer_paged::PagedCall {
   Word* packed;
   int64_t tile_words;
   const int64_t *first_tile, *num_tiles, *tile_base;
+  bool amx;  // bf16 items on the tiles (amx_tiles)
 
   Word* tile(int64_t s, int64_t h, int64_t i) const {
     return packed + tile_base[s] + (h * num_tiles[s] + i - first_tile[s]) * tile_words;
@@ -173,6 +181,7 @@ struct Item {
 struct Workspace {
   std::vector<Word> q;       // [rows][D / per] the item's queries
   std::vector<Word> p;       // [rows][kTile / per] a tile's probabilities
+  std::vector<float> s;      // [kAmxRows][kTile] a block's scores (AMX)
   std::vector<float> acc;    // [rows][D] unnormalized output
   std::vector<float> sum;    // [rows][16] running sums of the probabilities, lane by lane
   std::vector<float> max;    // [rows] running max of the scores (times scale * log2 e)
@@ -184,6 +193,7 @@ struct Workspace {
     using infer_paged::grow;
     grow(q, rows * head_dim);
     grow(p, rows * kTile);
+    grow(s, kAmxRows * kTile);
     grow(acc, rows * head_dim);
     grow(sum, rows * 16);
     grow(max, rows);
@@ -243,6 +253,9 @@ void pack_values(const void* const* rows, int64_t count, int64_t D, Word* vp) {
         if (D - d >= 32) _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(va, hi, vb));
       }
     }
+    // the AMX path reads 32 keys at a time with probabilities 0 past the last key: 0 x stale words
+    // from an earlier call could be 0 x NaN
+    std::fill(vp + (count + 1) / 2 * D, vp + kTile / 2 * D, Word{0});
   } else {
     for (int64_t j = 0; j < count; ++j)
       for (int64_t d = 0; d < D; d += 16)
@@ -403,6 +416,167 @@ void scores(const Problem& P, Workspace& ws, const Word* kp, int64_t r0, int64_t
   }
 }
 
+// ---- AMX (bf16 on Sapphire Rapids and later): blocks of 16 rows, S = Q K^T and P V on the tiles ----
+//
+// The packed tiles are already what the tile registers load: 16 words of Kp (32 dims) x 16 keys is a B
+// tile for S, 16 words of Vp (32 keys) x 16 dims a B tile for P V; the queries (16 rows x 32 dims) and P
+// (16 rows x 32 keys) are A tiles. Per block of 16 rows and tile of 64 keys: S in C tiles 0-3 (16 keys
+// each) -> ws.s; the softmax in AVX-512 as above (mask, running max, p rounded to bf16 -> ws.p, sums);
+// acc rows rescaled by alpha where the max moved, then loaded into C tiles 0-3 (64 dims), += P V, stored.
+// Tiles 4: A, 6 and 7: B. What is left is mostly the softmax (leaving it out of a timing run took ~3
+// ms of ~6 off a 2048-token llama-50m layer; leaving out P V ~2). An item's rows are padded to a
+// multiple of 16 (zero queries at its last query's position, never written out).
+#if defined(INFER_AMX)
+
+inline bool amx_usable(int64_t head_dim) { return head_dim % 64 == 0 && infer_amx::permitted(); }
+
+infer_amx::TileConfig amx_config() {
+  infer_amx::TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kAmxRows;
+    cfg.colsb[t] = 64;
+  }
+  return cfg;
+}
+
+// ws.s[0 .. 16][0 .. 16 nv] <- the scores of rows r0 .. r0 + 16 with the tile's first 16 nv keys
+void amx_scores(const Problem& P, Workspace& ws, const Word* kp, int64_t r0, int64_t nv) {
+  const int64_t words = P.head_dim / 2, k_stride = kTile * sizeof(Word);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t w = 0; w < words; w += 16) {
+    _tile_loadd(4, ws.q.data() + r0 * words + w, words * sizeof(Word));
+    const Word* k = kp + w * kTile;
+    _tile_loadd(6, k, k_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (nv > 1) {
+      _tile_loadd(7, k + 16, k_stride);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (nv > 2) {
+      _tile_loadd(6, k + 32, k_stride);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if (nv > 3) {
+      _tile_loadd(7, k + 48, k_stride);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+  }
+  float* s = ws.s.data();
+  const int64_t s_stride = kTile * sizeof(float);
+  _tile_stored(0, s, s_stride);
+  if (nv > 1) _tile_stored(1, s + 16, s_stride);
+  if (nv > 2) _tile_stored(2, s + 32, s_stride);
+  if (nv > 3) _tile_stored(3, s + 48, s_stride);
+}
+
+// The softmax step of score_rows for the 16 rows of ws.s: running max, alpha, p -> ws.p (keys past the
+// first 16 nv of the tile as zeros), sums.
+template <bool Masked>
+void amx_softmax(const Problem& P, Workspace& ws, int64_t r0, int64_t start, int64_t nv) {
+  const float c = P.scale * kLog2e;
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  alignas(64) float old_max[16], base[16], alpha[16];
+  auto masked = [&](int64_t row, int64_t v, __m512 x) {
+    if constexpr (!Masked) return x;
+    const int64_t pos = ws.pos[row];
+    const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(start + 16 * v)), iota);
+    const __mmask16 out = _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos))) |
+                          _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(
+                                                           P.window > 0 ? pos - P.window + 1 : 0)));
+    return _mm512_mask_mov_ps(x, out, _mm512_set1_ps(kNegInf));
+  };
+  for (int64_t r = 0; r < kAmxRows; ++r) {
+    const int64_t row = r0 + r;
+    const float* s = ws.s.data() + r * kTile;
+    __m512 top = masked(row, 0, _mm512_loadu_ps(s));
+    for (int64_t v = 1; v < nv; ++v) top = _mm512_max_ps(top, masked(row, v, _mm512_loadu_ps(s + 16 * v)));
+    const float new_max = std::max(ws.max[row], _mm512_reduce_max_ps(top) * c);
+    old_max[r] = ws.max[row];
+    base[r] = new_max == kNegInf ? 0.f : new_max;  // a row that saw no key yet: p = 0
+    ws.max[row] = new_max;
+  }
+  _mm512_store_ps(alpha, exp2_nonpositive<true, true>(_mm512_sub_ps(_mm512_load_ps(old_max), _mm512_load_ps(base))));
+  const __m512 cv = _mm512_set1_ps(c);
+  for (int64_t r = 0; r < kAmxRows; ++r) {
+    const int64_t row = r0 + r;
+    const float* s = ws.s.data() + r * kTile;
+    const __m512 neg = _mm512_set1_ps(-base[r]);
+    __m512 p[4], tile_sum = _mm512_setzero_ps();
+    for (int64_t v = 0; v < 4; ++v) {
+      p[v] = v < nv ? exp2_nonpositive<false, Masked>(_mm512_fmadd_ps(masked(row, v, _mm512_loadu_ps(s + 16 * v)), cv, neg))
+                    : _mm512_setzero_ps();
+      tile_sum = _mm512_add_ps(tile_sum, p[v]);
+    }
+    ws.alpha[row] = alpha[r];
+    float* sum = ws.sum.data() + row * 16;
+    _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), _mm512_set1_ps(alpha[r]), tile_sum));
+    Word* dst = ws.p.data() + row * (kTile / 2);
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+    _mm512_storeu_si512(dst + 16, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));
+  }
+}
+
+// acc rows r0 .. r0 + 16 <- acc * alpha + P V over the tile's first 32 nk keys
+void amx_values(const Problem& P, Workspace& ws, const Word* vp, int64_t r0, int64_t nk) {
+  const int64_t D = P.head_dim, acc_stride = D * sizeof(float), v_stride = D * sizeof(Word);
+  float* acc = ws.acc.data() + r0 * D;
+  for (int64_t r = 0; r < kAmxRows; ++r) {
+    const float a = ws.alpha[r0 + r];
+    if (a == 1.f) continue;
+    const __m512 alpha = _mm512_set1_ps(a);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), alpha));
+  }
+  const Word* p = ws.p.data() + r0 * (kTile / 2);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    _tile_loadd(0, acc + d0, acc_stride);
+    _tile_loadd(1, acc + d0 + 16, acc_stride);
+    _tile_loadd(2, acc + d0 + 32, acc_stride);
+    _tile_loadd(3, acc + d0 + 48, acc_stride);
+    for (int64_t kh = 0; kh < nk; ++kh) {
+      _tile_loadd(4, p + kh * 16, (kTile / 2) * sizeof(Word));
+      const Word* v = vp + kh * 16 * D + d0;
+      _tile_loadd(6, v, v_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, v + 16, v_stride);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, v + 32, v_stride);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_loadd(7, v + 48, v_stride);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+    _tile_stored(0, acc + d0, acc_stride);
+    _tile_stored(1, acc + d0 + 16, acc_stride);
+    _tile_stored(2, acc + d0 + 32, acc_stride);
+    _tile_stored(3, acc + d0 + 48, acc_stride);
+  }
+}
+
+// run_item's walk over the tiles, in blocks of 16 rows (rows: the item's, a multiple of 16 here)
+void amx_tiles(const Problem& P, Workspace& ws, int64_t s, int64_t h, int64_t rows, int64_t begin, int64_t end) {
+  const int64_t words = P.head_dim / 2;
+  for (int64_t i = begin / kTile; i * kTile < end; ++i) {
+    const int64_t start = i * kTile, count = std::min(kTile, end - start);
+    const Word* kp = P.tile(s, h, i);
+    const Word* vp = kp + words * kTile;
+    for (int64_t r = 0; r < rows; r += kAmxRows) {
+      const int64_t first = ws.pos[r], last = ws.pos[r + kAmxRows - 1];
+      if (last < start) continue;                                            // no row sees the tile yet
+      if (P.window > 0 && first - P.window + 1 > start + count - 1) break;  // every window starts past it
+      const int64_t keys = std::min(count, last - start + 1), nv = (keys + 15) / 16;
+      const bool masked = start + kTile - 1 > first || (P.window > 0 && start < last - P.window + 1);
+      amx_scores(P, ws, kp, r, nv);
+      if (masked) amx_softmax<true>(P, ws, r, start, nv);
+      else amx_softmax<false>(P, ws, r, start, nv);
+      amx_values(P, ws, vp, r, (nv + 1) / 2);
+    }
+  }
+}
+
+#endif  // AMX
+
 // ---- items ----
 
 template <typename T>
@@ -412,7 +586,8 @@ void run_item(const Problem& P, Workspace& ws, const Item& item) {
   const int64_t seq_len = P.seq_lens[s], query_start = P.query_starts[s];
   const int64_t query_len = P.query_starts[s + 1] - query_start;
   const int64_t rows = item.num_queries * G;
-  ws.reserve(rows, D);
+  const int64_t padded = P.amx ? (rows + kAmxRows - 1) / kAmxRows * kAmxRows : rows;
+  ws.reserve(padded, D);
 
   // the item's queries into ws.q (as words: bf16 as they are, others as float32)
   const int64_t first_pos = seq_len - query_len + item.first_query;
@@ -426,13 +601,22 @@ void run_item(const Problem& P, Workspace& ws, const Item& item) {
       ws.pos[row] = first_pos + t;
     }
   }
-  std::fill(ws.max.begin(), ws.max.begin() + rows, kNegInf);
-  std::fill(ws.sum.begin(), ws.sum.begin() + rows * 16, 0.f);
-  std::fill(ws.acc.begin(), ws.acc.begin() + rows * D, 0.f);
+  for (int64_t row = rows; row < padded; ++row) {  // AMX's padding: a zero query at the last position
+    std::fill(ws.q.begin() + row * words, ws.q.begin() + (row + 1) * words, Word{0});
+    ws.pos[row] = ws.pos[rows - 1];
+  }
+  std::fill(ws.max.begin(), ws.max.begin() + padded, kNegInf);
+  std::fill(ws.sum.begin(), ws.sum.begin() + padded * 16, 0.f);
+  std::fill(ws.acc.begin(), ws.acc.begin() + padded * D, 0.f);
 
   const int64_t end = first_pos + item.num_queries;  // past the last query's position
   const int64_t begin = P.window > 0 ? std::max<int64_t>(0, first_pos - P.window + 1) : 0;
-  for (int64_t i = begin / kTile; i * kTile < end; ++i) {
+#if defined(INFER_AMX)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (P.amx) amx_tiles(P, ws, s, h, padded, begin, end);
+  }
+#endif
+  for (int64_t i = begin / kTile; !P.amx && i * kTile < end; ++i) {
     const int64_t start = i * kTile, count = std::min(kTile, end - start);
     const Word* kp = P.tile(s, h, i);
     const Word* vp = kp + words * kTile;
@@ -495,7 +679,14 @@ void run(const Problem& P, const std::vector<PackTask>& tasks, std::vector<Item>
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
     Workspace& ws = thread_workspace();
+#if defined(INFER_AMX)
+    const infer_amx::TileConfig cfg = amx_config();
+    if (P.amx) _tile_loadconfig(&cfg);
+#endif
     for (int64_t i; (i = next.fetch_add(1)) < num_items;) run_item<T>(P, ws, items[i]);
+#if defined(INFER_AMX)
+    if (P.amx) _tile_release();
+#endif
   });
 }
 
@@ -522,7 +713,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   std::vector<int64_t> first_tile(num_seqs), num_tiles(num_seqs), tile_base(num_seqs);
   std::vector<PackTask> tasks;
   std::vector<Item> items;
-  const int64_t block_queries = std::max<int64_t>(1, kItemRows / P.group);
+#if defined(INFER_AMX)
+  P.amx = q.scalar_type() == at::kBFloat16 && amx_usable(D);
+#endif
+  const int64_t block_queries = std::max<int64_t>(1, (P.amx ? kAmxItemRows : kItemRows) / P.group);
   int64_t total_words = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t seq_len = P.seq_lens[s], query_len = starts[s + 1] - starts[s];

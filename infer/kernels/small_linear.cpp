@@ -29,12 +29,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <optional>
 
+#include "amx.h"
 #include "vec.h"
 
 namespace {
@@ -138,25 +136,12 @@ inline void silu_mul_16(const float* gate, const float* up, const c10::BFloat16*
   vstore_as(dst, vmul(vround_to<c10::BFloat16>(silu), u));
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(INFER_AMX)
 // AMX tiles (Sapphire Rapids): the same layout read 16 input pairs at a time as a B tile (16 rows of 16
 // channels x 2 inputs: 1 KB, contiguous), x as A tiles of 16 rows x 32 inputs, products in 16 x 16 float32
 // C tiles. Tiles 0-3: C (two row blocks x two channel blocks), 4-5: A, 6-7: B. Each pass of up to 32 rows
 // reads the weights once, so up to 32 rows cost what one does when the weights come from DRAM.
 constexpr int64_t kAmxRows = 32;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool amx_permitted() {  // Linux hands out the tile state only on request (once per process)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
 
 // Rows m0..m0+32 of x times channel blocks 2bp, 2bp+1; the caller has loaded the rows' `rows_config`.
 template <bool kGated>
@@ -205,9 +190,9 @@ inline void amx_tile(const Problem& P, int64_t m0, int64_t bp) {
   }
 }
 
-TileConfig rows_config(int64_t rows) {  // A and C tiles for `rows` (1-32) rows of x
+infer_amx::TileConfig rows_config(int64_t rows) {  // A and C tiles for `rows` (1-32) rows of x
   const uint8_t r0 = std::min<int64_t>(16, rows), r1 = std::max<int64_t>(1, std::min<int64_t>(16, rows - 16));
-  TileConfig cfg;
+  infer_amx::TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
   cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = r0;
   cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = r1;
@@ -227,7 +212,7 @@ void run_amx(const Problem& P) {
     const int64_t rows = std::min(block_rows, P.M - b0);
     at::parallel_for(0, P.N / 32, 1, [&](int64_t begin, int64_t end) {
       const int64_t tail = rows % kAmxRows, full = rows - tail;
-      const TileConfig full_cfg = rows_config(kAmxRows), tail_cfg = rows_config(tail);
+      const infer_amx::TileConfig full_cfg = rows_config(kAmxRows), tail_cfg = rows_config(tail);
       const bool both = full > 0 && tail > 0;  // else one configuration serves the whole range
       _tile_loadconfig(full > 0 ? &full_cfg : &tail_cfg);
       for (int64_t bp = begin; bp < end; ++bp) {
@@ -267,8 +252,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
   const Problem P{x.const_data_ptr<c10::BFloat16>(), weight.const_data_ptr<c10::BFloat16>(),
                   bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), M, N, K};
   if (M == 0) return y;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (M > kAmxMinRows && N % 32 == 0 && K % 32 == 0 && amx_permitted()) {
+#if defined(INFER_AMX)
+  if (M > kAmxMinRows && N % 32 == 0 && K % 32 == 0 && infer_amx::permitted()) {
     run_amx<false>(P);
     return y;
   }
@@ -293,8 +278,8 @@ at::Tensor small_linear_silu(const at::Tensor& x, const at::Tensor& weight, cons
   at::Tensor y = at::empty({M, N / 2}, x.options());
   if (M == 0) return y;
   const c10::BFloat16* b = bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (M > kAmxMinRows && K % 32 == 0 && amx_permitted()) {
+#if defined(INFER_AMX)
+  if (M > kAmxMinRows && K % 32 == 0 && infer_amx::permitted()) {
     run_amx<true>(Problem{x.const_data_ptr<c10::BFloat16>(), weight.const_data_ptr<c10::BFloat16>(), b,
                           y.data_ptr<c10::BFloat16>(), M, N, K});
     return y;

@@ -147,13 +147,6 @@ PREFILL_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 1.8x); chunks of 2-4 tokens were mostly slower apart (0.6-1.0x for llama-50m's heads: a second
 # kernel call's fixed cost), measured with this set lower.
 PREFILL_KERNEL_MIN_QUERY_LEN = 8
-# Where oneDNN has AMX (Intel Sapphire Rapids on), torch's SDPA runs bf16 flash attention on its tiles,
-# and the prefill kernel's vdpbf16ps is no faster there than its own float32 FMAs: bf16 sequences of at
-# least this many queries then go to SDPA, the shorter ones stay on the kernel. One layer, ms, kernel ->
-# SDPA, 2-core Sapphire Rapids (`bench_attention.py --prefill`): llama-50m 1 x 64 0.079 -> 0.067, 4 x 128
-# 0.707 -> 0.508, 1 x 2048 21.9 -> 7.8; Llama-3.2-1B 1 x 64 0.240 -> 0.150, 1 x 2048 86.8 -> 33.3; but
-# 4 x 32 0.125 -> 0.182 (llama-50m; a call per sequence). None: the kernel serves every length.
-SDPA_PREFILL_MIN_QUERY_LEN = 64 if kernels.cpu_has_amx() else None
 
 
 @dataclass
@@ -167,7 +160,6 @@ class AttentionMetadata:
     # derived once per forward (not per layer) in __post_init__
     batch_seqs: list[int] = field(init=False, default_factory=list)  # served by one batched call
     loop_seqs: list[int] = field(init=False, default_factory=list)  # prompts, long chunks: see attention()
-    sdpa_seqs: list[int] = field(init=False, default_factory=list)  # of loop_seqs: SDPA serves them (AMX)
     query_starts: list[int] = field(init=False, default_factory=list)
     _batch_keys: dict = field(init=False, default_factory=dict)
     _scratch: dict = field(init=False, default_factory=dict)
@@ -205,9 +197,6 @@ class AttentionMetadata:
         self.batch_seqs = decodes
         batched = set(decodes)
         self.loop_seqs = [i for i in range(num_seqs) if i not in batched]
-        min_sdpa = SDPA_PREFILL_MIN_QUERY_LEN
-        if min_sdpa is not None and self.kv_caches[0][0].dtype == torch.bfloat16:
-            self.sdpa_seqs = [i for i in self.loop_seqs if self.query_lens[i] >= min_sdpa]
         if not self.batch_seqs:
             return
         # Built from the Python lists: a handful of tiny tensor ops would cost more.
@@ -311,11 +300,11 @@ class AttentionMetadata:
         return torch.tensor([self.query_starts[i] + t for i in seqs for t in range(self.query_lens[i])])
 
     def prefill_kernel_args(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows, block_tables, seq_lens, query_starts) of the loop sequences the prefill kernel serves (not
-        sdpa_seqs), for it: rows int64 of q that are theirs (None when they are every row), their block
-        tables, seq_lens int32 [n], query_starts int32 [n + 1] of their rows; built once per forward."""
+        """(rows, block_tables, seq_lens, query_starts) of the loop sequences, for the prefill kernel: rows
+        int64 of q that are theirs (None when they are every row), their block tables, seq_lens int32 [n],
+        query_starts int32 [n + 1] of their rows; built once per forward."""
         if self._prefill_args is None:
-            seqs = [i for i in self.loop_seqs if i not in self.sdpa_seqs]
+            seqs = self.loop_seqs
             query_lens = [self.query_lens[i] for i in seqs]
             rows, tables = None, self.block_tables
             if len(seqs) < len(self.query_lens):
@@ -391,18 +380,18 @@ def attention(
     if not meta.loop_seqs:  # one batched call covers every row
         return _batched(q, key_cache, value_cache, meta, scale, sliding_window)
     ops = _prefill_kernel(q, cache)
-    sdpa = meta.loop_seqs if ops is None else meta.sdpa_seqs
-    if ops is not None and not meta.batch_seqs and not sdpa:  # prompts and long chunks: one kernel call
+    if ops is not None and not meta.batch_seqs:  # prompts and long chunks: one kernel call
         return _kernel_prefill(ops, q, key_cache, value_cache, meta, scale, sliding_window)
-    if len(sdpa) == len(meta.loop_seqs) == 1 and not meta.batch_seqs:  # all the rows are its own
+    if ops is None and len(meta.loop_seqs) == 1 and not meta.batch_seqs:  # all the rows are its own
         return _prefill(q, k, v, cache, meta, 0, scale, sliding_window)
     out = torch.empty_like(q)
     if meta.batch_seqs:
         out[meta.batch_rows] = _batched(q, key_cache, value_cache, meta, scale, sliding_window)
-    if ops is not None and len(sdpa) < len(meta.loop_seqs):
+    if ops is not None:
         rows = meta.prefill_kernel_args()[0]
         out[rows] = _kernel_prefill(ops, q, key_cache, value_cache, meta, scale, sliding_window)
-    for i in sdpa:
+        return out
+    for i in meta.loop_seqs:
         rows = slice(meta.query_starts[i], meta.query_starts[i] + meta.query_lens[i])
         out[rows] = _prefill(q[rows], k[rows], v[rows], cache, meta, i, scale, sliding_window)
     return out
