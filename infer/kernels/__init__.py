@@ -8,7 +8,7 @@ all of a step's (attention.py again); AVX-512 BF16 CPUs only, SDPA elsewhere.
 `layer_ops.cpp`: RMSNorm (with the residual add), rotary in place, SiLU-and-multiply, one pass each
 (infer/layers/norms.py, rotary.py, activations.py; `layer_ops(x)` says whether they serve a tensor).
 `quant_linear.cpp`: int8 and int4 weights times bf16 activations, for quantized models
-(infer/quant/linear.py); AVX-512 BF16 CPUs only (`isa()` ends in "+bf16"), torch's kernels elsewhere.
+(infer/quant/linear.py); AVX-512 BF16 CPUs only (`isa()` has "+bf16"), torch's kernels elsewhere.
 `small_linear.cpp`: bf16 linears at decode batches, where oneDNN's cost per call dominates, and with AMX
 tiles every step of large weights (infer/layers/linear.py); AVX-512 BF16 CPUs only, oneDNN elsewhere.
 
@@ -111,10 +111,10 @@ LAYER_OPS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def bf16_ops():
-    """torch.ops.infer_kernels when this build has AVX-512 BF16 (`isa()` ends in "+bf16"): what
+    """torch.ops.infer_kernels when this build has AVX-512 BF16 (`isa()` has "+bf16"): what
     quant_linear and small_linear need; else None (callers keep torch's or oneDNN's path)."""
     ops = load()
-    return ops if ops is not None and ops.isa().endswith("+bf16") else None
+    return ops if ops is not None and "+bf16" in ops.isa() else None
 
 
 def cpu_has_amx() -> bool:

@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "paged_call.h"
 #include "vec.h"
 
@@ -452,9 +453,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   return out;
 }
 
-// The vector ISA of this build, for logs and tests.
+// The vector ISA of this build, for logs and tests: "+bf16" with AVX-512 BF16, then "+amx" where the
+// build has AMX and the kernel lets this process use the tiles (small_linear, prefill_attention).
 std::string isa() {
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(INFER_AMX)
+  if (infer_amx::permitted()) return std::string(kIsa) + "+bf16+amx";
+#endif
   return std::string(kIsa) + "+bf16";
 #else
   return kIsa;

@@ -73,7 +73,7 @@ which swaps it in for the comparison.
 Prefill: the prefill kernel (infer/kernels/prefill_attention.cpp: flash attention's forward over the
 paged cache, vdpbf16ps for bf16, tiles of 64 keys packed once per call, work items of (sequence, kv
 head, block of queries) over both cores, no tile past the diagonal) serves `loop_seqs` wherever it was
-built with AVX-512 BF16 (`isa()` ends in "+bf16"), in PREFILL_KERNEL_DTYPES, for a head_dim that is a
+built with AVX-512 BF16 (`isa()` has "+bf16"), in PREFILL_KERNEL_DTYPES, for a head_dim that is a
 multiple of 16; `_prefill`, one SDPA call per sequence, stays as its fallback (INFER_NO_KERNELS=1, other
 CPUs, no cache) and the tests' reference. On a 2048-token bf16 prompt (4 x heads x head_dim x 2048^2 / 2
 flops, the causal half) torch 2.13's CPU flash attention in SDPA reached ~130 GFLOP/s, the kernel ~720
@@ -426,7 +426,7 @@ def _prefill_kernel_for(key_cache: torch.Tensor):
 
 @functools.cache
 def _avx512_bf16(ops) -> bool:
-    return ops.isa().endswith("+bf16")
+    return "+bf16" in ops.isa()
 
 
 def _kernel_prefill(ops, q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):

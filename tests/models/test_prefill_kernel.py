@@ -16,7 +16,7 @@ from tests.models.test_kernels import TOL, _ops, make_step, reference, run_both
 
 def _prefill_ops():
     ops = _ops()
-    if not ops.isa().endswith("+bf16"):
+    if "+bf16" not in ops.isa():
         pytest.skip("the prefill kernel needs AVX-512 BF16")
     return ops
 
@@ -31,6 +31,12 @@ def call(ops, q, meta: AttentionMetadata, scale, window):
 
 
 LENGTHS = [1, 15, 17, 63, 64, 65, 200, 1000]
+
+
+def test_tiles_where_the_cpu_has_amx():
+    """The build for an AMX CPU runs bf16 prefill attention and the small linears on the tiles ("+amx":
+    built with AMX, and the process may use them); elsewhere it has no tile code at all."""
+    assert ("+amx" in _prefill_ops().isa()) == kernels.cpu_has_amx()
 
 
 @pytest.mark.parametrize("window", [None, 100])
