@@ -283,6 +283,16 @@ void pack_tile(const Problem& P, Workspace& ws, int64_t s, int64_t h, int64_t i)
   pack_values<T>(ws.values.data(), count, D, dst + words * kTile);
 }
 
+// x with -inf at the keys key0 .. key0 + 16 that a query at pos does not see: past it, or before its window
+inline __m512 mask_keys(__m512 x, int64_t key0, int64_t pos, int64_t window) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(key0)), iota);
+  const __m512i last = _mm512_set1_epi32(static_cast<int>(pos));
+  const __m512i first = _mm512_set1_epi32(static_cast<int>(window > 0 ? pos - window + 1 : 0));
+  const __mmask16 out = _mm512_cmpgt_epi32_mask(key, last) | _mm512_cmplt_epi32_mask(key, first);
+  return _mm512_mask_mov_ps(x, out, _mm512_set1_ps(kNegInf));
+}
+
 // ---- scores and softmax: rows r0 .. r0 + RB over the first 16 NV keys of a tile (Masked: some key is
 // past a row's query or before its window; the keys past the rows' last query are not computed) ----
 
@@ -308,17 +318,8 @@ void score_rows(const Problem& P, Workspace& ws, const Word* kp, int64_t r0, int
   alignas(64) float old_max[16] = {}, base[16] = {}, alpha[16];
   for (int r = 0; r < RB; ++r) {
     const int64_t row = r0 + r;
-    if constexpr (Masked) {
-      const int64_t pos = ws.pos[row];
-      const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      const __m512i last = _mm512_set1_epi32(static_cast<int>(pos));
-      const __m512i first = _mm512_set1_epi32(static_cast<int>(P.window > 0 ? pos - P.window + 1 : 0));
-      for (int v = 0; v < NV; ++v) {
-        const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(start + 16 * v)), iota);
-        const __mmask16 out = _mm512_cmpgt_epi32_mask(key, last) | _mm512_cmplt_epi32_mask(key, first);
-        s[r][v] = _mm512_mask_mov_ps(s[r][v], out, _mm512_set1_ps(kNegInf));
-      }
-    }
+    if constexpr (Masked)
+      for (int v = 0; v < NV; ++v) s[r][v] = mask_keys(s[r][v], start + 16 * v, ws.pos[row], P.window);
     __m512 top = s[r][0];
     for (int v = 1; v < NV; ++v) top = _mm512_max_ps(top, s[r][v]);
     const float new_max = std::max(ws.max[row], _mm512_reduce_max_ps(top) * c);
@@ -477,16 +478,10 @@ void amx_scores(const Problem& P, Workspace& ws, const Word* kp, int64_t r0, int
 template <bool Masked>
 void amx_softmax(const Problem& P, Workspace& ws, int64_t r0, int64_t start, int64_t nv) {
   const float c = P.scale * kLog2e;
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   alignas(64) float old_max[16], base[16], alpha[16];
   auto masked = [&](int64_t row, int64_t v, __m512 x) {
     if constexpr (!Masked) return x;
-    const int64_t pos = ws.pos[row];
-    const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(start + 16 * v)), iota);
-    const __mmask16 out = _mm512_cmpgt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos))) |
-                          _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(
-                                                           P.window > 0 ? pos - P.window + 1 : 0)));
-    return _mm512_mask_mov_ps(x, out, _mm512_set1_ps(kNegInf));
+    return mask_keys(x, start + 16 * v, ws.pos[row], P.window);
   };
   for (int64_t r = 0; r < kAmxRows; ++r) {
     const int64_t row = r0 + r;
@@ -579,6 +574,44 @@ void amx_tiles(const Problem& P, Workspace& ws, int64_t s, int64_t h, int64_t ro
 
 // ---- items ----
 
+// run_item's walk over the tiles in blocks of kRows rows, on vdpbf16ps (bf16) or FMAs
+template <typename T>
+void vec_tiles(const Problem& P, Workspace& ws, int64_t s, int64_t h, int64_t rows, int64_t begin, int64_t end) {
+  using W = Words<T>;
+  const int64_t D = P.head_dim, words = D / W::kPer;
+  for (int64_t i = begin / kTile; i * kTile < end; ++i) {
+    const int64_t start = i * kTile, count = std::min(kTile, end - start);
+    const Word* kp = P.tile(s, h, i);
+    const Word* vp = kp + words * kTile;
+    // the rows that see a key of the tile: none before the tile's first key (causal) and none whose
+    // window ends before it
+    int64_t first_row = 0, last_row = rows;
+    while (first_row < rows && ws.pos[first_row] < start) ++first_row;
+    if (P.window > 0)
+      while (last_row > first_row && ws.pos[last_row - 1] - P.window + 1 > start + count - 1) --last_row;
+    // a block of rows sees keys up to its last row's query: on the diagonal, less than the tile
+    auto block_keys = [&](int64_t r, int64_t n) { return std::min(count, ws.pos[r + n - 1] - start + 1); };
+    for (int64_t r = first_row; r < last_row; r += kRows) {
+      const int64_t n = std::min(kRows, last_row - r);
+      const bool masked =
+          start + kTile - 1 > ws.pos[r] || (P.window > 0 && start < ws.pos[r + n - 1] - P.window + 1);
+      scores<T>(P, ws, kp, r, n, start, block_keys(r, n), masked);
+    }
+    for (int64_t d0 = 0; d0 < D;) {
+      const int64_t left = (D - d0) / 16;
+      const int64_t nc = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      for (int64_t r = first_row; r < last_row; r += kRows) {
+        const int64_t n = std::min(kRows, last_row - r);
+        const int64_t value_words = (block_keys(r, n) + W::kPer - 1) / W::kPer;
+        if (nc == 4) value_block<T, 4>(P, ws, vp, r, n, d0, value_words);
+        else if (nc == 2) value_block<T, 2>(P, ws, vp, r, n, d0, value_words);
+        else value_block<T, 1>(P, ws, vp, r, n, d0, value_words);
+      }
+      d0 += nc * 16;
+    }
+  }
+}
+
 template <typename T>
 void run_item(const Problem& P, Workspace& ws, const Item& item) {
   using W = Words<T>;
@@ -611,41 +644,12 @@ void run_item(const Problem& P, Workspace& ws, const Item& item) {
 
   const int64_t end = first_pos + item.num_queries;  // past the last query's position
   const int64_t begin = P.window > 0 ? std::max<int64_t>(0, first_pos - P.window + 1) : 0;
+  if (P.amx) {  // bf16 only
 #if defined(INFER_AMX)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (P.amx) amx_tiles(P, ws, s, h, padded, begin, end);
-  }
+    amx_tiles(P, ws, s, h, padded, begin, end);
 #endif
-  for (int64_t i = begin / kTile; !P.amx && i * kTile < end; ++i) {
-    const int64_t start = i * kTile, count = std::min(kTile, end - start);
-    const Word* kp = P.tile(s, h, i);
-    const Word* vp = kp + words * kTile;
-    // the rows that see a key of the tile: none before the tile's first key (causal) and none whose
-    // window ends before it
-    int64_t first_row = 0, last_row = rows;
-    while (first_row < rows && ws.pos[first_row] < start) ++first_row;
-    if (P.window > 0)
-      while (last_row > first_row && ws.pos[last_row - 1] - P.window + 1 > start + count - 1) --last_row;
-    // a block of rows sees keys up to its last row's query: on the diagonal, less than the tile
-    auto block_keys = [&](int64_t r, int64_t n) { return std::min(count, ws.pos[r + n - 1] - start + 1); };
-    for (int64_t r = first_row; r < last_row; r += kRows) {
-      const int64_t n = std::min(kRows, last_row - r);
-      const bool masked =
-          start + kTile - 1 > ws.pos[r] || (P.window > 0 && start < ws.pos[r + n - 1] - P.window + 1);
-      scores<T>(P, ws, kp, r, n, start, block_keys(r, n), masked);
-    }
-    for (int64_t d0 = 0; d0 < D;) {
-      const int64_t left = (D - d0) / 16;
-      const int64_t nc = left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      for (int64_t r = first_row; r < last_row; r += kRows) {
-        const int64_t n = std::min(kRows, last_row - r);
-        const int64_t value_words = (block_keys(r, n) + W::kPer - 1) / W::kPer;
-        if (nc == 4) value_block<T, 4>(P, ws, vp, r, n, d0, value_words);
-        else if (nc == 2) value_block<T, 2>(P, ws, vp, r, n, d0, value_words);
-        else value_block<T, 1>(P, ws, vp, r, n, d0, value_words);
-      }
-      d0 += nc * 16;
-    }
+  } else {
+    vec_tiles<T>(P, ws, s, h, rows, begin, end);
   }
 
   for (int64_t t = 0; t < item.num_queries; ++t) {
