@@ -100,8 +100,9 @@ With AMX the kernel runs bf16's two products on the tiles (Intel Sapphire Rapids
 them too, through oneDNN). One layer, bf16, SDPA -> kernel, ms, 2 Sapphire Rapids cores, same command:
 llama-50m 1 x 128 0.112 -> 0.115, 4 x 128 0.475 -> 0.420, 1 x 512 0.859 -> 0.617, 1 x 2048 7.76 -> 5.00,
 16 x 32 0.688 -> 0.402; Llama-3.2-1B 1 x 128 0.330 -> 0.368, 1 x 2048 32.6 -> 19.8 (the kernel on
-vdpbf16ps alone took 21.9 ms at llama-50m's 1 x 2048 there). Whole llama-50m prefill steps 1.04x (4 x
-128) to 1.18x (1 x 2000) faster than with SDPA (`bench_layer_ops.py --switch prefill_kernel`).
+vdpbf16ps alone took 21.9 ms at llama-50m's 1 x 2048 there, in session 8's run). Whole llama-50m
+prefill steps 1.04x (4 x 128) to 1.18x (1 x 2000) faster than with SDPA (`bench_layer_ops.py --switch
+prefill_kernel`).
 
 A chunk riding with decodes through paged_attention computes all its queries against the whole
 context; the prefill kernel for the chunk beside the paged kernel for the decodes was faster from
