@@ -11,6 +11,8 @@ all of a step's (attention.py again); AVX-512 BF16 CPUs only, SDPA elsewhere.
 (infer/quant/linear.py); AVX-512 BF16 CPUs only (`isa()` has "+bf16"), torch's kernels elsewhere.
 `small_linear.cpp`: bf16 linears at decode batches, where oneDNN's cost per call dominates, and with AMX
 tiles every step of large weights (infer/layers/linear.py); AVX-512 BF16 CPUs only, oneDNN elsewhere.
+`hugepages.py` (Python): the memory those kernels stream (their weight copies, the KV cache) on 2 MiB
+pages.
 
 The build goes through `torch.utils.cpp_extension` (g++ and ninja, -O3 -march=native -fopenmp) into
 `.build/kernels/<key>/` under the repository (~/.cache/infer/kernels when installed elsewhere), where

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer import kernels
+from infer.kernels import hugepages
 
 # Weights of up to this many bytes also get the small-batch kernel's copy (infer/kernels/small_linear.cpp),
 # used for steps of up to SMALL_ROWS rows: there oneDNN's cost per call, not the bytes, set the time.
@@ -134,7 +135,9 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     16 channels side by side with their two inputs adjacent; returned as [out, in] of that memory."""
     out_features, in_features = weight.shape
     blocks = weight.reshape(out_features // 16, 16, in_features // 2, 2).transpose(1, 2)
-    return blocks.contiguous().view(out_features, in_features)
+    packed = hugepages.empty((out_features, in_features), weight.dtype)
+    packed.view(blocks.shape).copy_(blocks)
+    return packed
 
 
 def prepack_linears(model: nn.Module) -> int:

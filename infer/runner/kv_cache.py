@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from infer.kernels import hugepages
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.models.config import ModelConfig
 
@@ -13,7 +14,7 @@ def allocate_kv_cache(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Under tensor parallelism, the pools of this rank's KV heads only."""
     shape = (num_blocks, block_size, tp.kv_heads(cfg.num_kv_heads), cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+    return [(hugepages.zeros(shape, dtype), hugepages.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> int:
