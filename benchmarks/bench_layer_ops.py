@@ -6,8 +6,7 @@ the small-batch linear (infer/kernels/small_linear.cpp; off: oneDNN for every st
 copy), its AMX tiles (off: an engine loaded by the rules before them, kernel up to 6 rows, oneDNN for
 the rest and alone for weights over 8 MiB; AMX only), the prefill-attention kernel (off: SDPA, one call
 per prompt or long chunk, its fallback), or the gate_up projection with SiLU-and-multiply in its
-epilogue (off: an engine loaded without it, two ops; AMX only), or transparent huge pages for the
-packed weights and the KV cache (off: an engine loaded with INFER_NO_HUGE_PAGES=1, 4 KiB pages).
+epilogue (off: an engine loaded without it, two ops; AMX only).
 
     python benchmarks/bench_layer_ops.py                               # ops, then llama-50m steps
     python benchmarks/bench_layer_ops.py --model /work/models/llama-1b --load-format dummy --skip-ops
@@ -15,7 +14,6 @@ packed weights and the KV cache (off: an engine loaded with INFER_NO_HUGE_PAGES=
     python benchmarks/bench_layer_ops.py --switch prefill_kernel       # SDPA vs the prefill kernel
     python benchmarks/bench_layer_ops.py --switch tiles                # linears before / with AMX tiles
     python benchmarks/bench_layer_ops.py --switch fused_silu           # gate_up + SiLU-and-mul in one pass
-    python benchmarks/bench_layer_ops.py --switch huge_pages           # weights, KV on 4 KiB / 2 MiB pages
 
 Both paths run alternately in one process, best of --rounds (a shared machine drifts by tens of percent
 between runs: never compare numbers from two runs). "torch" swaps `infer.kernels.layer_ops` for a
@@ -27,7 +25,6 @@ steps of B streams after 128-token prompts (ms per step, the batch's prefill exc
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from unittest import mock
 
@@ -133,9 +130,6 @@ def bench_steps(args) -> None:
         unfused = lambda self, lin, tied=False, gated=False: init(self, lin, tied)  # noqa: E731
         with mock.patch.object(linear.PrepackedLinear, "__init__", unfused):
             engines["off"] = LLMEngine(config)
-    if args.switch == "huge_pages":  # the "off" side: weights and KV cache on 4 KiB pages
-        with mock.patch.dict(os.environ, {"INFER_NO_HUGE_PAGES": "1"}):
-            engines["off"] = LLMEngine(config)
     gen = torch.Generator().manual_seed(0)
     vocab = engines["on"].model_config.vocab_size
 
@@ -198,7 +192,7 @@ def main() -> None:
     parser.add_argument("--skip-ops", action="store_true", help="only the engine steps")
     parser.add_argument(
         "--switch",
-        choices=("layer_ops", "argmax", "small_linear", "tiles", "prefill_kernel", "fused_silu", "huge_pages"),
+        choices=("layer_ops", "argmax", "small_linear", "tiles", "prefill_kernel", "fused_silu"),
         default="layer_ops",
         help="the kernel the engine steps turn off and on (other than layer_ops: steps only)",
     )
