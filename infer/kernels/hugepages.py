@@ -21,6 +21,7 @@ INFER_NO_HUGE_PAGES=1 (A/B comparisons).
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 
@@ -31,10 +32,9 @@ MIN_BYTES = HUGE_PAGE  # smaller tensors could not fill one huge page
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-def available() -> bool:
-    """Whether `empty` maps memory for huge pages here (not whether the kernel will give them)."""
-    if os.environ.get("INFER_NO_HUGE_PAGES", "") not in ("", "0"):
-        return False
+@functools.cache
+def _kernel_allows() -> bool:
+    """Linux with THP not set to "never", and madvise in Python (read once: a model asks per tensor)."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
@@ -42,6 +42,11 @@ def available() -> bool:
             return "[never]" not in f.read()
     except OSError:
         return False
+
+
+def available() -> bool:
+    """Whether `empty` maps memory for huge pages here (not whether the kernel will give them)."""
+    return os.environ.get("INFER_NO_HUGE_PAGES", "") in ("", "0") and _kernel_allows()
 
 
 def empty(shape, dtype: torch.dtype) -> torch.Tensor:
@@ -62,21 +67,3 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
 def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     """`empty`, filled with zeros (every page touched now, not in the first steps that use it)."""
     return empty(shape, dtype).zero_()
-
-
-def huge_bytes(tensor: torch.Tensor) -> int:
-    """How many bytes of the tensor's memory Linux holds in huge pages (/proc/self/smaps; 0 elsewhere)."""
-    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
-    total, current = 0, None
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    current = (lo, hi) if lo < end and hi > start else None
-                elif current and head == "AnonHugePages:":
-                    total += int(line.split()[1]) * 1024
-    except OSError:
-        return 0
-    return total

@@ -20,6 +20,21 @@ def mapped(address: int) -> bool:
     return any(int(lo, 16) <= address < int(hi, 16) for lo, hi in spans)
 
 
+def huge_bytes(tensor: torch.Tensor) -> int:
+    """How many bytes of the mappings under the tensor Linux holds in huge pages (/proc/self/smaps)."""
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
+    total, current = 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                current = (lo, hi) if lo < end and hi > start else None
+            elif current and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def test_large_tensors_get_their_own_aligned_mapping_which_dies_with_them():
     t = hugepages.empty((4 * MIB,), torch.bfloat16)  # 8 MiB
     assert t.shape == (4 * MIB,) and t.dtype == torch.bfloat16 and t.is_contiguous()
@@ -28,7 +43,7 @@ def test_large_tensors_get_their_own_aligned_mapping_which_dies_with_them():
     assert t.data_ptr() % hugepages.HUGE_PAGE == 0
     t.fill_(1.5)
     assert t.sum().item() == 1.5 * 4 * MIB
-    assert hugepages.huge_bytes(t) >= hugepages.HUGE_PAGE  # Linux gave at least one 2 MiB page
+    assert huge_bytes(t) >= hugepages.HUGE_PAGE  # Linux gave at least one 2 MiB page
     address = t.data_ptr()
     del t
     gc.collect()
@@ -79,4 +94,4 @@ def test_a_loaded_models_streamed_weights_are_on_huge_pages():
         return
     assert large  # gate_up (3 MiB) of each layer, the LM head's copy (31 MiB)
     assert all(w.data_ptr() % hugepages.HUGE_PAGE == 0 for w in large)
-    assert sum(hugepages.huge_bytes(w) for w in large) >= sum(w.nbytes for w in large) // 2
+    assert sum(huge_bytes(w) for w in large) >= sum(w.nbytes for w in large) // 2
