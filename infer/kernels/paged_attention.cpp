@@ -5,16 +5,20 @@
 // Its rows are every (kv head, query, head of the kv head's group); it walks its keys in tiles:
 //
 //   rows   r = (h * query_len + t) * group + g     kv head h, query t, query head h * group + g
-//   keys   [begin, end) in tiles of kTile          for each kv head h, over the tile's slots:
-//            scores of h's rows  ->  online softmax (running max and sum per row)  ->  += probs @ values
+//   keys   [begin, end) in tiles of kTile:
+//            scores of every row  ->  online softmax (running max and sum per row)  ->  += probs @ values
 //
 // A slot (one position's keys of every kv head, [num_kv_heads, head_dim]) is contiguous, and so is a
 // block of slots: an item reads its blocks whole, in order, while it prefetches the next tile (see
-// Prefetcher). GQA: the group of query heads of a kv head reads each of its keys once, together.
+// Prefetcher). Scores and values go kSub slots at a time, every kv head's part of them in turn, so the
+// slots are read front to back (head by head over the whole tile read each slot 4 times, 2 lines at a
+// time for a kv head of 64 dims: 3-9% slower a step at long contexts). GQA: the group of query heads of
+// a kv head reads each of its keys once, together.
 // Threads (at::parallel_for: torch's OpenMP pool, torch.get_num_threads()) take items from a shared
 // counter, longest first. A part of a split context leaves (max, sum, unnormalized output) per row,
 // merged when all are done. Accumulation is float32 whatever the cache's dtype (float32, bfloat16,
-// float16); the vector ISA is this build's (vec.h), plus vdpbf16ps for bfloat16 scores where present.
+// float16); the vector ISA is this build's (vec.h), plus vdpbf16ps for bfloat16 scores and probs @ values
+// where present.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,6 +26,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -37,6 +42,7 @@ using namespace infer_vec;
 
 constexpr int64_t kTile = 64;      // keys per tile: a tile's keys and values (and the next's) stay in L2
 constexpr int64_t kMinPart = 256;  // a context is split into parts no shorter than this
+constexpr int64_t kSub = 16;       // slots per sub-tile (llama-50m's 4 kv heads x 64 dims: 8 KB of keys)
 constexpr int64_t kStride = kTile + kLanes;  // a row of tile scores, with room for a block's overhang
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -65,6 +71,7 @@ struct Workspace {
   std::vector<float> q;               // [rows, head_dim] the item's queries in float32
   std::vector<c10::BFloat16> q_bf16;  // the same in bfloat16, for vdpbf16ps
   std::vector<float> scores;          // [rows, kStride]: a tile's scores, then its probabilities
+  std::vector<c10::BFloat16> p_bf16;  // [rows, kStride] the same probabilities in bfloat16 (bf16_values)
   std::vector<float> acc;             // [rows, head_dim] unnormalized output
   std::vector<float> max, sum;        // [rows] running max of the scores, sum of exp(score - max)
   std::vector<const void*> keys, values, next_keys, next_values;  // this tile's slots, the next tile's
@@ -74,6 +81,7 @@ struct Workspace {
     grow(q, rows * head_dim);
     grow(q_bf16, rows * head_dim);
     grow(scores, rows * kStride);
+    grow(p_bf16, rows * kStride);
     grow(acc, rows * head_dim);
     grow(max, rows);
     grow(sum, rows);
@@ -82,10 +90,11 @@ struct Workspace {
 };
 thread_local Workspace workspace;
 
-// Software prefetch of the next tile's slots, spread over the current tile's dot products so that the
-// loads overlap with compute. The hardware prefetchers don't see them coming (blocks are scattered, and
-// each kv head reads a few lines of every slot): without it, a cache beyond L3 took 1.3-1.4x longer
-// (one that fits in L3 ~10% less; a real step's caches, every layer's, do not fit).
+// Software prefetch of the next tile's slots, spread over the current tile's sub-tiles (scores, then
+// values) so that the loads overlap with compute. The hardware prefetchers don't keep up on their own
+// (blocks are scattered; the compute between loads): without it, a cache beyond L3 took 1.3-1.5x longer
+// (llama-50m decode steps at 32 x 1,900 tokens: 47 against 31 ms; one that fits in L3 ~10% less; a real
+// step's caches, every layer's, do not fit).
 struct Prefetcher {
   const void* const* keys = nullptr;
   const void* const* values = nullptr;
@@ -161,13 +170,11 @@ void dot_block_bf16(const c10::BFloat16* q, const void* const* keys, int64_t off
 
 // rows r .. r + RB over the tile's keys; `ahead` issues its prefetches along the way
 template <int RB, typename T>
-void dot_rows(Workspace& ws, int64_t r, int64_t count, int64_t offset, int64_t head_dim, float scale,
-              Prefetcher* ahead) {
+void dot_rows(Workspace& ws, int64_t r, int64_t j0, int64_t j1, int64_t offset, int64_t head_dim,
+              float scale) {
   constexpr int KB = kLanes / RB;
   float* scores = ws.scores.data() + r * kStride;
-  if (ahead) ahead->spread_over((count + KB - 1) / KB);
-  for (int64_t j = 0; j < count; j += KB) {
-    if (ahead) ahead->step();
+  for (int64_t j = j0; j < j1; j += KB) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       const c10::BFloat16* q = ws.q_bf16.data() + r * head_dim;
@@ -179,18 +186,18 @@ void dot_rows(Workspace& ws, int64_t r, int64_t count, int64_t offset, int64_t h
   }
 }
 
-// The tile's scores of rows r0 .. r0 + rows, in blocks of 8, 4, 2, 1 rows. The slots past count repeat
-// the last one, so that a block of keys needs no tail; their scores land in the padding of kStride.
+// The scores of rows r0 .. r0 + rows with the tile's keys [j0, j1), in blocks of 8, 4, 2, 1 rows. A block
+// of keys past j1 reads the next ones (past the tile's count, the caller repeats its last slot); their
+// scores land where the next keys' will, or in the padding of kStride.
 template <typename T>
-void tile_scores(Workspace& ws, int64_t r0, int64_t rows, int64_t count, int64_t offset, int64_t head_dim,
-                 float scale, Prefetcher* ahead) {
-  std::fill(ws.keys.begin() + count, ws.keys.begin() + count + kLanes, ws.keys[count - 1]);
-  for (int64_t r = r0, left = rows; left > 0; ahead = nullptr) {  // the first block prefetches
+void tile_scores(Workspace& ws, int64_t r0, int64_t rows, int64_t j0, int64_t j1, int64_t offset,
+                 int64_t head_dim, float scale) {
+  for (int64_t r = r0, left = rows; left > 0;) {
     const int64_t n = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-    if (n == 8) dot_rows<8, T>(ws, r, count, offset, head_dim, scale, ahead);
-    else if (n == 4) dot_rows<4, T>(ws, r, count, offset, head_dim, scale, ahead);
-    else if (n == 2) dot_rows<2, T>(ws, r, count, offset, head_dim, scale, ahead);
-    else dot_rows<1, T>(ws, r, count, offset, head_dim, scale, ahead);
+    if (n == 8) dot_rows<8, T>(ws, r, j0, j1, offset, head_dim, scale);
+    else if (n == 4) dot_rows<4, T>(ws, r, j0, j1, offset, head_dim, scale);
+    else if (n == 2) dot_rows<2, T>(ws, r, j0, j1, offset, head_dim, scale);
+    else dot_rows<1, T>(ws, r, j0, j1, offset, head_dim, scale);
     r += n;
     left -= n;
   }
@@ -202,12 +209,12 @@ void tile_scores(Workspace& ws, int64_t r0, int64_t rows, int64_t count, int64_t
 // value vector is loaded (and converted) once for NR rows.
 
 template <int NR, int NC, typename T>
-void accumulate_block(const float* p, const void* const* values, int64_t count, int64_t offset, int64_t d0,
-                      int64_t head_dim, float* acc) {
+void accumulate_block(const float* p, const void* const* values, int64_t j0, int64_t j1, int64_t offset,
+                      int64_t d0, int64_t head_dim, float* acc) {
   VecF a[NR][NC];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NC; ++c) a[r][c] = vload(acc + r * head_dim + d0 + c * kLanes);
-  for (int64_t j = 0; j < count; ++j) {
+  for (int64_t j = j0; j < j1; ++j) {
     const T* v = static_cast<const T*>(values[j]) + offset + d0;
     VecF vv[NC];
     for (int c = 0; c < NC; ++c) vv[c] = vload(v + c * kLanes);
@@ -221,22 +228,23 @@ void accumulate_block(const float* p, const void* const* values, int64_t count, 
 }
 
 template <int NC, typename T>
-void accumulate_rows(Workspace& ws, int64_t r, int64_t nr, int64_t count, int64_t offset, int64_t d0,
-                     int64_t head_dim) {
+void accumulate_rows(Workspace& ws, int64_t r, int64_t nr, int64_t j0, int64_t j1, int64_t offset,
+                     int64_t d0, int64_t head_dim) {
   const float* p = ws.scores.data() + r * kStride;
   const void* const* v = ws.values.data();
   float* acc = ws.acc.data() + r * head_dim;
   switch (nr) {
-    case 4: accumulate_block<4, NC, T>(p, v, count, offset, d0, head_dim, acc); break;
-    case 3: accumulate_block<3, NC, T>(p, v, count, offset, d0, head_dim, acc); break;
-    case 2: accumulate_block<2, NC, T>(p, v, count, offset, d0, head_dim, acc); break;
-    default: accumulate_block<1, NC, T>(p, v, count, offset, d0, head_dim, acc);
+    case 4: accumulate_block<4, NC, T>(p, v, j0, j1, offset, d0, head_dim, acc); break;
+    case 3: accumulate_block<3, NC, T>(p, v, j0, j1, offset, d0, head_dim, acc); break;
+    case 2: accumulate_block<2, NC, T>(p, v, j0, j1, offset, d0, head_dim, acc); break;
+    default: accumulate_block<1, NC, T>(p, v, j0, j1, offset, d0, head_dim, acc);
   }
 }
 
-// rows r0 .. r0 + rows of acc += their probabilities @ the tile's values (at offset in each slot)
+// rows r0 .. r0 + rows of acc += their probabilities @ the values of keys [j0, j1) (at offset in each slot)
 template <typename T>
-void tile_values(Workspace& ws, int64_t r0, int64_t rows, int64_t count, int64_t offset, int64_t head_dim) {
+void tile_values(Workspace& ws, int64_t r0, int64_t rows, int64_t j0, int64_t j1, int64_t offset,
+                 int64_t head_dim) {
   // AVX-512's 32 registers hold 4 rows x 4 vectors of accumulators; AVX2's 16, 2 rows x 4 vectors
   constexpr int64_t kRows = kLanes == 16 ? 4 : 2;
   for (int64_t d0 = 0; d0 < head_dim;) {
@@ -244,12 +252,113 @@ void tile_values(Workspace& ws, int64_t r0, int64_t rows, int64_t count, int64_t
     const int64_t nc = left >= 4 ? 4 : left >= 2 ? 2 : 1;
     for (int64_t r = r0; r < r0 + rows; r += kRows) {
       const int64_t nr = std::min(kRows, r0 + rows - r);
-      if (nc == 4) accumulate_rows<4, T>(ws, r, nr, count, offset, d0, head_dim);
-      else if (nc == 2) accumulate_rows<2, T>(ws, r, nr, count, offset, d0, head_dim);
-      else accumulate_rows<1, T>(ws, r, nr, count, offset, d0, head_dim);
+      if (nc == 4) accumulate_rows<4, T>(ws, r, nr, j0, j1, offset, d0, head_dim);
+      else if (nc == 2) accumulate_rows<2, T>(ws, r, nr, j0, j1, offset, d0, head_dim);
+      else accumulate_rows<1, T>(ws, r, nr, j0, j1, offset, d0, head_dim);
     }
     d0 += nc * kLanes;
   }
+}
+
+#if defined(__AVX512BF16__)
+// The same for bfloat16 values on vdpbf16ps (bf16_values): two keys at a time, their probabilities a
+// bf16 pair broadcast to every lane, their values interleaved dim by dim (unpacklo/hi of the two rows,
+// within 128-bit lanes), so that one instruction adds two keys' products for 16 dims: a third of the
+// instructions of converting the values to float32 for FMAs (3-7% a step at long contexts). The
+// probabilities are rounded to bf16 as the values are (the prefill kernel's AMX path does the same); the
+// interleave leaves acc's dims permuted within each group of 32 until unpermute_rows.
+template <int NR, int NG>  // NR rows x NG groups of 32 dims
+void accumulate_block_bf16(const c10::BFloat16* p, const void* const* values, int64_t j0, int64_t j1,
+                           int64_t offset, int64_t d0, int64_t head_dim, float* acc) {
+  __m512 a[NR][2 * NG];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 2 * NG; ++c) a[r][c] = _mm512_loadu_ps(acc + r * head_dim + d0 + c * 16);
+  for (int64_t j = j0; j < j1; j += 2) {  // j1 - j0 even: the tile's odd count ends with p = 0
+    const auto* v0 = static_cast<const c10::BFloat16*>(values[j]) + offset + d0;
+    const auto* v1 = static_cast<const c10::BFloat16*>(values[j + 1]) + offset + d0;
+    __m512bh vv[2 * NG];
+    for (int g = 0; g < NG; ++g) {
+      const __m512i x = _mm512_loadu_si512(v0 + 32 * g), y = _mm512_loadu_si512(v1 + 32 * g);
+      vv[2 * g] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+      vv[2 * g + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+    }
+    for (int r = 0; r < NR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, p + r * kStride + j, sizeof(pair));
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < 2 * NG; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pr, vv[c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 2 * NG; ++c) _mm512_storeu_ps(acc + r * head_dim + d0 + c * 16, a[r][c]);
+}
+
+// rows r0 .. r0 + rows of acc += their bf16 probabilities @ the keys [j0, j1)'s values
+inline void tile_values_bf16(Workspace& ws, int64_t r0, int64_t rows, int64_t j0, int64_t j1, int64_t offset,
+                             int64_t head_dim) {
+  j1 += (j1 - j0) % 2;
+  for (int64_t d0 = 0; d0 < head_dim;) {
+    const int64_t ng = head_dim - d0 >= 64 ? 2 : 1;
+    for (int64_t r = r0; r < r0 + rows; r += 4) {
+      const c10::BFloat16* p = ws.p_bf16.data() + r * kStride;
+      float* acc = ws.acc.data() + r * head_dim;
+      const auto* v = ws.values.data();
+      const int64_t nr = std::min<int64_t>(4, r0 + rows - r);
+      if (ng == 2) {
+        if (nr == 4) accumulate_block_bf16<4, 2>(p, v, j0, j1, offset, d0, head_dim, acc);
+        else if (nr == 3) accumulate_block_bf16<3, 2>(p, v, j0, j1, offset, d0, head_dim, acc);
+        else if (nr == 2) accumulate_block_bf16<2, 2>(p, v, j0, j1, offset, d0, head_dim, acc);
+        else accumulate_block_bf16<1, 2>(p, v, j0, j1, offset, d0, head_dim, acc);
+      } else {
+        if (nr == 4) accumulate_block_bf16<4, 1>(p, v, j0, j1, offset, d0, head_dim, acc);
+        else if (nr == 3) accumulate_block_bf16<3, 1>(p, v, j0, j1, offset, d0, head_dim, acc);
+        else if (nr == 2) accumulate_block_bf16<2, 1>(p, v, j0, j1, offset, d0, head_dim, acc);
+        else accumulate_block_bf16<1, 1>(p, v, j0, j1, offset, d0, head_dim, acc);
+      }
+    }
+    d0 += 32 * ng;
+  }
+}
+
+// row's probabilities (count of them, the padding to kLanes zero) -> bf16, zeros to a multiple of 32
+inline void probs_to_bf16(const float* s, int64_t count, c10::BFloat16* dst) {
+  for (int64_t j = 0; j < count; j += 32) {
+    const __m512 lo = _mm512_loadu_ps(s + j);
+    const __m512 hi = j + 16 < count ? _mm512_loadu_ps(s + j + 16) : _mm512_setzero_ps();
+    _mm512_storeu_si512(dst + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// acc's rows back in dim order: lane 4k + m of a group's first vector is dim 8k + m, of its second
+// 8k + 4 + m
+inline void unpermute_rows(float* acc, int64_t rows, int64_t head_dim) {
+  alignas(64) float tmp[32];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+      float* g = acc + r * head_dim + d0;
+      for (int k = 0; k < 4; ++k)
+        for (int m = 0; m < 4; ++m) {
+          tmp[8 * k + m] = g[4 * k + m];
+          tmp[8 * k + 4 + m] = g[16 + 4 * k + m];
+        }
+      std::copy(tmp, tmp + 32, g);
+    }
+}
+#else
+inline void tile_values_bf16(Workspace&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
+inline void probs_to_bf16(const float*, int64_t, c10::BFloat16*) {}
+inline void unpermute_rows(float*, int64_t, int64_t) {}
+#endif
+
+// Whether P V runs on vdpbf16ps: bfloat16 values, a head_dim of a multiple of 32, an AVX-512 BF16 build
+template <typename T>
+bool bf16_values(int64_t head_dim) {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<T, c10::BFloat16> && head_dim % 32 == 0;
+#else
+  (void)head_dim;
+  return false;
+#endif
 }
 
 // Online softmax over one tile for one row: scores -> probabilities against the running max, the row's
@@ -317,6 +426,7 @@ void run_item(const Problem& P, const Item& item) {
     }
   };
   const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
+  const bool bf16 = bf16_values<T>(D);
   find_slots(item.begin, std::min(kTile, item.end - item.begin), ws.next_keys, ws.next_values);
   for (int64_t start = item.begin; start < item.end; start += kTile) {
     const int64_t count = std::min(kTile, item.end - start);
@@ -328,26 +438,44 @@ void run_item(const Problem& P, const Item& item) {
     }
     const int64_t next_count = std::max<int64_t>(0, std::min(kTile, item.end - start - count));
     if (next_count > 0) find_slots(start + count, next_count, ws.next_keys, ws.next_values);
-    for (int64_t h = 0; h < num_kv_heads; ++h) {  // each kv head prefetches its share of the next tile
-      const int64_t r0 = h * head_rows;
-      Prefetcher ahead{ws.next_keys.data(), ws.next_values.data(), next_count * h / num_kv_heads,
-                       next_count * (h + 1) / num_kv_heads, 0, slot_bytes};
-      tile_scores<T>(ws, r0, head_rows, count, h * D, D, P.scale, &ahead);
-      if (q_len > 1) {  // a chunk: query t sees the keys up to its own position (within the window)
-        for (int64_t r = 0; r < head_rows; ++r) {
-          const int64_t q_pos = seq_len - q_len + r / G;
-          const int64_t lo = P.window > 0 ? q_pos - P.window + 1 : 0;
-          float* scores = ws.scores.data() + (r0 + r) * kStride;
-          for (int64_t j = 0; j < count; ++j)
-            if (start + j > q_pos || start + j < lo) scores[j] = kNegInf;
-        }
+    // every kv head's scores, kSub slots at a time (the slots past count repeat the last one: a block of
+    // keys needs no tail)
+    std::fill(ws.keys.begin() + count, ws.keys.begin() + count + kLanes, ws.keys[count - 1]);
+    const int64_t subs = (count + kSub - 1) / kSub;
+    Prefetcher ahead{ws.next_keys.data(), ws.next_values.data(), 0, next_count, 0, slot_bytes};
+    ahead.spread_over(subs * num_kv_heads * 2);
+    for (int64_t j0 = 0; j0 < count; j0 += kSub) {
+      const int64_t j1 = std::min(count, j0 + kSub);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        ahead.step();
+        tile_scores<T>(ws, h * head_rows, head_rows, j0, j1, h * D, D, P.scale);
       }
-      for (int64_t r = r0; r < r0 + head_rows; ++r)
-        softmax_row(ws.scores.data() + r * kStride, count, ws.max[r], ws.sum[r], ws.acc.data() + r * D, D);
-      tile_values<T>(ws, r0, head_rows, count, h * D, D);
+    }
+    if (q_len > 1) {  // a chunk: query t sees the keys up to its own position (within the window)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t q_pos = seq_len - q_len + (r % head_rows) / G;
+        const int64_t lo = P.window > 0 ? q_pos - P.window + 1 : 0;
+        float* scores = ws.scores.data() + r * kStride;
+        for (int64_t j = 0; j < count; ++j)
+          if (start + j > q_pos || start + j < lo) scores[j] = kNegInf;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      softmax_row(ws.scores.data() + r * kStride, count, ws.max[r], ws.sum[r], ws.acc.data() + r * D, D);
+      if (bf16) probs_to_bf16(ws.scores.data() + r * kStride, count, ws.p_bf16.data() + r * kStride);
+    }
+    ws.values[count] = ws.values[count - 1];  // bf16 pairs: an odd count's last pair has p = 0
+    for (int64_t j0 = 0; j0 < count; j0 += kSub) {
+      const int64_t j1 = std::min(count, j0 + kSub);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        ahead.step();
+        if (bf16) tile_values_bf16(ws, h * head_rows, head_rows, j0, j1, h * D, D);
+        else tile_values<T>(ws, h * head_rows, head_rows, j0, j1, h * D, D);
+      }
     }
   }
 
+  if (bf16) unpermute_rows(ws.acc.data(), rows, D);
   if (item.partial >= 0) {  // one part of a split context: (max, sum, unnormalized output) per row
     float* dst = P.partials + item.partial;
     std::copy(ws.max.begin(), ws.max.begin() + rows, dst);
