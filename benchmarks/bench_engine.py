@@ -4,7 +4,8 @@
     python benchmarks/bench_engine.py                       # the embedded model
 
 1. overhead: scheduler + bookkeeping time per step as a fraction of the forward, at batch 1, 8, 32,
-   and end-to-end output tokens/s for that many 128-token prompts generating 64 tokens each.
+   and end-to-end output tokens/s for that many 128-token prompts (--prompt-len) generating 64 tokens
+   each; step_ms is the median decode step (the steps that carry no prefill).
 2. context: decode tokens/s of one stream as its context grows (a growth copy would show as a slope).
 3. prefix: throughput with prefix caching on vs off when nothing is shared (its pure cost), and TTFT
    with a shared 1024-token prefix (its benefit).
@@ -66,7 +67,7 @@ def overhead(args) -> list[dict]:
         gen = torch.Generator().manual_seed(batch)
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         for _ in range(batch):
-            eng.add_request(random_prompt(gen, 128, eng.model_config.vocab_size), params)
+            eng.add_request(random_prompt(gen, args.prompt_len, eng.model_config.vocab_size), params)
         start = time.perf_counter()
         steps = run_all(eng)
         e2e = batch * 64 / (time.perf_counter() - start)
@@ -85,7 +86,7 @@ def overhead(args) -> list[dict]:
                 bookkeeping_frac=book / fwd,
                 step_ms=step_s * 1e3,
                 decode_tok_s=batch / (fwd + book),
-                end_to_end_tok_s=e2e,  # 128-token prompts, 64 output tokens each, prefill included
+                end_to_end_tok_s=e2e,  # --prompt-len prompts, 64 output tokens each, prefill included
             )
         )
     return rows
@@ -174,6 +175,7 @@ def main() -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens in the overhead section")
     p.add_argument("--no-prepack", action="store_true", help="plain F.linear: what prepacking buys")
     p.add_argument("--trace", default=None, metavar="FILE", help="record the engine trace (overhead only)")
     p.add_argument("--only", nargs="+", default=["overhead", "context", "prefix", "memory"])
