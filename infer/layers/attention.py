@@ -383,8 +383,12 @@ def attention(
     cache = meta.kv_caches[layer_idx] if meta.kv_caches is not None else None
     if cache is not None:
         key_cache, value_cache = cache
-        key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k  # [num_slots, num_kv_heads, head_dim]
-        value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
+        ops = kernels.layer_ops(k)
+        if ops is not None and k.stride(-1) == v.stride(-1) == 1 and key_cache.dtype == k.dtype:
+            ops.write_cache(k, v, key_cache, value_cache, meta.slot_mapping)  # both, one call
+        else:
+            key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k  # [num_slots, num_kv_heads, head_dim]
+            value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
     if not meta.loop_seqs:  # one batched call covers every row
         return _batched(q, key_cache, value_cache, meta, scale, sliding_window)
     ops = _prefill_kernel(q, cache)

@@ -1,6 +1,6 @@
 """The C++ layer ops (infer/kernels/layer_ops.cpp: RMSNorm, its fused residual add, rotary in place,
-SiLU-and-multiply, the greedy argmax) against the torch reference of the layers they replace, and a bf16
-model through both paths."""
+SiLU-and-multiply, the KV cache write, the greedy argmax) against the torch reference of the layers they
+replace, and a bf16 model through both paths."""
 
 from __future__ import annotations
 
@@ -79,6 +79,27 @@ def test_silu_and_mul_matches_the_reference(dtype, rows):
     close(ops.silu_and_mul(x), F.silu(x[:, :1536]) * x[:, 1536:], dtype)
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_write_cache_is_index_put(dtype, tokens):
+    """A step's k and v (views of qkv, tokens strided) into scattered slots of both caches, as the
+    index_put it replaces writes them; every other slot untouched."""
+    check_write_cache(_ops(), dtype, tokens)
+
+
+def check_write_cache(ops, dtype, tokens) -> None:
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (8 + 2 * 4) * 64, generator=gen).to(dtype)
+    _, k, v = (t.view(tokens, -1, 64) for t in qkv.split([512, 256, 256], dim=1))
+    caches = [torch.randn(40, 16, 4, 64, generator=gen).to(dtype) for _ in range(2)]
+    slots = torch.randperm(40 * 16, generator=gen)[:tokens]
+    expected = [c.clone() for c in caches]
+    expected[0].view(-1, 4, 64)[slots] = k
+    expected[1].view(-1, 4, 64)[slots] = v
+    ops.write_cache(k, v, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
 def test_bad_arguments_raise():
     ops = _ops()
     x = torch.randn(4, 64)
@@ -94,6 +115,11 @@ def test_bad_arguments_raise():
         ops.rotary(torch.tensor([0, 10]), q, k, table, table)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         ops.silu_and_mul(torch.randn(2, 64, dtype=torch.float64))
+    cache = torch.zeros(2, 16, 2, 64)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ops.write_cache(k, k, cache, cache.clone(), torch.tensor([3, 32]))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.write_cache(k, k, cache.bfloat16(), cache.bfloat16(), torch.tensor([3, 4]))
 
 
 @pytest.mark.parametrize("name", ["llama_bias", "qwen3"])  # head_dim 32: the rotary kernel serves them
@@ -139,6 +165,7 @@ def check_layer_ops(ops) -> None:
         ops.rotary(positions, q, k, cos, sin)
         close(q, expected[0], dtype)
         close(k, expected[1], dtype)
+        check_write_cache(ops, dtype, 33)
         check_argmax(ops, dtype)
 
 
