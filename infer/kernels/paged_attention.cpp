@@ -12,7 +12,7 @@
 // block of slots: an item reads its blocks whole, in order, while it prefetches the next tile (see
 // Prefetcher). Scores and values go kSub slots at a time, every kv head's part of them in turn, so the
 // slots are read front to back (head by head over the whole tile read each slot 4 times, 2 lines at a
-// time for a kv head of 64 dims: 3-9% slower a step at long contexts). GQA: the group of query heads of
+// time for a kv head of 64 dims: 2-8% slower a step at long contexts). GQA: the group of query heads of
 // a kv head reads each of its keys once, together.
 // Threads (at::parallel_for: torch's OpenMP pool, torch.get_num_threads()) take items from a shared
 // counter, longest first. A part of a split context leaves (max, sum, unnormalized output) per row,
@@ -43,6 +43,8 @@ using namespace infer_vec;
 constexpr int64_t kTile = 64;      // keys per tile: a tile's keys and values (and the next's) stay in L2
 constexpr int64_t kMinPart = 256;  // a context is split into parts no shorter than this
 constexpr int64_t kSub = 16;       // slots per sub-tile (llama-50m's 4 kv heads x 64 dims: 8 KB of keys)
+// a sub-tile starts where a block of keys (up to kLanes) and a bf16 pair of keys (2) start
+static_assert(kSub % kLanes == 0 && kTile % kSub == 0);
 constexpr int64_t kStride = kTile + kLanes;  // a row of tile scores, with room for a block's overhang
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -168,7 +170,7 @@ void dot_block_bf16(const c10::BFloat16* q, const void* const* keys, int64_t off
 }
 #endif
 
-// rows r .. r + RB over the tile's keys; `ahead` issues its prefetches along the way
+// rows r .. r + RB over the tile's keys [j0, j1)
 template <int RB, typename T>
 void dot_rows(Workspace& ws, int64_t r, int64_t j0, int64_t j1, int64_t offset, int64_t head_dim,
               float scale) {
@@ -264,7 +266,7 @@ void tile_values(Workspace& ws, int64_t r0, int64_t rows, int64_t j0, int64_t j1
 // The same for bfloat16 values on vdpbf16ps (bf16_values): two keys at a time, their probabilities a
 // bf16 pair broadcast to every lane, their values interleaved dim by dim (unpacklo/hi of the two rows,
 // within 128-bit lanes), so that one instruction adds two keys' products for 16 dims: a third of the
-// instructions of converting the values to float32 for FMAs (3-7% a step at long contexts). The
+// instructions of converting the values to float32 for FMAs (~3% a step at 32 x 1,900 tokens). The
 // probabilities are rounded to bf16 as the values are (the prefill kernel's AMX path does the same); the
 // interleave leaves acc's dims permuted within each group of 32 until unpermute_rows.
 template <int NR, int NG>  // NR rows x NG groups of 32 dims
@@ -371,7 +373,7 @@ void softmax_row(float* s, int64_t count, float& max, float& sum, float* acc, in
   for (int64_t j = 0; j < padded; j += kLanes) m = vmax(m, vload(s + j));
   const float tile_max = vhmax(m);
   if (tile_max == kNegInf) {
-    std::fill(s, s + count, 0.f);
+    std::fill(s, s + padded, 0.f);  // the padding too: bf16's pairs of keys read past an odd count
     return;
   }
   const float new_max = std::max(max, tile_max);

@@ -23,11 +23,12 @@ as cpu_attention_with_kv_cache) wherever it serves the step (KERNEL_MAX_QUERY_LE
 head_dim that is a multiple of 16): every query over its context read in place through the block table
 (no gathered copy, no padding, no mask), GQA (a kv head's group of query heads reads each key once),
 sliding windows, an online float32 softmax, both cores (sequences spread over torch's OpenMP threads, a
-long context split into parts), AVX-512 (vdpbf16ps for bf16 scores) or AVX2 as the machine that builds
-it has. It replaced the matmul path below for decodes and the small chunks riding with them; that path
-stays as its fallback (no compiler, a failed build; INFER_NO_KERNELS=1 turns the kernel off) and as the
-reference the tests hold it to. One layer, ms, matmuls -> kernel, measured interleaved in one process on
-a 2-core AMD EPYC (Zen 4, AVX-512 BF16, no AMX) with `python benchmarks/bench_attention.py`:
+long context split into parts), AVX-512 (vdpbf16ps for bf16 scores and probs @ values) or AVX2 as the
+machine that builds it has. It replaced the matmul path below for decodes and the small chunks riding
+with them; that path stays as its fallback (no compiler, a failed build; INFER_NO_KERNELS=1 turns the
+kernel off) and as the reference the tests hold it to. One layer, ms, matmuls -> kernel, measured
+interleaved in one process on a 2-core AMD EPYC (Zen 4, AVX-512 BF16, no AMX) with `python
+benchmarks/bench_attention.py`:
 
     batch x context   llama-50m bf16    Llama-3.2-1B bf16   llama-50m fp32    Llama-3.2-1B fp32
     1 x 128           0.052 -> 0.014    0.064 -> 0.022      0.042 -> 0.015    0.055 -> 0.023
@@ -384,7 +385,8 @@ def attention(
     if cache is not None:
         key_cache, value_cache = cache
         ops = kernels.layer_ops(k)
-        if ops is not None and k.stride(-1) == v.stride(-1) == 1 and key_cache.dtype == k.dtype:
+        same = k.dtype == v.dtype == key_cache.dtype == value_cache.dtype
+        if ops is not None and same and k.stride(-1) == v.stride(-1) == 1 and key_cache.is_contiguous():
             ops.write_cache(k, v, key_cache, value_cache, meta.slot_mapping)  # both, one call
         else:
             key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k  # [num_slots, num_kv_heads, head_dim]

@@ -157,6 +157,23 @@ def test_chunks_with_decodes(dtype, window, monkeypatch):
     torch.testing.assert_close(got.double(), python.double(), atol=2 * tol, rtol=2 * tol)
 
 
+@pytest.mark.parametrize("dtype", list(TOL), ids=["fp32", "bf16", "fp16"])
+def test_chunk_rows_that_see_no_key_of_an_odd_tile(dtype, monkeypatch):
+    """A chunk's early queries see none of a last tile of odd length (65 keys: the tile [64, 65) holds
+    query 2's key only): their probabilities there are 0, also in the padding that bf16's pairs of keys
+    read; a context split into parts beside them."""
+    _ops()
+    monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 1 << 30)
+    monkeypatch.setattr(attention_module, "KERNEL_MAX_QUERY_LEN", 1 << 30)
+    monkeypatch.setattr(attention_module, "PREFILL_KERNEL_MIN_QUERY_LEN", 1 << 30)
+    q, k, v, meta, tables = make_step(8, 2, 64, [3, 7, 1], [65, 133, 1999], dtype)
+    meta_args = (meta.query_lens, meta.seq_lens, meta.slot_mapping, meta.block_tables, meta.kv_caches)
+    got, _ = run_both(q, k, v, meta_args, 0.125, None, monkeypatch)
+    assert torch.isfinite(got).all()
+    expected, tol = reference(q, meta, tables, 0.125, None), TOL[dtype]
+    torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+
+
 def test_bad_arguments_raise():
     ops = _ops()
     q, _, _, meta, _ = make_step(4, 2, 64, [1, 1], [20, 5], torch.float32)
