@@ -112,6 +112,9 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[Block]:
         """Take n blocks from the head of the free queue, evicting cached ones; each gets ref_cnt 1.
+        Returned in block-id order, whatever their order in the queue: freed tail first, a request's
+        blocks come back as a reversed run, and the attention kernels stream a sequence's blocks in
+        table order, faster where consecutive blocks are consecutive memory.
 
         Caller checks `n <= num_allocatable_blocks` first (asserted).
         """
@@ -126,6 +129,7 @@ class BlockPool:
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
+        out.sort(key=lambda block: block.block_id)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:

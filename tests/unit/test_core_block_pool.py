@@ -66,8 +66,10 @@ def test_pool_allocate_free_cache_evict():
     pool.touch([a[0]])  # a prefix hit on a cached free block takes it out of the queue
     assert ids(pool.free_queue) == [2, 3, 1] and a[0].ref_cnt == 1 and pool.num_cached_free == 0
     pool.free([a[0]])
-    got = pool.allocate(4)  # drains the queue, evicting the cached block last
-    assert ids(got) == [2, 3, 1, 0] and pool.num_evictions == 1
+    got = pool.allocate(3)  # the queue's head, the cached block (its tail) left for last; in id order
+    assert ids(got) == [1, 2, 3] and pool.num_evictions == 0 and pool.get_cached_block(b"h0") is a[0]
+    got += pool.allocate(1)  # now it is evicted
+    assert ids(got) == [1, 2, 3, 0] and pool.num_evictions == 1
     assert pool.get_cached_block(b"h0") is None and got[3].block_hash is None
     pool.check_integrity()
     with pytest.raises(AssertionError):
@@ -75,6 +77,18 @@ def test_pool_allocate_free_cache_evict():
     pool.free(got)
     with pytest.raises(AssertionError, match="double free"):
         pool.free([got[0]])
+
+
+def test_a_freed_run_comes_back_in_id_order():
+    """Freed tail first, a request's blocks sit in the queue as a reversed run; the next request to take
+    them gets them ascending, one run of memory again."""
+    pool = BlockPool(8)
+    first = pool.allocate(5)
+    pool.free(reversed(first))
+    rest = pool.allocate(3)  # the never-used blocks 5-7 come first
+    again = pool.allocate(5)
+    assert ids(rest) == [5, 6, 7] and ids(again) == [0, 1, 2, 3, 4]
+    pool.check_integrity()
 
 
 def test_pool_integrity_catches_corruption():

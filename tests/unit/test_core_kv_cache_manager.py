@@ -82,17 +82,18 @@ def test_lru_eviction_order_and_eviction_when_free_list_is_empty():
     assert queue(kv) == [4, 5, 1, 0, 3, 2]
     assert (kv.num_used_blocks, kv.num_cached_blocks, kv.num_free_blocks, kv.usage) == (0, 4, 2, 0.0)
     c = Request("c", list(range(40, 52)))
-    assert admit(kv, c) == ([], [4, 5, 1])  # two free blocks, then the LRU cached one (a's tail)
+    # two free blocks, then the LRU cached one (a's tail); a table holds new blocks in id order
+    assert admit(kv, c) == ([], [1, 4, 5])
     assert kv.num_evictions == 1 and kv.pool.get_cached_block(a.block_hashes[1]) is None
     a2 = Request("a2", list(range(8)) + [7])
     # a's first block survived, its second was evicted: hit [0], then the LRU cached blocks 3 and 2 (b's).
-    assert admit(kv, a2) == ([0], [3, 2])
+    assert admit(kv, a2) == ([0], [2, 3])
     assert kv.num_evictions == 3 and queue(kv) == [] and kv.usage == 1.0
     d = Request("d", list(range(60, 65)))
     assert kv.allocate_slots(d, 5) is None  # everything is referenced: nothing to evict
     kv.free(c)
-    assert queue(kv) == [1, 5, 4]
-    assert admit(kv, d) == ([], [1, 5])
+    assert queue(kv) == [5, 4, 1]  # tail first
+    assert admit(kv, d) == ([], [4, 5])
     assert kv.num_evictions == 5
     kv.check_integrity()
 
