@@ -386,7 +386,9 @@ def attention(
         key_cache, value_cache = cache
         ops = kernels.layer_ops(k)
         same = k.dtype == v.dtype == key_cache.dtype == value_cache.dtype
-        if ops is not None and same and k.stride(-1) == v.stride(-1) == 1 and key_cache.is_contiguous():
+        dense = key_cache.is_contiguous() and value_cache.is_contiguous()
+        dense = dense and key_cache.shape == value_cache.shape
+        if ops is not None and same and dense and k.stride(-1) == v.stride(-1) == 1:
             ops.write_cache(k, v, key_cache, value_cache, meta.slot_mapping)  # both, one call
         else:
             key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k  # [num_slots, num_kv_heads, head_dim]
