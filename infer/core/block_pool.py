@@ -10,10 +10,10 @@ Every block is in exactly one of three states:
 
 The free queue is ordered by eviction priority: allocation pops the head (and hands a call's blocks out
 in id order, not the queue's: see `allocate`), freeing appends to the tail, so an unreferenced cached
-block survives as long as possible (LRU). A cached block is evicted lazily:
-only when allocation pops it, at which point its hash is dropped. A prefix hit on a cached block takes
-it out of the middle of the queue in O(1) (`touch`), which is why the queue is a hand-made doubly linked
-list through the blocks themselves rather than a deque.
+block survives as long as possible (LRU). A cached block is evicted lazily: only when allocation pops
+it, at which point its hash is dropped. A prefix hit on a cached block takes it out of the middle of the
+queue in O(1) (`touch`), which is why the queue is a hand-made doubly linked list through the blocks
+themselves rather than a deque.
 """
 
 from __future__ import annotations

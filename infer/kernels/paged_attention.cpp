@@ -295,6 +295,20 @@ void accumulate_block_bf16(const c10::BFloat16* p, const void* const* values, in
     for (int c = 0; c < 2 * NG; ++c) _mm512_storeu_ps(acc + r * head_dim + d0 + c * 16, a[r][c]);
 }
 
+template <int NG>
+void accumulate_rows_bf16(Workspace& ws, int64_t r, int64_t nr, int64_t j0, int64_t j1, int64_t offset,
+                          int64_t d0, int64_t head_dim) {
+  const c10::BFloat16* p = ws.p_bf16.data() + r * kStride;
+  const void* const* v = ws.values.data();
+  float* acc = ws.acc.data() + r * head_dim;
+  switch (nr) {
+    case 4: accumulate_block_bf16<4, NG>(p, v, j0, j1, offset, d0, head_dim, acc); break;
+    case 3: accumulate_block_bf16<3, NG>(p, v, j0, j1, offset, d0, head_dim, acc); break;
+    case 2: accumulate_block_bf16<2, NG>(p, v, j0, j1, offset, d0, head_dim, acc); break;
+    default: accumulate_block_bf16<1, NG>(p, v, j0, j1, offset, d0, head_dim, acc);
+  }
+}
+
 // rows r0 .. r0 + rows of acc += their bf16 probabilities @ the keys [j0, j1)'s values
 inline void tile_values_bf16(Workspace& ws, int64_t r0, int64_t rows, int64_t j0, int64_t j1, int64_t offset,
                              int64_t head_dim) {
@@ -302,21 +316,9 @@ inline void tile_values_bf16(Workspace& ws, int64_t r0, int64_t rows, int64_t j0
   for (int64_t d0 = 0; d0 < head_dim;) {
     const int64_t ng = head_dim - d0 >= 64 ? 2 : 1;
     for (int64_t r = r0; r < r0 + rows; r += 4) {
-      const c10::BFloat16* p = ws.p_bf16.data() + r * kStride;
-      float* acc = ws.acc.data() + r * head_dim;
-      const auto* v = ws.values.data();
       const int64_t nr = std::min<int64_t>(4, r0 + rows - r);
-      if (ng == 2) {
-        if (nr == 4) accumulate_block_bf16<4, 2>(p, v, j0, j1, offset, d0, head_dim, acc);
-        else if (nr == 3) accumulate_block_bf16<3, 2>(p, v, j0, j1, offset, d0, head_dim, acc);
-        else if (nr == 2) accumulate_block_bf16<2, 2>(p, v, j0, j1, offset, d0, head_dim, acc);
-        else accumulate_block_bf16<1, 2>(p, v, j0, j1, offset, d0, head_dim, acc);
-      } else {
-        if (nr == 4) accumulate_block_bf16<4, 1>(p, v, j0, j1, offset, d0, head_dim, acc);
-        else if (nr == 3) accumulate_block_bf16<3, 1>(p, v, j0, j1, offset, d0, head_dim, acc);
-        else if (nr == 2) accumulate_block_bf16<2, 1>(p, v, j0, j1, offset, d0, head_dim, acc);
-        else accumulate_block_bf16<1, 1>(p, v, j0, j1, offset, d0, head_dim, acc);
-      }
+      if (ng == 2) accumulate_rows_bf16<2>(ws, r, nr, j0, j1, offset, d0, head_dim);
+      else accumulate_rows_bf16<1>(ws, r, nr, j0, j1, offset, d0, head_dim);
     }
     d0 += 32 * ng;
   }
