@@ -5,7 +5,9 @@
 
 1. overhead: scheduler + bookkeeping time per step as a fraction of the forward, at batch 1, 8, 32,
    and end-to-end output tokens/s for that many 128-token prompts (--prompt-len) generating 64 tokens
-   each; step_ms is the median decode step (the steps that carry no prefill).
+   each; step_ms is the median decode step (the steps that carry no prefill). --pool-order reversed
+   starts from a KV pool whose free queue holds each request-sized run of blocks reversed, as a server's
+   pool that has cycled does (a request's blocks are freed tail first); random, shuffled.
 2. context: decode tokens/s of one stream as its context grows (a growth copy would show as a slope).
 3. prefix: throughput with prefix caching on vs off when nothing is shared (its pure cost), and TTFT
    with a shared 1024-token prefix (its benefit).
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -57,6 +60,21 @@ def run_all(eng: LLMEngine) -> list:
     return steps
 
 
+def reorder_pool(eng: LLMEngine, order: str, run: int) -> None:
+    """The free queue of a fresh pool (blocks in id order) re-ordered: "reversed" runs of `run` blocks,
+    or "random"; "fresh" leaves it."""
+    if order == "fresh":
+        return
+    queue = eng.scheduler.kv_cache_manager.pool.free_queue
+    blocks = [queue.popleft() for _ in range(len(queue))]
+    if order == "reversed":
+        blocks = [b for i in range(0, len(blocks), run) for b in reversed(blocks[i : i + run])]
+    else:
+        random.Random(0).shuffle(blocks)
+    for block in blocks:
+        queue.append(block)
+
+
 def overhead(args) -> list[dict]:
     rows = []
     for batch in (1, 8, 32):
@@ -64,6 +82,7 @@ def overhead(args) -> list[dict]:
         if args.trace:
             trace = str(Path(args.trace).with_name(f"{Path(args.trace).stem}-batch{batch}.json"))
         eng = engine(args, max_num_seqs=32, max_num_batched_tokens=max(512, 32 * 128), trace_path=trace)
+        reorder_pool(eng, args.pool_order, run=-(-(args.prompt_len + 64) // eng.cache_config.block_size))
         gen = torch.Generator().manual_seed(batch)
         params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
         for _ in range(batch):
@@ -176,6 +195,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens in the overhead section")
+    p.add_argument("--pool-order", choices=("fresh", "reversed", "random"), default="fresh")
     p.add_argument("--no-prepack", action="store_true", help="plain F.linear: what prepacking buys")
     p.add_argument("--trace", default=None, metavar="FILE", help="record the engine trace (overhead only)")
     p.add_argument("--only", nargs="+", default=["overhead", "context", "prefix", "memory"])

@@ -1,12 +1,12 @@
 """The C++ layer ops (infer/kernels/layer_ops.cpp: RMSNorm and its fused residual add, rotary in place,
-SiLU-and-multiply) against the torch code of the layers they replace: each op alone, and whole engine
-steps with the ops on and off. `--switch` times engine steps with another of the step's kernels on and
-off instead: the greedy argmax over bf16 logits (off: float32 logits, torch's argmax, as before it),
-the small-batch linear (infer/kernels/small_linear.cpp; off: oneDNN for every step where it holds a
-copy), its AMX tiles (off: an engine loaded by the rules before them, kernel up to 6 rows, oneDNN for
-the rest and alone for weights over 8 MiB; AMX only), the prefill-attention kernel (off: SDPA, one call
-per prompt or long chunk, its fallback), or the gate_up projection with SiLU-and-multiply in its
-epilogue (off: an engine loaded without it, two ops; AMX only).
+SiLU-and-multiply, the KV cache write) against the torch code of the layers they replace: each op alone,
+and whole engine steps with the ops on and off. `--switch` times engine steps with another of the step's
+kernels on and off instead: the greedy argmax over bf16 logits (off: float32 logits, torch's argmax, as
+before it), the small-batch linear (infer/kernels/small_linear.cpp; off: oneDNN for every step where it
+holds a copy), its AMX tiles (off: an engine loaded by the rules before them, kernel up to 6 rows, oneDNN
+for the rest and alone for weights over 8 MiB; AMX only), the prefill-attention kernel (off: SDPA, one call
+per prompt or long chunk, its fallback), or the gate_up projection with SiLU-and-multiply in its epilogue
+(off: an engine loaded without it, two ops; AMX only).
 
     python benchmarks/bench_layer_ops.py                               # ops, then llama-50m steps
     python benchmarks/bench_layer_ops.py --model /work/models/llama-1b --load-format dummy --skip-ops
@@ -82,6 +82,9 @@ def op_pairs(ops, rows: int, dtype: torch.dtype) -> list:
     qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
     q = qkv[:, : HEADS * HEAD_DIM].view(rows, HEADS, HEAD_DIM)
     k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(rows, KV_HEADS, HEAD_DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(rows, KV_HEADS, HEAD_DIM)
+    caches = [torch.zeros(4096, 16, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2)]  # 65,536 slots
+    slots = torch.randperm(4096 * 16)[:rows]
     positions = torch.randint(0, 2048, (rows,))
     cos, sin = torch.randn(2048, HEAD_DIM // 2), torch.randn(2048, HEAD_DIM // 2)
 
@@ -93,11 +96,16 @@ def op_pairs(ops, rows: int, dtype: torch.dtype) -> list:
         c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         return _rotate(q, c, s), _rotate(k, c, s)
 
+    def index_put():  # the cache write attention() did before write_cache
+        caches[0].view(-1, KV_HEADS, HEAD_DIM)[slots] = k
+        caches[1].view(-1, KV_HEADS, HEAD_DIM)[slots] = v
+
     return [
         (lambda: norm(x), lambda: ops.rms_norm(x, weight, 1e-5)),
         (lambda: norm(x + residual), lambda: ops.add_rms_norm(x, residual, weight, 1e-5)),
         (lambda: F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:], lambda: ops.silu_and_mul(gate_up)),
         (rotate, lambda: ops.rotary(positions, q, k, cos, sin)),
+        (index_put, lambda: ops.write_cache(k, v, *caches, slots)),
     ]
 
 
@@ -107,7 +115,8 @@ def bench_ops(rounds: int, dtype: torch.dtype) -> None:
         f"one op, us, torch -> kernel ({dtype}; llama-50m shapes: hidden {HIDDEN}, intermediate {INTER}, "
         f"{HEADS} + {KV_HEADS} heads of {HEAD_DIM})"
     )
-    print(f"{'rows':>6} {'rms_norm':>16} {'add + rms_norm':>16} {'silu * up':>16} {'rotary q, k':>16}")
+    names = ("rms_norm", "add + rms_norm", "silu * up", "rotary q, k", "kv cache write")
+    print(f"{'rows':>6} " + " ".join(f"{n:>16}" for n in names))
     for rows in (1, 8, 32, 512, 2048):
         cells = [
             f"{best_us(a, rounds):7.1f} -> {best_us(b, rounds):5.1f}" for a, b in op_pairs(ops, rows, dtype)
