@@ -122,6 +122,8 @@ def _positive_int(name: str, value: object) -> None:
 
 
 QUANTIZATION_METHODS = ("none", "int8", "int4")
+# auto: the model's dtype; fp8 = fp8_e4m3 (as vLLM), one byte per element (infer/runner/kv_cache.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _one_of(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -146,6 +148,9 @@ class EngineConfig:
     quantization: none, int8 (per output channel) or int4 (groups of 128): weight-only, done at load on
         a bf16/fp32 checkpoint (infer/quant). A pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors)
         is recognised from its config.json whatever this says, unless it asks for another method.
+    kv_cache_dtype: auto (the model's dtype) or fp8 / fp8_e4m3 / fp8_e5m2: keys and values stored as one
+        byte each, no scale (vLLM's flag and its default scale of 1.0): twice the tokens in the same
+        memory, half the bytes a long-context decode step reads (infer/runner/kv_cache.py).
     trace_path: record the engine trace (infer.engine.trace: Chrome trace-event JSON for Perfetto) and
         write it there at shutdown (`LLMEngine.close()`); None = off, at no cost.
     trace_steps: the trace keeps the events of this many last steps (a ring), so its memory is bounded.
@@ -174,6 +179,7 @@ class EngineConfig:
     use_kv_cache: bool = True
     prepack_weights: bool = True
     quantization: str = "none"
+    kv_cache_dtype: str = "auto"
     trace_path: str | None = None
     trace_steps: int = 10_000
     slo_config: str | None = None
@@ -193,6 +199,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         _one_of("quantization", self.quantization, QUANTIZATION_METHODS)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
 def default_token_budget() -> int:

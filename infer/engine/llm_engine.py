@@ -35,7 +35,7 @@ from infer.engine.tokenizer import Tokenizer
 from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
 from infer.models.loader import load_engine_model, tokenizer_folder, weight_bytes
-from infer.runner.kv_cache import kv_bytes_per_token
+from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype
 from infer.runner.model_runner import ModelRunner
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
 from infer.sampling_params import SamplingParams
@@ -97,8 +97,8 @@ class LLMEngine:
         model, self.model_config, path = load_engine_model(config, tp)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder(path))
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
-        dtype = next(model.parameters()).dtype
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, dtype, tp)  # per rank
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, self.kv_cache_dtype, tp)  # per rank
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // (config.block_size * self.kv_bytes_per_token)
         )
@@ -129,6 +129,7 @@ class LLMEngine:
             config.use_kv_cache,
             self.tokenizer.eos_token_ids,
             tp,
+            self.kv_cache_dtype,
         )
         if ranks is not None:
             ranks.broadcast(num_blocks)

@@ -51,7 +51,7 @@ SOURCES = [
         "layer_ops.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "paged_call.h", "amx.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "paged_call.h", "amx.h", "fp8.h")]
 _REPO = Path(__file__).resolve().parents[2]
 
 _state: dict = {}  # "ops": the loaded namespace or None, once load() has run

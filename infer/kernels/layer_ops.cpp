@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "fp8.h"
 #include "vec.h"
 
 namespace {
@@ -158,7 +159,8 @@ void rotary(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at:
 // slots of the caches [num_blocks, block_size, num_kv_heads, head_dim]: what `cache.view(-1, kv heads,
 // head_dim)[slots] = k` does, both caches in one call: torch's index_put took ~3.4 us a call at a decode
 // step (2 a layer), ~245 us for 2,048 tokens; this call 1.4 and 181 us for both (docs/benchmarks.md).
-// Slots are distinct (each token its own); a repeated one would get either token's row.
+// Slots are distinct (each token its own); a repeated one would get either token's row. An fp8 cache
+// (fp8.h) gets each element's code: bf16, float16 or float32 keys and values in, one byte each out.
 void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache, at::Tensor& value_cache,
                  const at::Tensor& slots) {
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
@@ -166,15 +168,45 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() && key_cache.is_contiguous() &&
                   value_cache.is_contiguous() && key_cache.size(2) == k.size(1) && key_cache.size(3) == k.size(2),
               "caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim] of k's heads");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() && key_cache.scalar_type() == k.scalar_type() &&
-                  value_cache.scalar_type() == k.scalar_type(),
-              "k, v and the caches share a dtype");
+  const at::ScalarType cache_type = key_cache.scalar_type();
+  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && value_cache.scalar_type() == cache_type &&
+                  (fp8 || cache_type == k.scalar_type()),
+              "k, v and the caches share a dtype (or the caches are fp8)");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.size(0) == k.size(0),
               "slots: int64 [num_tokens]");
   const int64_t tokens = k.size(0), heads = k.size(1), num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t* slot = slots.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot out of range");
+  if (fp8) {
+#if defined(INFER_FP8)
+    const infer_fp8::Format& f = infer_fp8::format_of(cache_type == at::kFloat8_e5m2);
+    const int64_t D = k.size(2);
+    TORCH_CHECK(D % 16 == 0, "an fp8 cache needs a head_dim of a multiple of 16");
+    auto* kc = static_cast<uint8_t*>(key_cache.data_ptr());
+    auto* vc = static_cast<uint8_t*>(value_cache.data_ptr());
+    dispatch(k.scalar_type(), "write_cache", [&](auto t) {
+      using T = decltype(t);
+      const T* kp = k.const_data_ptr<T>();
+      const T* vp = v.const_data_ptr<T>();
+      for_rows(tokens, 2 * heads * D, [&](int64_t row) {
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t dst = (slot[row] * heads + h) * D;
+          const T* ks = kp + row * k.stride(0) + h * k.stride(1);
+          const T* vs = vp + row * v.stride(0) + h * v.stride(1);
+          for (int64_t d = 0; d < D; d += 16) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(kc + dst + d), infer_fp8::encode16(f, vload(ks + d)));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(vc + dst + d), infer_fp8::encode16(f, vload(vs + d)));
+          }
+        }
+      });
+    });
+    return;
+#else
+    TORCH_CHECK(false, "write_cache: an fp8 cache needs AVX-512 BF16 and VBMI; this build has ", kIsa);
+#endif
+  }
   const int64_t size = k.element_size(), row = k.size(2) * size;
   const char* kp = static_cast<const char*>(k.const_data_ptr());
   const char* vp = static_cast<const char*>(v.const_data_ptr());

@@ -18,7 +18,9 @@
 // counter, longest first. A part of a split context leaves (max, sum, unnormalized output) per row,
 // merged when all are done. Accumulation is float32 whatever the cache's dtype (float32, bfloat16,
 // float16); the vector ISA is this build's (vec.h), plus vdpbf16ps for bfloat16 scores and probs @ values
-// where present.
+// where present. An fp8 cache (fp8.h) is read with bf16 queries on the same vdpbf16ps path: each 64-dim
+// group of a key or value decoded to bf16 as it is loaded, in an order of its own (the queries permuted
+// to match once per item, the output unpermuted at the end).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -33,6 +35,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "fp8.h"
 #include "paged_call.h"
 #include "vec.h"
 
@@ -47,6 +50,8 @@ constexpr int64_t kSub = 16;       // slots per sub-tile (llama-50m's 4 kv heads
 static_assert(kSub % kLanes == 0 && kTile % kSub == 0);
 constexpr int64_t kStride = kTile + kLanes;  // a row of tile scores, with room for a block's overhang
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Fp8 {};  // the cache's element type of an fp8 cache (one byte), for the templates below
 
 struct Item {
   int64_t seq;
@@ -77,6 +82,9 @@ struct Workspace {
   std::vector<float> acc;             // [rows, head_dim] unnormalized output
   std::vector<float> max, sum;        // [rows] running max of the scores, sum of exp(score - max)
   std::vector<const void*> keys, values, next_keys, next_values;  // this tile's slots, the next tile's
+#if defined(INFER_FP8)
+  const infer_fp8::Lut* lut = nullptr;  // an fp8 cache's decoding table
+#endif
 
   void reserve(int64_t rows, int64_t head_dim) {
     using infer_paged::grow;
@@ -170,6 +178,43 @@ void dot_block_bf16(const c10::BFloat16* q, const void* const* keys, int64_t off
 }
 #endif
 
+#if defined(INFER_FP8)
+// The same from an fp8 cache: each key's 64-dim groups decoded once for RB rows, two vdpbf16ps per row
+// and group, the queries in the decoded order (permute_queries)
+template <int RB>
+void dot_block_fp8(const c10::BFloat16* q, const void* const* keys, int64_t offset, int64_t head_dim, float scale,
+                   float* scores, const infer_fp8::Lut& lut) {
+  constexpr int KB = 16 / RB;
+  __m512 acc[16];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 64) {
+    for (int k = 0; k < KB; ++k) {
+      __m512i ka, kb;
+      infer_fp8::decode64(lut, _mm512_loadu_si512(static_cast<const uint8_t*>(keys[k]) + offset + d), ka, kb);
+      for (int r = 0; r < RB; ++r) {
+        const c10::BFloat16* qr = q + r * head_dim + d;
+        acc[r * KB + k] = _mm512_dpbf16_ps(acc[r * KB + k], (__m512bh)_mm512_loadu_si512(qr), (__m512bh)ka);
+        acc[r * KB + k] = _mm512_dpbf16_ps(acc[r * KB + k], (__m512bh)_mm512_loadu_si512(qr + 32), (__m512bh)kb);
+      }
+    }
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, _mm512_mul_ps(vsum_each(acc), _mm512_set1_ps(scale)));
+  for (int r = 0; r < RB; ++r) std::copy(sums + r * KB, sums + (r + 1) * KB, scores + r * kStride);
+}
+
+// rows' bf16 queries (rows x head_dim) in decode64's order, group of 64 dims by group
+inline void permute_queries(c10::BFloat16* q, int64_t rows, int64_t head_dim) {
+  c10::BFloat16 tmp[64];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+      c10::BFloat16* g = q + r * head_dim + d0;
+      for (int d = 0; d < 64; ++d) tmp[infer_fp8::permuted_position(d)] = g[d];
+      std::copy(tmp, tmp + 64, g);
+    }
+}
+#endif
+
 // rows r .. r + RB over the tile's keys [j0, j1)
 template <int RB, typename T>
 void dot_rows(Workspace& ws, int64_t r, int64_t j0, int64_t j1, int64_t offset, int64_t head_dim,
@@ -177,14 +222,21 @@ void dot_rows(Workspace& ws, int64_t r, int64_t j0, int64_t j1, int64_t offset, 
   constexpr int KB = kLanes / RB;
   float* scores = ws.scores.data() + r * kStride;
   for (int64_t j = j0; j < j1; j += KB) {
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (std::is_same_v<T, Fp8>) {
+#if defined(INFER_FP8)
       const c10::BFloat16* q = ws.q_bf16.data() + r * head_dim;
-      dot_block_bf16<RB>(q, &ws.keys[j], offset, head_dim, scale, scores + j);
-      continue;
-    }
+      dot_block_fp8<RB>(q, &ws.keys[j], offset, head_dim, scale, scores + j, *ws.lut);
 #endif
-    dot_block<RB, T>(ws.q.data() + r * head_dim, &ws.keys[j], offset, head_dim, scale, scores + j);
+    } else {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        const c10::BFloat16* q = ws.q_bf16.data() + r * head_dim;
+        dot_block_bf16<RB>(q, &ws.keys[j], offset, head_dim, scale, scores + j);
+        continue;
+      }
+#endif
+      dot_block<RB, T>(ws.q.data() + r * head_dim, &ws.keys[j], offset, head_dim, scale, scores + j);
+    }
   }
 }
 
@@ -324,6 +376,64 @@ inline void tile_values_bf16(Workspace& ws, int64_t r0, int64_t rows, int64_t j0
   }
 }
 
+#if defined(INFER_FP8)
+// The same for fp8 values (head_dim a multiple of 64): each key's 64-dim group decoded (fp8.h), two keys'
+// interleaved as bf16_values does. A row's 4 accumulators of a group hold, in lane 4 L + m of vector c,
+// dim 16 L + 4 c + m, until unpermute_rows_fp8.
+template <int NR>
+void accumulate_block_fp8(const c10::BFloat16* p, const void* const* values, int64_t j0, int64_t j1,
+                          int64_t offset, int64_t d0, int64_t head_dim, float* acc, const infer_fp8::Lut& lut) {
+  __m512 a[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(acc + r * head_dim + d0 + c * 16);
+  for (int64_t j = j0; j < j1; j += 2) {  // j1 - j0 even: the tile's odd count ends with p = 0
+    __m512i a0, b0, a1, b1;
+    infer_fp8::decode64(lut, _mm512_loadu_si512(static_cast<const uint8_t*>(values[j]) + offset + d0), a0, b0);
+    infer_fp8::decode64(lut, _mm512_loadu_si512(static_cast<const uint8_t*>(values[j + 1]) + offset + d0), a1, b1);
+    const __m512bh vv[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, a1), (__m512bh)_mm512_unpackhi_epi16(a0, a1),
+                            (__m512bh)_mm512_unpacklo_epi16(b0, b1), (__m512bh)_mm512_unpackhi_epi16(b0, b1)};
+    for (int r = 0; r < NR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, p + r * kStride + j, sizeof(pair));
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pr, vv[c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * head_dim + d0 + c * 16, a[r][c]);
+}
+
+inline void tile_values_fp8(Workspace& ws, int64_t r0, int64_t rows, int64_t j0, int64_t j1, int64_t offset,
+                            int64_t head_dim) {
+  j1 += (j1 - j0) % 2;
+  const void* const* v = ws.values.data();
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 64)
+    for (int64_t r = r0; r < r0 + rows; r += 4) {
+      const c10::BFloat16* p = ws.p_bf16.data() + r * kStride;
+      float* acc = ws.acc.data() + r * head_dim;
+      switch (std::min<int64_t>(4, r0 + rows - r)) {
+        case 4: accumulate_block_fp8<4>(p, v, j0, j1, offset, d0, head_dim, acc, *ws.lut); break;
+        case 3: accumulate_block_fp8<3>(p, v, j0, j1, offset, d0, head_dim, acc, *ws.lut); break;
+        case 2: accumulate_block_fp8<2>(p, v, j0, j1, offset, d0, head_dim, acc, *ws.lut); break;
+        default: accumulate_block_fp8<1>(p, v, j0, j1, offset, d0, head_dim, acc, *ws.lut);
+      }
+    }
+}
+
+// acc's rows back in dim order after tile_values_fp8
+inline void unpermute_rows_fp8(float* acc, int64_t rows, int64_t head_dim) {
+  alignas(64) float tmp[64];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+      float* g = acc + r * head_dim + d0;
+      for (int c = 0; c < 4; ++c)
+        for (int lane = 0; lane < 4; ++lane)
+          for (int m = 0; m < 4; ++m) tmp[16 * lane + 4 * c + m] = g[16 * c + 4 * lane + m];
+      std::copy(tmp, tmp + 64, g);
+    }
+}
+#endif
+
 // row's probabilities (count of them, the padding to kLanes zero) -> bf16, zeros to a multiple of 32
 inline void probs_to_bf16(const float* s, int64_t count, c10::BFloat16* dst) {
   for (int64_t j = 0; j < count; j += 32) {
@@ -352,6 +462,11 @@ inline void unpermute_rows(float* acc, int64_t rows, int64_t head_dim) {
 inline void tile_values_bf16(Workspace&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
 inline void probs_to_bf16(const float*, int64_t, c10::BFloat16*) {}
 inline void unpermute_rows(float*, int64_t, int64_t) {}
+#endif
+#if !defined(INFER_FP8)
+inline void permute_queries(c10::BFloat16*, int64_t, int64_t) {}
+inline void tile_values_fp8(Workspace&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
+inline void unpermute_rows_fp8(float*, int64_t, int64_t) {}
 #endif
 
 // Whether P V runs on vdpbf16ps: bfloat16 values, a head_dim of a multiple of 32, an AVX-512 BF16 build
@@ -409,11 +524,18 @@ void run_item(const Problem& P, const Item& item) {
     std::transform(src, src + D, ws.q.begin() + r * D, [](T x) { return static_cast<float>(x); });
     if constexpr (std::is_same_v<T, c10::BFloat16>) std::copy(src, src + D, ws.q_bf16.begin() + r * D);
   }
+  if (P.fp8) {
+#if defined(INFER_FP8)
+    ws.lut = &infer_fp8::lut_of(P.e5m2);
+#endif
+    permute_queries(ws.q_bf16.data(), rows, D);
+  }
   std::fill(ws.max.begin(), ws.max.begin() + rows, kNegInf);
   std::fill(ws.sum.begin(), ws.sum.begin() + rows, 0.f);
   std::fill(ws.acc.begin(), ws.acc.begin() + rows * D, 0.f);
 
   const int64_t slot_stride = num_kv_heads * D;
+  const int64_t elem = P.fp8 ? 1 : static_cast<int64_t>(sizeof(T));  // bytes per cached element
   const int64_t* table = P.block_tables + s * P.table_stride;
   // the slots of positions [start, start + count): position p is in slot
   // table[p / block_size] * block_size + p % block_size; block by block
@@ -424,13 +546,13 @@ void run_item(const Problem& P, const Item& item) {
       const int64_t n = std::min(P.block_size - offset, count - j);
       const int64_t first = (table[pos / P.block_size] * P.block_size + offset) * slot_stride;
       for (int64_t i = 0; i < n; ++i, ++j) {
-        keys[j] = static_cast<const T*>(P.key_cache) + first + i * slot_stride;
-        values[j] = static_cast<const T*>(P.value_cache) + first + i * slot_stride;
+        keys[j] = static_cast<const char*>(P.key_cache) + (first + i * slot_stride) * elem;
+        values[j] = static_cast<const char*>(P.value_cache) + (first + i * slot_stride) * elem;
       }
     }
   };
-  const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
-  const bool bf16 = bf16_values<T>(D);
+  const int64_t slot_bytes = slot_stride * elem;
+  const bool bf16 = !P.fp8 && bf16_values<T>(D);
   find_slots(item.begin, std::min(kTile, item.end - item.begin), ws.next_keys, ws.next_values);
   for (int64_t start = item.begin; start < item.end; start += kTile) {
     const int64_t count = std::min(kTile, item.end - start);
@@ -452,7 +574,8 @@ void run_item(const Problem& P, const Item& item) {
       const int64_t j1 = std::min(count, j0 + kSub);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         ahead.step();
-        tile_scores<T>(ws, h * head_rows, head_rows, j0, j1, h * D, D, P.scale);
+        if (P.fp8) tile_scores<Fp8>(ws, h * head_rows, head_rows, j0, j1, h * D, D, P.scale);
+        else tile_scores<T>(ws, h * head_rows, head_rows, j0, j1, h * D, D, P.scale);
       }
     }
     if (q_len > 1) {  // a chunk: query t sees the keys up to its own position (within the window)
@@ -466,20 +589,22 @@ void run_item(const Problem& P, const Item& item) {
     }
     for (int64_t r = 0; r < rows; ++r) {
       softmax_row(ws.scores.data() + r * kStride, count, ws.max[r], ws.sum[r], ws.acc.data() + r * D, D);
-      if (bf16) probs_to_bf16(ws.scores.data() + r * kStride, count, ws.p_bf16.data() + r * kStride);
+      if (bf16 || P.fp8) probs_to_bf16(ws.scores.data() + r * kStride, count, ws.p_bf16.data() + r * kStride);
     }
     ws.values[count] = ws.values[count - 1];  // bf16 pairs: an odd count's last pair has p = 0
     for (int64_t j0 = 0; j0 < count; j0 += kSub) {
       const int64_t j1 = std::min(count, j0 + kSub);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         ahead.step();
-        if (bf16) tile_values_bf16(ws, h * head_rows, head_rows, j0, j1, h * D, D);
+        if (P.fp8) tile_values_fp8(ws, h * head_rows, head_rows, j0, j1, h * D, D);
+        else if (bf16) tile_values_bf16(ws, h * head_rows, head_rows, j0, j1, h * D, D);
         else tile_values<T>(ws, h * head_rows, head_rows, j0, j1, h * D, D);
       }
     }
   }
 
   if (bf16) unpermute_rows(ws.acc.data(), rows, D);
+  if (P.fp8) unpermute_rows_fp8(ws.acc.data(), rows, D);
   if (item.partial >= 0) {  // one part of a split context: (max, sum, unnormalized output) per row
     float* dst = P.partials + item.partial;
     std::copy(ws.max.begin(), ws.max.begin() + rows, dst);
@@ -543,6 +668,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   static_cast<infer_paged::PagedCall&>(P) = infer_paged::check_call(
       q, key_cache, value_cache, block_tables, seq_lens, query_starts ? &*query_starts : nullptr, scale, window, out);
   const int64_t num_seqs = P.num_seqs, num_heads = P.num_heads, D = P.head_dim;
+#if !defined(INFER_FP8)
+  TORCH_CHECK(!P.fp8, "paged_attention: an fp8 cache needs AVX-512 BF16 and VBMI; this build has ", kIsa);
+#endif
 
   // Each sequence's keys: [the first its first query sees, seq_len), their blocks checked.
   std::vector<int64_t> begins(num_seqs);
@@ -585,14 +713,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   return out;
 }
 
-// The vector ISA of this build, for logs and tests: "+bf16" with AVX-512 BF16, then "+amx" where the
-// build has AMX and the kernel lets this process use the tiles (small_linear, prefill_attention).
+// The vector ISA of this build, for logs and tests: "+bf16" with AVX-512 BF16, "+fp8" where the
+// attention ops and write_cache read and write fp8 caches (VBMI too), then "+amx" where the build has AMX
+// and the kernel lets this process use the tiles (small_linear, prefill_attention).
 std::string isa() {
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-#if defined(INFER_AMX)
-  if (infer_amx::permitted()) return std::string(kIsa) + "+bf16+amx";
+  std::string isa = std::string(kIsa) + "+bf16";
+#if defined(INFER_FP8)
+  isa += "+fp8";
 #endif
-  return std::string(kIsa) + "+bf16";
+#if defined(INFER_AMX)
+  if (infer_amx::permitted()) isa += "+amx";
+#endif
+  return isa;
 #else
   return kIsa;
 #endif

@@ -15,6 +15,7 @@ struct PagedCall {
   int64_t q_token_stride, q_head_stride;
   const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
   const void* value_cache;
+  bool fp8, e5m2;  // caches of fp8 codes (fp8.h; q is bf16 then), e5m2 rather than e4m3
   int64_t block_size, num_kv_heads, head_dim, group;
   const int64_t* block_tables;  // [num_seqs, table_stride]
   int64_t table_stride;
@@ -52,8 +53,12 @@ inline PagedCall check_call(const at::Tensor& q, const at::Tensor& key_cache, co
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   key_cache.sizes() == value_cache.sizes(),
               "caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
-  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type() && q.scalar_type() == value_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const at::ScalarType cache_type = key_cache.scalar_type();
+  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK(value_cache.scalar_type() == cache_type && (q.scalar_type() == cache_type || fp8),
+              "q and the caches must share a dtype (or the caches are fp8)");
+  TORCH_CHECK(!fp8 || (q.scalar_type() == at::kBFloat16 && q.size(2) % 64 == 0),
+              "an fp8 cache is read with bfloat16 queries and a head_dim of a multiple of 64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.stride(1) == 1,
               "block_tables: int64 [num_seqs, max_blocks], rows contiguous");
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
@@ -83,6 +88,8 @@ inline PagedCall check_call(const at::Tensor& q, const at::Tensor& key_cache, co
   c.q = q.data_ptr();
   c.q_token_stride = q.stride(0);
   c.q_head_stride = q.stride(1);
+  c.fp8 = fp8;
+  c.e5m2 = cache_type == at::kFloat8_e5m2;
   c.key_cache = key_cache.data_ptr();
   c.value_cache = value_cache.data_ptr();
   c.group = c.num_heads / c.num_kv_heads;

@@ -30,6 +30,8 @@
 // With AMX (a build whose -march has it, Sapphire Rapids on), bf16 items run the two products on the
 // tiles instead (amx_tiles below, head_dim a multiple of 64): same packing, same softmax.
 //
+// An fp8 cache (fp8.h; bf16 queries) is decoded to bf16 as its tiles are packed; the rest is bf16's.
+//
 // One layer of llama-50m shape (8 q / 4 kv heads of 64), bf16, on 2 Zen 5 cores: a 2048-token prompt
 // SDPA 32 ms -> 6.0 ms (~720 GFLOP/s of the causal half, where the bf16 linears reach ~900; SDPA ~130),
 // 4 x 128 tokens 1.16 -> 0.15 ms (infer/layers/attention.py has the table). On 2 Sapphire Rapids cores,
@@ -50,6 +52,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "fp8.h"
 #include "paged_call.h"
 #include "vec.h"
 
@@ -189,6 +192,7 @@ struct Workspace {
   std::vector<float> alpha;  // [rows] this tile's rescaling of acc and sum
   std::vector<int64_t> pos;  // [rows] the row's query position
   std::vector<const void*> keys, values;  // [kTile] a tile's rows of one kv head, to pack
+  std::vector<c10::BFloat16> decoded;     // [2][kTile][D] an fp8 tile's keys and values in bf16
 
   void reserve(int64_t rows, int64_t head_dim) {
     using infer_paged::grow;
@@ -202,6 +206,7 @@ struct Workspace {
     grow(pos, rows);
     grow(keys, kTile);
     grow(values, kTile);
+    grow(decoded, 2 * kTile * head_dim);
   }
 };
 
@@ -268,6 +273,7 @@ void pack_values(const void* const* rows, int64_t count, int64_t D, Word* vp) {
 template <typename T>
 void pack_tile(const Problem& P, Workspace& ws, int64_t s, int64_t h, int64_t i) {
   const int64_t D = P.head_dim, words = D / Words<T>::kPer, slot_stride = P.num_kv_heads * D;
+  const int64_t elem = P.fp8 ? 1 : static_cast<int64_t>(sizeof(T));  // bytes per cached element
   const int64_t start = i * kTile, count = std::min<int64_t>(kTile, P.seq_lens[s] - start);
   const int64_t* table = P.block_tables + s * P.table_stride;
   for (int64_t j = 0; j < count;) {  // block by block
@@ -275,11 +281,30 @@ void pack_tile(const Problem& P, Workspace& ws, int64_t s, int64_t h, int64_t i)
     const int64_t n = std::min(P.block_size - offset, count - j);
     const int64_t first = (table[pos / P.block_size] * P.block_size + offset) * slot_stride + h * D;
     for (int64_t k = 0; k < n; ++k, ++j) {
-      ws.keys[j] = static_cast<const T*>(P.key_cache) + first + k * slot_stride;
-      ws.values[j] = static_cast<const T*>(P.value_cache) + first + k * slot_stride;
+      ws.keys[j] = static_cast<const char*>(P.key_cache) + (first + k * slot_stride) * elem;
+      ws.values[j] = static_cast<const char*>(P.value_cache) + (first + k * slot_stride) * elem;
     }
   }
   Word* dst = P.tile(s, h, i);
+  if (P.fp8) {  // bf16 queries: the rows decoded, then packed as bf16's
+#if defined(INFER_FP8)
+    const infer_fp8::Lut& lut = infer_fp8::lut_of(P.e5m2);
+    c10::BFloat16* out = ws.decoded.data();
+    for (const void** rows : {ws.keys.data(), ws.values.data()})
+      for (int64_t j = 0; j < count; ++j, out += D) {
+        for (int64_t d = 0; d < D; d += 64) {
+          __m512i first, second;
+          infer_fp8::decode64_natural(lut, _mm512_loadu_si512(static_cast<const uint8_t*>(rows[j]) + d), first, second);
+          _mm512_storeu_si512(out + d, first);
+          _mm512_storeu_si512(out + d + 32, second);
+        }
+        rows[j] = out;
+      }
+    pack_keys<c10::BFloat16>(ws.keys.data(), count, D / 2, dst);
+    pack_values<c10::BFloat16>(ws.values.data(), count, D, dst + D / 2 * kTile);
+#endif
+    return;
+  }
   pack_keys<T>(ws.keys.data(), count, words, dst);
   pack_values<T>(ws.values.data(), count, D, dst + words * kTile);
 }
@@ -708,6 +733,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
   Problem P{};
   static_cast<infer_paged::PagedCall&>(P) =
       infer_paged::check_call(q, key_cache, value_cache, block_tables, seq_lens, &query_starts, scale, window, out);
+#if !defined(INFER_FP8)
+  TORCH_CHECK(!P.fp8, "prefill_attention: an fp8 cache needs AVX-512 BF16 and VBMI; this build has ", infer_vec::kIsa);
+#endif
   const int64_t num_seqs = P.num_seqs, D = P.head_dim, num_kv_heads = P.num_kv_heads;
   const int32_t* starts = P.query_starts;
 

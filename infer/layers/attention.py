@@ -157,6 +157,12 @@ PREFILL_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # kernel call's fixed cost), measured with this set lower.
 PREFILL_KERNEL_MIN_QUERY_LEN = 8
 
+# An fp8 cache (`--kv-cache-dtype fp8`, infer/runner/kv_cache.py): written with each value rounded and
+# saturated to the format; read by the kernels as bf16 (bf16 queries, a head_dim of a multiple of 64, a
+# build with "+fp8"), else converted to the queries' dtype as the Python paths read it. A fresh prompt's
+# own keys go through the same rounding, so that every path attends over what the cache holds.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 @dataclass
 class AttentionMetadata:
@@ -357,10 +363,11 @@ class AttentionMetadata:
 
     def _additive(self, mask: torch.Tensor) -> torch.Tensor:
         """A boolean mask as SDPA would turn it, on every call of every layer, into an additive one (0 / -inf
-        in the cache's dtype); done once here. Without a cache the dtype is unknown: stays boolean."""
-        if self.kv_caches is None:
+        in the cache's dtype); done once here. Without a cache, or over an fp8 one, the queries' dtype is
+        not known here: stays boolean."""
+        dtype = None if self.kv_caches is None else self.kv_caches[0][0].dtype
+        if dtype is None or dtype in FP8_DTYPES:  # the queries' dtype is not the cache's
             return mask
-        dtype = self.kv_caches[0][0].dtype
         return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
 
     def prefill_blocks(self, i: int) -> torch.Tensor:
@@ -385,14 +392,17 @@ def attention(
     if cache is not None:
         key_cache, value_cache = cache
         ops = kernels.layer_ops(k)
-        same = k.dtype == v.dtype == key_cache.dtype == value_cache.dtype
+        fp8 = key_cache.dtype in FP8_DTYPES
+        same = k.dtype == v.dtype and key_cache.dtype == value_cache.dtype
+        same = same and (fp8 or k.dtype == key_cache.dtype)
         dense = key_cache.is_contiguous() and value_cache.is_contiguous()
         dense = dense and key_cache.shape == value_cache.shape
-        if ops is not None and same and dense and k.stride(-1) == v.stride(-1) == 1:
+        fast = ops is not None and same and dense and k.stride(-1) == v.stride(-1) == 1
+        if fast and (not fp8 or _fp8(ops)):
             ops.write_cache(k, v, key_cache, value_cache, meta.slot_mapping)  # both, one call
-        else:
-            key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = k  # [num_slots, num_kv_heads, head_dim]
-            value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = v
+        else:  # [num_slots, num_kv_heads, head_dim]
+            key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = _to_cache(k, key_cache.dtype)
+            value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = _to_cache(v, value_cache.dtype)
     if not meta.loop_seqs:  # one batched call covers every row
         return _batched(q, key_cache, value_cache, meta, scale, sliding_window)
     ops = _prefill_kernel(q, cache)
@@ -415,27 +425,51 @@ def attention(
 
 def _prefill_kernel(q, cache):
     """The kernels' ops where the prefill kernel serves this layer's loop sequences, else None: SDPA."""
-    if cache is None or q.dtype != cache[0].dtype or q.stride(-1) != 1:
+    if cache is None or not _reads(q.dtype, cache[0].dtype) or q.stride(-1) != 1:
         return None
     return _prefill_kernel_for(cache[0])
 
 
+def _reads(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the kernels take queries of q_dtype over a cache of cache_dtype."""
+    return q_dtype == cache_dtype or (cache_dtype in FP8_DTYPES and q_dtype == torch.bfloat16)
+
+
 def _prefill_kernel_for(key_cache: torch.Tensor):
     """The kernels' ops where the prefill kernel serves this cache (PREFILL_KERNEL_DTYPES, a head_dim that
-    is a multiple of 16, an AVX-512 BF16 build), else None."""
+    is a multiple of 16, an AVX-512 BF16 build; fp8: a multiple of 64 and "+fp8"), else None."""
+    fp8 = key_cache.dtype in FP8_DTYPES
     if (
-        key_cache.dtype not in PREFILL_KERNEL_DTYPES
+        (key_cache.dtype not in PREFILL_KERNEL_DTYPES and not fp8)
         or key_cache.device.type != "cpu"
-        or key_cache.shape[-1] % 16
+        or key_cache.shape[-1] % (64 if fp8 else 16)
     ):
         return None
     ops = kernels.load()
-    return ops if ops is not None and _avx512_bf16(ops) else None
+    return ops if ops is not None and _avx512_bf16(ops) and (not fp8 or _fp8(ops)) else None
 
 
 @functools.cache
 def _avx512_bf16(ops) -> bool:
     return "+bf16" in ops.isa()
+
+
+@functools.cache
+def _fp8(ops) -> bool:
+    return "+fp8" in ops.isa()
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype; into fp8 rounded to nearest and saturated, as the kernels' write_cache."""
+    if dtype not in FP8_DTYPES:
+        return x
+    limit = torch.finfo(dtype).max
+    return x.float().clamp_(-limit, limit).to(dtype)
+
+
+def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as an fp8 cache would give it back (in x's dtype); as it is otherwise."""
+    return x if cache_dtype not in FP8_DTYPES else _to_cache(x, cache_dtype).to(x.dtype)
 
 
 def _kernel_prefill(ops, q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
@@ -454,10 +488,13 @@ def _prefill(q, k, v, cache, meta: AttentionMetadata, i: int, scale, sliding_win
     seq_len = meta.seq_lens[i]
     if cache is None or meta.query_lens[i] == seq_len:  # no context before this step: its own keys suffice
         keys, values = k, v
+        if cache is not None:
+            keys, values = _as_cached(k, cache[0].dtype), _as_cached(v, cache[1].dtype)
     else:
         blocks = meta.prefill_blocks(i)
         keys = cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
         values = cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # from fp8; no copy otherwise
     return _attend(q, keys, values, scale, meta.prefill_mask(i, sliding_window))
 
 
@@ -471,13 +508,15 @@ def _batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_
 
 
 def _kernel_serves(meta: AttentionMetadata, q, key_cache) -> bool:
+    fp8 = key_cache.dtype in FP8_DTYPES
     return (
         meta.max_query_len <= KERNEL_MAX_QUERY_LEN
         and q.dtype in KERNEL_DTYPES
-        and q.dtype == key_cache.dtype
+        and _reads(q.dtype, key_cache.dtype)
         and q.device.type == "cpu"
-        and q.shape[-1] % 16 == 0
+        and q.shape[-1] % (64 if fp8 else 16) == 0
         and q.stride(-1) == 1
+        and (not fp8 or _fp8(kernels.load()))
     )
 
 
@@ -562,7 +601,7 @@ def _gathered(q, caches, rows, mask, buffers, scale):
     [m * H_kv * span] from the flat caches [num_slots * H_kv, D] into the scratch buffers."""
     shape = (q.shape[0], q.shape[1], -1, q.shape[3])  # [m, H_kv, span, D]
     keys, values = (
-        torch.index_select(cache, 0, rows, out=buf[: len(rows)]).view(shape)
+        torch.index_select(cache, 0, rows, out=buf[: len(rows)]).view(shape).to(q.dtype)  # from fp8
         for cache, buf in zip(caches, buffers, strict=True)
     )
     return _matmuls(q, keys, values, mask, scale)

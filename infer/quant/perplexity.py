@@ -26,13 +26,17 @@ def held_out_text() -> str:
 
 
 @torch.inference_mode()
-def perplexity(model, token_ids: list[int], window: int = 512) -> float:
-    """exp(mean negative log-likelihood of each token given the ones before it in its window)."""
+def perplexity(
+    model, token_ids: list[int], window: int = 512, kv_cache_dtype: torch.dtype | None = None
+) -> float:
+    """exp(mean negative log-likelihood of each token given the ones before it in its window); the keys and
+    values in a cache of kv_cache_dtype (None: the model's; an fp8 dtype: what `--kv-cache-dtype` costs)."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
     window = min(window, model.config.max_position_embeddings)
     num_blocks = -(-window // BLOCK_SIZE)
-    kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, next(model.parameters()).dtype)
+    dtype = kv_cache_dtype or next(model.parameters()).dtype
+    kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, dtype)
     total_nll, total_tokens = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
         ids = torch.tensor(token_ids[start : start + window + 1])

@@ -39,13 +39,17 @@ class ModelRunner:
         use_kv_cache: bool = True,
         eos_token_ids: frozenset[int] = frozenset(),
         tp: TensorParallel = SINGLE,
+        kv_cache_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
         self.block_size = block_size
         self.dtype = next(model.parameters()).dtype
+        self.kv_cache_dtype = kv_cache_dtype or self.dtype  # fp8 under --kv-cache-dtype fp8
         self.kv_caches = (
-            allocate_kv_cache(model.config, num_blocks, block_size, self.dtype, tp) if use_kv_cache else None
+            allocate_kv_cache(model.config, num_blocks, block_size, self.kv_cache_dtype, tp)
+            if use_kv_cache
+            else None
         )
         self.sampler = Sampler(seed)
         kernels.load()  # now, not in the first step that needs it (a first build takes ~10 s)

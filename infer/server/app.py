@@ -105,6 +105,7 @@ def create_app(
             info["kv_capacity_tokens"] = state.llm.kv_capacity_tokens
             info["max_model_len"] = state.llm.max_model_len
             info["dtype"] = str(state.llm.runner.dtype).removeprefix("torch.")  # what `auto` resolved to
+            info["kv_cache_dtype"] = str(state.llm.kv_cache_dtype).removeprefix("torch.")
             info["quantization"] = state.llm.quantization
         return JSONResponse(info)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from infer.config import (
     BATCHING_MODES,
     KV_CACHE_BACKENDS,
+    KV_CACHE_DTYPES,
     POLICIES,
     QUANTIZATION_METHODS,
     CacheConfig,
@@ -113,6 +114,13 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         choices=QUANTIZATION_METHODS,
         help="weight-only, at load: int8 per channel, int4 in groups of 128 (pre-quantized AWQ/GPTQ/"
         "compressed-tensors checkpoints are recognised without it)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=d["kv_cache_dtype"],
+        choices=KV_CACHE_DTYPES,
+        help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte per cached key and value "
+        "element, no scale, as vLLM's flag: twice the tokens, faster long-context decoding",
     )
     parser.add_argument(
         "--seed", type=int, default=d["seed"], help="engine seed (dummy weights, unseeded sampling)"

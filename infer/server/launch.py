@@ -80,13 +80,14 @@ def log_config(args: ServerArgs, state: ServerState) -> None:
     logger.info("server config: %s", shown)
     cache = llm.cache_config
     logger.info(
-        "model %s (%s, %s): max_model_len %d, KV cache %s: %d blocks x %d tokens = %d tokens "
+        "model %s (%s, %s): max_model_len %d, KV cache %s (%s): %d blocks x %d tokens = %d tokens "
         "(%.1f MiB), prefix caching %s; scheduler: %s",
         args.model_name,
         llm.model_config.architecture,
         llm.runner.dtype,
         llm.max_model_len,
         cache.kv_cache_backend,
+        str(llm.kv_cache_dtype).removeprefix("torch."),
         cache.num_blocks,
         cache.block_size,
         llm.kv_capacity_tokens,

@@ -227,3 +227,21 @@ def test_quantization_flag_reaches_the_engine_and_server_info(tmp_path):
         assert quant["bits"] == 4 and quant["lm_head"] == "int8" and quant["layers"] > 0
         reply = http.post(CMPL, json={"prompt": "In the beginning", "max_tokens": 4})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+
+
+def test_kv_cache_dtype_flag_reaches_the_cache_and_server_info(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("kv-cache-dtype: fp8_e5m2\n")
+    assert _parse(["--config", str(config)]).engine.kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(SystemExit):
+        _parse(["--kv-cache-dtype", "int8"])
+    with TestClient(create_app(_parse(["--kv-cache-dtype", "fp8", "--kv-cache-memory-gb", "0.05"]))) as http:
+        deadline = time.monotonic() + 120
+        while http.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        info = http.get("/server_info").json()
+        assert info["engine"]["kv_cache_dtype"] == "fp8" and info["kv_cache_dtype"] == "float8_e4m3fn"
+        # the embedded model: 6 layers x 2 kv heads x 64 dims x 2 (K and V) bytes a token in fp8
+        assert info["kv_capacity_tokens"] == int(0.05 * 2**30) // (16 * 6 * 2 * 64 * 2) * 16
+        reply = http.post(CMPL, json={"prompt": "In the beginning", "max_tokens": 4})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
