@@ -42,6 +42,7 @@ def engine(args, **overrides) -> LLMEngine:
         dtype=args.dtype,
         kv_cache_memory_gb=1.0,
         prepack_weights=not args.no_prepack,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     return LLMEngine(EngineConfig(**{**cfg, **overrides}))
 
@@ -196,13 +197,14 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens in the overhead section")
     p.add_argument("--pool-order", choices=("fresh", "reversed", "random"), default="fresh")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3, fp8_e5m2")
     p.add_argument("--no-prepack", action="store_true", help="plain F.linear: what prepacking buys")
     p.add_argument("--trace", default=None, metavar="FILE", help="record the engine trace (overhead only)")
     p.add_argument("--only", nargs="+", default=["overhead", "context", "prefix", "memory"])
     p.add_argument("--json", default=None)
     args = p.parse_args()
     print(
-        f"model={args.model or 'embedded'} dtype={args.dtype} torch {torch.__version__} "
+        f"model={args.model or 'embedded'} dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} torch {torch.__version__} "
         f"threads={torch.get_num_threads()} {platform.processor() or platform.machine()}"
     )
     results = {}
