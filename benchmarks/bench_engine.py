@@ -204,8 +204,9 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     print(
-        f"model={args.model or 'embedded'} dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} torch {torch.__version__} "
-        f"threads={torch.get_num_threads()} {platform.processor() or platform.machine()}"
+        f"model={args.model or 'embedded'} dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} "
+        f"torch {torch.__version__} threads={torch.get_num_threads()} "
+        f"{platform.processor() or platform.machine()}"
     )
     results = {}
     for name in args.only:

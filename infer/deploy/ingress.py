@@ -65,6 +65,7 @@ class EngineView:
         self.kv_capacity_tokens = facts["kv_capacity_tokens"]  # one replica's: what one request can use
         self.kv_bytes_per_token = facts["kv_bytes_per_token"]
         self.quantization = facts["quantization"]
+        self.kv_cache_dtype = facts["kv_cache_dtype"]
         self.runner = SimpleNamespace(dtype=facts["dtype"])
         kv = SimpleNamespace(max_request_tokens=facts["max_request_tokens"])
         self.scheduler = SimpleNamespace(kv_cache_manager=kv)

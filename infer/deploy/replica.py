@@ -82,6 +82,7 @@ class EngineReplica:
             "kv_capacity_tokens": llm.kv_capacity_tokens,
             "kv_bytes_per_token": llm.kv_bytes_per_token,
             "dtype": str(llm.runner.dtype),
+            "kv_cache_dtype": llm.kv_cache_dtype,
             "quantization": llm.quantization,
             "num_threads": self.num_threads,
             "pid": os.getpid(),

@@ -35,7 +35,7 @@ from infer.engine.tokenizer import Tokenizer
 from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
 from infer.models.loader import load_engine_model, tokenizer_folder, weight_bytes
-from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype
+from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
 from infer.sampling_params import SamplingParams
@@ -97,7 +97,9 @@ class LLMEngine:
         model, self.model_config, path = load_engine_model(config, tp)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder(path))
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
-        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
+        model_dtype = next(model.parameters()).dtype
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)
+        warn_unserved_fp8(self.kv_cache_dtype, model_dtype, self.model_config.head_dim)
         self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, self.kv_cache_dtype, tp)  # per rank
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // (config.block_size * self.kv_bytes_per_token)

@@ -22,7 +22,8 @@ scripts/setup.sh builds it once, so that a server's first start doesn't pay the 
 
 `load()` returns None, after one logged warning, when the build fails or cannot run (no compiler, no
 ninja): callers keep their Python path. INFER_NO_KERNELS=1 forces that fallback (A/B comparisons,
-tests of both paths); INFER_KERNELS_MARCH=x86-64-v3 (say) builds for another ISA than the host's.
+tests of both paths); INFER_KERNELS_MARCH=x86-64-v3 (say) builds for another ISA than the host's, and
+any more words in it are more flags ("sapphirerapids -mno-amx-tile": that CPU without AMX's tiles).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def build_root() -> Path:
 
 
 def _flags() -> list[str]:
-    march = os.environ.get("INFER_KERNELS_MARCH", "native")
-    return ["-O3", f"-march={march}", "-fopenmp", "-DNDEBUG"]
+    march, *more = os.environ.get("INFER_KERNELS_MARCH", "native").split() or ["native"]
+    return ["-O3", f"-march={march}", *more, "-fopenmp", "-DNDEBUG"]
 
 
 def _cpu_flags() -> str:

@@ -3,13 +3,13 @@
 // twice the tokens in the same memory and half the reads of a long-context decode step.
 //
 // Writing (write_cache): a float rounded to the nearest code, ties to even, saturated at the format's
-// largest finite value (+-448 / +-57344): what `x.clamp(-max, max).to(torch.float8_*)` gives (NaN
-// saturates too, where torch keeps NaN).
+// largest finite value (+-448 / +-57344; infinities too): what `x.clamp(-max, max).to(torch.float8_*)`
+// gives. NaN stays NaN (code 0x7F with its sign, a NaN in both formats).
 // Reading (paged_attention, prefill_attention): codes become bf16 and meet the bf16 queries and
 // probabilities on vdpbf16ps as a bf16 cache does. Every fp8 value of either format is a bf16 value
-// (bf16's 8 exponent bits cover both ranges, subnormals included), so the conversion is exact: a
-// lookup of the code's magnitude (7 bits) in a 128-entry table of its bf16's low and high bytes
-// (vpermt2b, AVX-512 VBMI), the sign ORed in: 64 codes in 5 instructions.
+// (bf16's 8 exponent bits cover both ranges, subnormals included; NaN and e5m2's infinities too), so the
+// conversion is exact: a lookup of the code's magnitude (7 bits) in a 128-entry table of its bf16's low
+// and high bytes (vpermt2b, AVX-512 VBMI), the sign ORed in: 64 codes in 5 instructions.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
@@ -20,20 +20,25 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace infer_fp8 {
 
 struct Format {
-  int mant;   // mantissa bits
-  int bias;   // exponent bias
-  float max;  // largest finite value
+  int mant;       // mantissa bits
+  int bias;       // exponent bias
+  float max;      // largest finite value
+  bool ieee_top;  // the top exponent holds infinities and NaNs (e5m2); else only code 0x7F, NaN (e4m3fn)
 };
-constexpr Format kE4M3{3, 7, 448.f};
-constexpr Format kE5M2{2, 15, 57344.f};
+constexpr Format kE4M3{3, 7, 448.f, false};
+constexpr Format kE5M2{2, 15, 57344.f, true};
+constexpr int kNaN = 0x7F;  // a NaN in both formats
 
 // the value of a code whose sign bit is 0
 inline float value(const Format& f, int code) {
   const int e = code >> f.mant, m = code & ((1 << f.mant) - 1);
+  if (code == kNaN || (f.ieee_top && e == (1 << (7 - f.mant)) - 1))
+    return m == 0 ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
   if (e == 0) return std::ldexp(static_cast<float>(m), 1 - f.bias - f.mant);  // subnormal
   return std::ldexp(1.f + static_cast<float>(m) / static_cast<float>(1 << f.mant), e - f.bias);
 }
@@ -46,7 +51,7 @@ struct Lut {
 inline Lut make_lut(const Format& f) {
   alignas(64) uint8_t lo[128], hi[128];
   for (int c = 0; c < 128; ++c) {
-    const uint16_t bits = c10::BFloat16(value(f, c)).x;  // exact: at most 3 mantissa bits
+    const uint16_t bits = c10::BFloat16(value(f, c)).x;  // exact: at most 3 mantissa bits (NaN: a NaN)
     lo[c] = static_cast<uint8_t>(bits & 0xFF);
     hi[c] = static_cast<uint8_t>(bits >> 8);
   }
@@ -81,7 +86,7 @@ inline int permuted_position(int d) {
   return i < 8 ? lane * 8 + i : 32 + lane * 8 + (i - 8);
 }
 
-// 16 floats -> 16 codes: to nearest, ties to even, saturated at +-max
+// 16 floats -> 16 codes: to nearest, ties to even, saturated at +-max; NaN -> kNaN
 inline __m128i encode16(const Format& f, __m512 x) {
   const __m512i sign = _mm512_srli_epi32(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)), 24);
   const __m512 a = _mm512_min_ps(_mm512_abs_ps(x), _mm512_set1_ps(f.max));
@@ -96,7 +101,9 @@ inline __m128i encode16(const Format& f, __m512 x) {
   const __m512 steps = _mm512_mul_ps(a, _mm512_set1_ps(std::ldexp(1.f, f.bias - 1 + f.mant)));
   const __m512i subnormal = _mm512_cvt_roundps_epi32(steps, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::ldexp(1.f, 1 - f.bias)), _CMP_LT_OQ);
-  const __m512i code = _mm512_or_si512(_mm512_mask_mov_epi32(normal, tiny, subnormal), sign);
+  __m512i code = _mm512_mask_mov_epi32(normal, tiny, subnormal);
+  code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(kNaN));
+  code = _mm512_or_si512(code, sign);
   return _mm512_cvtepi32_epi8(code);
 }
 

@@ -11,7 +11,7 @@
 namespace infer_paged {
 
 struct PagedCall {
-  const void* q;  // [num_tokens, num_heads, head_dim] in the caches' dtype, tokens and heads strided
+  const void* q;  // [num_tokens, num_heads, head_dim] in the caches' dtype (bf16 over fp8), strided
   int64_t q_token_stride, q_head_stride;
   const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
   const void* value_cache;

@@ -172,6 +172,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks_per_seq] int64
     # one (key_cache, value_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    query_dtype: torch.dtype | None = None  # the model's; None: the cache's (an fp8 cache's: bfloat16)
     # derived once per forward (not per layer) in __post_init__
     batch_seqs: list[int] = field(init=False, default_factory=list)  # served by one batched call
     loop_seqs: list[int] = field(init=False, default_factory=list)  # prompts, long chunks: see attention()
@@ -202,7 +203,7 @@ class AttentionMetadata:
         if decodes and len(decodes) < num_seqs:
             # the chunks that may ride with the decodes: all, or with the prefill kernel the short ones
             riders = list(range(num_seqs))
-            if _prefill_kernel_for(self.kv_caches[0][0]) is not None:
+            if _prefill_kernel_for(self.kv_caches[0][0], self.query_dtype) is not None:
                 riders = [i for i, q in enumerate(self.query_lens) if q < PREFILL_KERNEL_MIN_QUERY_LEN]
             query_lens = [self.query_lens[i] for i in riders]
             padded_keys = -(-max(self.seq_lens[i] for i in riders) // block_size) * block_size
@@ -425,9 +426,9 @@ def attention(
 
 def _prefill_kernel(q, cache):
     """The kernels' ops where the prefill kernel serves this layer's loop sequences, else None: SDPA."""
-    if cache is None or not _reads(q.dtype, cache[0].dtype) or q.stride(-1) != 1:
+    if cache is None or q.stride(-1) != 1:
         return None
-    return _prefill_kernel_for(cache[0])
+    return _prefill_kernel_for(cache[0], q.dtype)
 
 
 def _reads(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
@@ -435,10 +436,13 @@ def _reads(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
     return q_dtype == cache_dtype or (cache_dtype in FP8_DTYPES and q_dtype == torch.bfloat16)
 
 
-def _prefill_kernel_for(key_cache: torch.Tensor):
-    """The kernels' ops where the prefill kernel serves this cache (PREFILL_KERNEL_DTYPES, a head_dim that
-    is a multiple of 16, an AVX-512 BF16 build; fp8: a multiple of 64 and "+fp8"), else None."""
+def _prefill_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = None):
+    """The kernels' ops where the prefill kernel serves queries of q_dtype (None: what the cache takes)
+    over this cache (PREFILL_KERNEL_DTYPES, a head_dim that is a multiple of 16, an AVX-512 BF16 build;
+    fp8: bf16 queries, a multiple of 64 and "+fp8"), else None."""
     fp8 = key_cache.dtype in FP8_DTYPES
+    if q_dtype is not None and not _reads(q_dtype, key_cache.dtype):
+        return None
     if (
         (key_cache.dtype not in PREFILL_KERNEL_DTYPES and not fp8)
         or key_cache.device.type != "cpu"
@@ -460,11 +464,12 @@ def _fp8(ops) -> bool:
 
 
 def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in the cache's dtype; into fp8 rounded to nearest and saturated, as the kernels' write_cache."""
+    """x in the cache's dtype; into fp8 rounded to nearest and saturated (NaN stays NaN), as the kernels'
+    write_cache."""
     if dtype not in FP8_DTYPES:
         return x
     limit = torch.finfo(dtype).max
-    return x.float().clamp_(-limit, limit).to(dtype)
+    return torch.clamp(x.float(), -limit, limit).to(dtype)
 
 
 def _as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
@@ -551,8 +556,10 @@ def _matmul_batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, s
         q = q.view(n, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)  # [n, H_kv, g, max_q, D]
         q = q.reshape(n, num_kv_heads, group * max_q, head_dim)
     rows, mask = meta.batch_keys(num_kv_heads, sliding_window)  # [n, H_kv * span], [n, 1, 1, max_q, span]
-    # sequences per chunk: the gathered keys and values of one chunk take at most GATHER_CHUNK_BYTES
-    chunk = max(1, GATHER_CHUNK_BYTES // (2 * rows.shape[1] * head_dim * key_cache.element_size()))
+    # sequences per chunk: the gathered keys and values of one chunk take at most GATHER_CHUNK_BYTES (an
+    # fp8 cache's, once converted to q's dtype)
+    size = max(key_cache.element_size(), q.element_size())
+    chunk = max(1, GATHER_CHUNK_BYTES // (2 * rows.shape[1] * head_dim * size))
     buffers = meta.scratch(min(n, chunk) * rows.shape[1], head_dim, key_cache.dtype)
     caches = key_cache.view(-1, head_dim), value_cache.view(-1, head_dim)  # [num_slots * H_kv, D]
     if n <= chunk:
@@ -608,9 +615,9 @@ def _gathered(q, caches, rows, mask, buffers, scale):
 
 
 def _matmuls(q, keys, values, mask, scale):
-    """q [m, H_kv, group * max_q, D] over keys, values [m, H_kv, span, D]: two matmuls in the cache's
-    dtype around a float32 softmax (see the module docstring for why not SDPA). mask: None, or
-    [m, 1, 1, max_q, span] float32, 0 or -inf."""
+    """q [m, H_kv, group * max_q, D] over keys, values [m, H_kv, span, D]: two matmuls in q's dtype
+    (the cache's, or what an fp8 cache's became) around a float32 softmax (see the module docstring for
+    why not SDPA). mask: None, or [m, 1, 1, max_q, span] float32, 0 or -inf."""
     if keys.element_size() < 4 and keys.numel() <= UPCAST_MAX_KEY_ELEMENTS:
         return _matmuls(q.float(), keys.float(), values.float(), mask, scale).to(q.dtype)
     m, num_kv_heads, num_queries, _ = q.shape

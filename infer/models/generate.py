@@ -45,6 +45,7 @@ def generate(
             slot_mapping=slots,
             block_tables=block_tables[seq_ids],
             kv_caches=kv_caches,
+            query_dtype=dtype,
         )
         input_ids = torch.tensor([tok for t in new_tokens for tok in t])
         hidden = model(input_ids, positions, meta)

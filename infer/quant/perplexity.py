@@ -48,6 +48,7 @@ def perplexity(
             slot_mapping=torch.arange(n),
             block_tables=torch.arange(num_blocks).view(1, num_blocks),
             kv_caches=kv_caches,
+            query_dtype=next(model.parameters()).dtype,
         )
         hidden = model(inputs, torch.arange(n), meta)  # [n, hidden]
         logits = model.compute_logits(hidden).float()  # [n, vocab]

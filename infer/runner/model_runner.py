@@ -124,6 +124,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots),
             block_tables=block_tables,
             kv_caches=self.kv_caches,
+            query_dtype=self.dtype,
         )
         return torch.tensor(token_ids), torch.tensor(positions), meta
 

@@ -78,6 +78,26 @@ def test_greedy_output_is_invariant(tiny, name):
         assert sum(r.request.num_prefill_tokens_computed for r in results) > sum(map(len, prompts))
 
 
+def test_fp8_cache_output_is_invariant(tiny, caplog):
+    """An fp8 KV cache on a float32 model of head_dim 16 (the Python path, with a warning that says so):
+    chunked or whole prompts, prefix hits, preemption and recompute all attend over the same rounded keys
+    and values (a fresh prompt's own keys rounded as the cache holds them), so the greedy output is the
+    same in every configuration; every request completes and every block comes back."""
+    path, prompts, _ = tiny
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = {}
+    for name in ("default", "odd_chunks", "no_chunking", "no_prefix_caching", "preemption"):
+        with caplog.at_level("WARNING", logger="infer.runner"):
+            llm = LLM(path, dtype="float32", kv_cache_dtype="fp8", **{"num_kv_blocks": 256, **CONFIGS[name]})
+        assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+        results = llm.generate(prompts, params)
+        assert all(r.finish_reason == "length" for r in results)
+        assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+        outputs[name] = [r.token_ids for r in results]
+    assert all(out == outputs["default"] for out in outputs.values())
+    assert sum("slower Python path" in r.getMessage() for r in caplog.records) == len(outputs)
+
+
 @pytest.mark.parametrize("enable", [True, False])
 def test_prefix_cache_serves_a_later_request(tiny, enable):
     path, prompts, expected = tiny
