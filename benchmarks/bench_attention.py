@@ -9,6 +9,7 @@ the prefill kernel (infer/kernels/prefill_attention.cpp) against SDPA, its fallb
     python benchmarks/bench_attention.py --model llama-50m      # a model's decode step (dummy weights)
     python benchmarks/bench_attention.py --prefill              # prefill: SDPA against the prefill kernel
     python benchmarks/bench_attention.py --prefill --model llama-50m --dtype bfloat16  # a model's prefill
+    python benchmarks/bench_attention.py --kv-cache-dtype fp8 [--prefill]  # bf16 cache against fp8
 
 The paths run alternately in one process, best of --rounds (a shared machine drifts by tens of percent
 between runs: never compare numbers from two runs), each swapped in for `infer.layers.attention._batched`:
@@ -406,6 +407,48 @@ def prefill_row(heads, dtype, batch, length, chunk, rounds) -> str:
     return f"{ms['sdpa']} | {ms['kernel']} | {t['sdpa'] / t['kernel']:.1f}x | {ms['paged']} | {err:.1e}"
 
 
+def fp8_table(args) -> None:
+    """--kv-cache-dtype: the shipped attention(...) call over a bf16 cache and over an fp8 one holding the
+    same values (the fp8 codes and their bf16), per layer, FP8_LAYERS layers' caches in turn (as a
+    forward reads them: a cache that one layer's call alone would leave in L3 is not), alternated."""
+    names = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    fp8 = names[args.kv_cache_dtype]
+    print(f"One layer's attention(...) call, its cache write included, ms: a bf16 cache against {fp8}.")
+    print("max diff: the outputs' largest difference, from the step's own keys and values rounded to fp8.")
+    print("| shape | step | bf16 cache | fp8 cache | bf16 / fp8 | max diff |")
+    print("|---|---|---:|---:|---:|---:|")
+    for shape_name in args.shape:
+        if args.prefill:
+            cases = [("prefill", *map(int, c.split("x"))) for c in args.prompt]
+        else:
+            cases = [("decode", b, c) for b in args.batch for c in args.context]
+        for kind, batch, length in cases:
+            row = fp8_row(SHAPES[shape_name], kind, batch, length, fp8, args.rounds)
+            print(f"| {shape_name} | {kind} {batch} x {length} | {row} |", flush=True)
+
+
+FP8_LAYERS = 8
+
+
+def fp8_row(heads, kind: str, batch: int, length: int, fp8: torch.dtype, rounds: int) -> str:
+    if kind == "decode":
+        q, k, v, cache, make_meta = decode_step(batch, length, heads, torch.bfloat16)
+    else:
+        q, k, v, cache, make_meta = prefill_step(batch, length, heads, torch.bfloat16, chunk=False)
+    codes = [tuple(c.to(fp8) for c in cache) for _ in range(FP8_LAYERS)]
+    caches = {"bf16": [tuple(c.to(torch.bfloat16) for c in layer) for layer in codes], "fp8": codes}
+    metas = {name: make_meta(layers) for name, layers in caches.items()}
+    scale = heads[2] ** -0.5
+
+    def forward(name):
+        return [attention(q, k, v, metas[name], i, scale) for i in range(FP8_LAYERS)]
+
+    t = interleaved({name: (lambda n=name: forward(n)) for name in caches}, rounds, seconds=0.1)
+    diff = (forward("bf16")[0].float() - forward("fp8")[0].float()).abs().max().item()
+    ms = {n: t[n] / FP8_LAYERS * 1e3 for n in t}
+    return f"{ms['bf16']:.3f} | {ms['fp8']:.3f} | {ms['bf16'] / ms['fp8']:.2f}x | {diff:.1e}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -422,13 +465,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--model", help="time a whole decode step of this model (a preset name or path)")
     p.add_argument("--prefill", action="store_true", help="time prefill attention: SDPA against the kernel")
+    p.add_argument(
+        "--kv-cache-dtype", help="fp8, fp8_e4m3 or fp8_e5m2: bf16 cache against fp8 (decode, or --prefill)"
+    )
     args = p.parse_args()
     threads = torch.get_num_threads()
     ops = kernels.load()
     isa = ops.isa() if ops is not None else "off"
     print(f"torch {torch.__version__}, {threads} threads, kernel: {isa}, best of {args.rounds} rounds")
     torch.set_grad_enabled(False)
-    if args.model and args.prefill:
+    if args.kv_cache_dtype:
+        fp8_table(args)
+    elif args.model and args.prefill:
         model_prefill_table(args)
     elif args.model:
         model_table(args)
