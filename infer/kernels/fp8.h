@@ -25,13 +25,15 @@
 namespace infer_fp8 {
 
 struct Format {
-  int mant;       // mantissa bits
-  int bias;       // exponent bias
-  float max;      // largest finite value
-  bool ieee_top;  // the top exponent holds infinities and NaNs (e5m2); else only code 0x7F, NaN (e4m3fn)
+  int mant;          // mantissa bits
+  int bias;          // exponent bias
+  float max;         // largest finite value
+  float min_normal;  // 2^(1 - bias)
+  float steps;       // subnormals per unit: 2^(bias - 1 + mant)
+  bool ieee_top;     // the top exponent holds infinities and NaNs (e5m2); else only code 0x7F, NaN (e4m3fn)
 };
-constexpr Format kE4M3{3, 7, 448.f, false};
-constexpr Format kE5M2{2, 15, 57344.f, true};
+constexpr Format kE4M3{3, 7, 448.f, 0x1p-6f, 0x1p9f, false};
+constexpr Format kE5M2{2, 15, 57344.f, 0x1p-14f, 0x1p16f, true};
 constexpr int kNaN = 0x7F;  // a NaN in both formats
 
 // the value of a code whose sign bit is 0
@@ -98,9 +100,9 @@ inline __m128i encode16(const Format& f, __m512 x) {
   u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32((1 << (drop - 1)) - 1), odd));
   const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(u, drop), _mm512_set1_epi32((127 - f.bias) << f.mant));
   // below the smallest normal: a multiple of the smallest subnormal (the count 2^mant is the smallest normal's code)
-  const __m512 steps = _mm512_mul_ps(a, _mm512_set1_ps(std::ldexp(1.f, f.bias - 1 + f.mant)));
+  const __m512 steps = _mm512_mul_ps(a, _mm512_set1_ps(f.steps));
   const __m512i subnormal = _mm512_cvt_roundps_epi32(steps, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::ldexp(1.f, 1 - f.bias)), _CMP_LT_OQ);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(f.min_normal), _CMP_LT_OQ);
   __m512i code = _mm512_mask_mov_epi32(normal, tiny, subnormal);
   code = _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(kNaN));
   code = _mm512_or_si512(code, sign);
