@@ -387,11 +387,14 @@ void accumulate_block_fp8(const c10::BFloat16* p, const void* const* values, int
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(acc + r * head_dim + d0 + c * 16);
   for (int64_t j = j0; j < j1; j += 2) {  // j1 - j0 even: the tile's odd count ends with p = 0
-    __m512i a0, b0, a1, b1;
-    infer_fp8::decode64(lut, _mm512_loadu_si512(static_cast<const uint8_t*>(values[j]) + offset + d0), a0, b0);
-    infer_fp8::decode64(lut, _mm512_loadu_si512(static_cast<const uint8_t*>(values[j + 1]) + offset + d0), a1, b1);
-    const __m512bh vv[4] = {(__m512bh)_mm512_unpacklo_epi16(a0, a1), (__m512bh)_mm512_unpackhi_epi16(a0, a1),
-                            (__m512bh)_mm512_unpacklo_epi16(b0, b1), (__m512bh)_mm512_unpackhi_epi16(b0, b1)};
+    // the two keys' codes interleaved byte by byte, then decoded: each word pair is (key j, key j + 1) of
+    // one dim, as vdpbf16ps takes it (two fewer shuffles than interleaving the decoded words)
+    const __m512i x = _mm512_loadu_si512(static_cast<const uint8_t*>(values[j]) + offset + d0);
+    const __m512i y = _mm512_loadu_si512(static_cast<const uint8_t*>(values[j + 1]) + offset + d0);
+    __m512i v[4];
+    infer_fp8::decode64(lut, _mm512_unpacklo_epi8(x, y), v[0], v[1]);
+    infer_fp8::decode64(lut, _mm512_unpackhi_epi8(x, y), v[2], v[3]);
+    const __m512bh vv[4] = {(__m512bh)v[0], (__m512bh)v[1], (__m512bh)v[2], (__m512bh)v[3]};
     for (int r = 0; r < NR; ++r) {
       int32_t pair;
       std::memcpy(&pair, p + r * kStride + j, sizeof(pair));
