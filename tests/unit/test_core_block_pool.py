@@ -1,7 +1,7 @@
 import pytest
 
 from infer.core.block_hash import ROOT_HASH, hash_block, hash_blocks
-from infer.core.block_pool import Block, BlockPool, FreeBlockQueue
+from infer.core.block_pool import GROWTH_RUN, Block, BlockPool, FreeBlockQueue
 
 
 def ids(blocks):
@@ -88,6 +88,25 @@ def test_a_freed_run_comes_back_in_id_order():
     rest = pool.allocate(3)  # the never-used blocks 5-7 come first
     again = pool.allocate(5)
     assert ids(rest) == [5, 6, 7] and ids(again) == [0, 1, 2, 3, 4]
+    pool.check_integrity()
+
+
+def test_sequences_growing_in_lockstep_keep_their_blocks_together():
+    """Four sequences of two blocks each grow a block at a time, in turn (decodes in one step): each takes
+    the blocks after its last one, kept free for it (GROWTH_RUN), and its table stays one run of memory;
+    past that run it takes a new one from the queue's head, where the others' reserves are not."""
+    pool = BlockPool(64)
+    tables = [pool.allocate(2) for _ in range(4)]
+    assert [ids(t) for t in tables] == [[0, 1], [10, 11], [20, 21], [30, 31]]  # GROWTH_RUN = 8 apart
+    for _ in range(GROWTH_RUN):
+        for table in tables:
+            table += pool.allocate(1, after=table[-1].block_id)
+    assert [ids(t) for t in tables] == [list(range(s, s + 2 + GROWTH_RUN)) for s in (0, 10, 20, 30)]
+    tables[0] += pool.allocate(1, after=tables[0][-1].block_id)  # 10 is the next sequence's
+    assert ids(tables[0])[-1] == 40 + GROWTH_RUN  # the head, past the reserve kept after block 39
+    pool.check_integrity()
+    pool.free([b for t in tables for b in reversed(t)])
+    assert pool.num_allocatable_blocks == 64 and pool.allocate(64)  # nothing is held back
     pool.check_integrity()
 
 
