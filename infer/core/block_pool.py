@@ -10,13 +10,14 @@ Every block is in exactly one of three states:
 
 The free queue is ordered by eviction priority: allocation pops the head (and hands a call's blocks out
 in id order, not the queue's: see `allocate`), freeing appends to the tail, so an unreferenced cached
-block survives as long as possible (LRU). Two exceptions keep a sequence's blocks together in memory,
-which the attention kernels read faster (`allocate`'s `after` and GROWTH_RUN): a growing sequence takes
-the blocks that follow its last one while they are free, and the few free blocks after an allocation
-move to the tail, taken last by others. A cached block is evicted lazily: only when allocation pops
-it, at which point its hash is dropped. A prefix hit on a cached block takes it out of the middle of the
-queue in O(1) (`touch`), which is why the queue is a hand-made doubly linked list through the blocks
-themselves rather than a deque.
+block survives as long as possible (LRU). To keep a sequence's blocks together in memory, which the
+attention kernels read faster (`allocate`'s `after` and GROWTH_RUN), a growing sequence first takes the
+free (uncached) blocks that follow its last one, and the few free (uncached) blocks after an
+allocation move to the tail, taken last by others; cached blocks are never taken or moved out of their
+turn, so what is evicted, and when, is the LRU order's. A cached block is evicted lazily: only when
+allocation pops it, at which point its hash is dropped. A prefix hit on a cached block takes it out of
+the middle of the queue in O(1) (`touch`), which is why the queue is a hand-made doubly linked list
+through the blocks themselves rather than a deque.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from collections.abc import Iterable, Iterator
 
 from infer.core.block_hash import BlockHash
 
-# After the blocks an allocation takes, this many following free blocks move to the free queue's tail,
-# so that the same sequence's next blocks (`allocate(after=...)`) can follow on in memory. Without it 32
-# streams decoding in lockstep took their next blocks in turn, each sequence's generated blocks 32 apart:
-# a llama-50m decode step's attention at 32 x 2,028 tokens read such tables 11% slower than contiguous
-# ones (docs/benchmarks.md, session 14). 8 blocks of 16 tokens: runs of 128 tokens or more.
+# After the blocks an allocation takes, up to this many following free blocks move to the free queue's
+# tail, so that the same sequence's next blocks (`allocate(after=...)`) can follow on in memory. Without
+# it 32 streams decoding in lockstep took their next blocks in turn, each sequence's generated blocks 32
+# apart: llama-50m's paged_attention over such tables (32 x ~2,000 tokens) was 9-10% slower than over
+# contiguous ones (docs/benchmarks.md, session 14). With 16-token blocks, runs of 128 tokens or more.
 GROWTH_RUN = 8
 
 
@@ -122,30 +123,33 @@ class BlockPool:
         return self.cached.get(block_hash)
 
     def allocate(self, n: int, after: int | None = None) -> list[Block]:
-        """Take n blocks, evicting cached ones; each gets ref_cnt 1. `after`: the id of the requester's
-        last block (a sequence that grows): the blocks that follow it are taken first, while they are
-        free. The rest come from the head of the free queue, in block-id order whatever their order in
-        the queue (freed tail first, a request's blocks came back as a reversed run). Then up to
-        GROWTH_RUN free blocks after the last one taken move to the queue's tail, for this sequence's
-        next allocation. The attention kernels stream a sequence's blocks in table order, faster where
-        consecutive blocks are consecutive memory; the cost is the LRU order of those few blocks (a
-        cached one among them is evicted earlier, or later, than its turn).
+        """Take n blocks, evicting cached ones from the head; each gets ref_cnt 1. `after`: the id of the
+        requester's last block (a sequence that grows): the blocks that follow it are taken first, while
+        they are free and uncached. The rest come from the head of the free queue, in block-id order
+        whatever their order in the queue (freed tail first, a request's blocks came back as a reversed
+        run). Then the free, uncached blocks right after the last one taken (up to GROWTH_RUN) move to
+        the queue's tail, for this sequence's next allocation: the attention kernels stream a sequence's
+        blocks in table order, faster where consecutive blocks are consecutive memory. Nothing is held
+        back (anyone takes those blocks once the head is used up) and cached blocks keep their turn.
 
         Caller checks `n <= num_allocatable_blocks` first (asserted).
         """
         assert n <= len(self.free_queue), f"allocate({n}) with only {len(self.free_queue)} free blocks"
+        assert after is None or 0 <= after < len(self.blocks), after
         out = []
         if after is not None:
             for block in self.blocks[after + 1 : after + 1 + n]:
-                if block.ref_cnt:
+                if block.ref_cnt or block.block_hash is not None:
                     break
                 self.free_queue.remove(block)
                 out.append(self._take(block))
         rest = [self._take(self.free_queue.popleft()) for _ in range(n - len(out))]
         out += sorted(rest, key=lambda block: block.block_id)
-        last = out[-1].block_id if out else -1
+        if not out:
+            return out
+        last = out[-1].block_id
         for block in self.blocks[last + 1 : last + 1 + GROWTH_RUN]:
-            if block.ref_cnt:
+            if block.ref_cnt or block.block_hash is not None:
                 break
             self.free_queue.remove(block)
             self.free_queue.append(block)
