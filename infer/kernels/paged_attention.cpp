@@ -379,7 +379,7 @@ inline void tile_values_bf16(Workspace& ws, int64_t r0, int64_t rows, int64_t j0
 #if defined(INFER_FP8)
 // The same for fp8 values (head_dim a multiple of 64): each key's 64-dim group decoded (fp8.h), two keys'
 // interleaved as bf16_values does. A row's 4 accumulators of a group hold, in lane 4 L + m of vector c,
-// dim 16 L + 4 c + m, until unpermute_rows_fp8.
+// dim 16 L + 4 c + m, until unpermute_rows.
 template <int NR>
 void accumulate_block_fp8(const c10::BFloat16* p, const void* const* values, int64_t j0, int64_t j1,
                           int64_t offset, int64_t d0, int64_t head_dim, float* acc, const infer_fp8::Lut& lut) {
@@ -423,18 +423,6 @@ inline void tile_values_fp8(Workspace& ws, int64_t r0, int64_t rows, int64_t j0,
     }
 }
 
-// acc's rows back in dim order after tile_values_fp8
-inline void unpermute_rows_fp8(float* acc, int64_t rows, int64_t head_dim) {
-  alignas(64) float tmp[64];
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
-      float* g = acc + r * head_dim + d0;
-      for (int c = 0; c < 4; ++c)
-        for (int lane = 0; lane < 4; ++lane)
-          for (int m = 0; m < 4; ++m) tmp[16 * lane + 4 * c + m] = g[16 * c + 4 * lane + m];
-      std::copy(tmp, tmp + 64, g);
-    }
-}
 #endif
 
 // row's probabilities (count of them, the padding to kLanes zero) -> bf16, zeros to a multiple of 32
@@ -446,31 +434,28 @@ inline void probs_to_bf16(const float* s, int64_t count, c10::BFloat16* dst) {
   }
 }
 
-// acc's rows back in dim order: lane 4k + m of a group's first vector is dim 8k + m, of its second
-// 8k + 4 + m
-inline void unpermute_rows(float* acc, int64_t rows, int64_t head_dim) {
-  alignas(64) float tmp[32];
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
-      float* g = acc + r * head_dim + d0;
-      for (int k = 0; k < 4; ++k)
-        for (int m = 0; m < 4; ++m) {
-          tmp[8 * k + m] = g[4 * k + m];
-          tmp[8 * k + 4 + m] = g[16 + 4 * k + m];
-        }
-      std::copy(tmp, tmp + 32, g);
-    }
-}
 #else
 inline void tile_values_bf16(Workspace&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
 inline void probs_to_bf16(const float*, int64_t, c10::BFloat16*) {}
-inline void unpermute_rows(float*, int64_t, int64_t) {}
 #endif
 #if !defined(INFER_FP8)
 inline void permute_queries(c10::BFloat16*, int64_t, int64_t) {}
 inline void tile_values_fp8(Workspace&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {}
-inline void unpermute_rows_fp8(float*, int64_t, int64_t) {}
 #endif
+
+// acc's rows back in dim order, group of G dims by group, where dim i of a group sat at position at(i):
+// the bf16 values' interleave (G = 32: lane 4k + m of a group's first vector is dim 8k + m, of its second
+// 8k + 4 + m) and the fp8 decode's (G = 64: lane 4 L + m of vector c is dim 16 L + 4 c + m)
+template <int G, typename At>
+void unpermute_rows(float* acc, int64_t rows, int64_t head_dim, At at) {
+  alignas(64) float tmp[G];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d0 = 0; d0 < head_dim; d0 += G) {
+      float* g = acc + r * head_dim + d0;
+      for (int i = 0; i < G; ++i) tmp[i] = g[at(i)];
+      std::copy(tmp, tmp + G, g);
+    }
+}
 
 // Whether P V runs on vdpbf16ps: bfloat16 values, a head_dim of a multiple of 32, an AVX-512 BF16 build
 template <typename T>
@@ -606,8 +591,8 @@ void run_item(const Problem& P, const Item& item) {
     }
   }
 
-  if (bf16) unpermute_rows(ws.acc.data(), rows, D);
-  if (P.fp8) unpermute_rows_fp8(ws.acc.data(), rows, D);
+  if (bf16) unpermute_rows<32>(ws.acc.data(), rows, D, [](int i) { return i % 8 / 4 * 16 + i / 8 * 4 + i % 4; });
+  if (P.fp8) unpermute_rows<64>(ws.acc.data(), rows, D, [](int i) { return i % 16 / 4 * 16 + i / 16 * 4 + i % 4; });
   if (item.partial >= 0) {  // one part of a split context: (max, sum, unnormalized output) per row
     float* dst = P.partials + item.partial;
     std::copy(ws.max.begin(), ws.max.begin() + rows, dst);

@@ -211,17 +211,27 @@ def test_a_model_that_cannot_load_exits_1(tmp_path):
     assert "could not load the model" in log.read_text()
 
 
-def test_quantization_flag_reaches_the_engine_and_server_info(tmp_path):
+def _ready(http: TestClient) -> TestClient:
+    """http once the model, loading in the background, serves (at most 120 s)."""
+    deadline = time.monotonic() + 120
+    while http.get("/health").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return http
+
+
+def _check_flag(tmp_path, flag: str, value: str, bad: str) -> None:
+    """--flag from a --config file reaches the engine's config; a value not among its choices exits."""
     config = tmp_path / "serve.yaml"
-    config.write_text("quantization: int8\n")
-    assert _parse(["--config", str(config)]).engine.quantization == "int8"
+    config.write_text(f"{flag}: {value}\n")
+    assert getattr(_parse(["--config", str(config)]).engine, flag.replace("-", "_")) == value
     with pytest.raises(SystemExit):
-        _parse(["--quantization", "int3"])
+        _parse([f"--{flag}", bad])
+
+
+def test_quantization_flag_reaches_the_engine_and_server_info(tmp_path):
+    _check_flag(tmp_path, "quantization", "int8", "int3")
     with TestClient(create_app(_parse(["--quantization", "int4"]))) as http:
-        deadline = time.monotonic() + 120
-        while http.get("/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the model loads in the background
-        info = http.get("/server_info").json()
+        info = _ready(http).get("/server_info").json()
         quant = info["quantization"]
         assert info["engine"]["quantization"] == "int4" and quant["method"] == "int4"
         assert quant["bits"] == 4 and quant["lm_head"] == "int8" and quant["layers"] > 0
@@ -230,16 +240,9 @@ def test_quantization_flag_reaches_the_engine_and_server_info(tmp_path):
 
 
 def test_kv_cache_dtype_flag_reaches_the_cache_and_server_info(tmp_path):
-    config = tmp_path / "serve.yaml"
-    config.write_text("kv-cache-dtype: fp8_e5m2\n")
-    assert _parse(["--config", str(config)]).engine.kv_cache_dtype == "fp8_e5m2"
-    with pytest.raises(SystemExit):
-        _parse(["--kv-cache-dtype", "int8"])
+    _check_flag(tmp_path, "kv-cache-dtype", "fp8_e5m2", "int8")
     with TestClient(create_app(_parse(["--kv-cache-dtype", "fp8", "--kv-cache-memory-gb", "0.05"]))) as http:
-        deadline = time.monotonic() + 120
-        while http.get("/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        info = http.get("/server_info").json()
+        info = _ready(http).get("/server_info").json()
         assert info["engine"]["kv_cache_dtype"] == "fp8" and info["kv_cache_dtype"] == "float8_e4m3fn"
         # the embedded model: 6 layers x 2 kv heads x 64 dims x 2 (K and V) bytes a token in fp8
         assert info["kv_capacity_tokens"] == int(0.05 * 2**30) // (16 * 6 * 2 * 64 * 2) * 16
