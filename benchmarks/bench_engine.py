@@ -86,7 +86,7 @@ def churn_pool(pool, block_size: int, requests: int = 300, live: int = 32) -> No
     block_size tokens as it decodes, freed tail first as the cache manager frees them): the block
     allocator's own calls, without the model. An engine's tables after the same traffic
     (300 requests through LLMEngine, llama-50m shape) held runs of 2.6 consecutive blocks on average at
-    16-token blocks (1.8 at 64, 1.6 at 128) before BlockPool kept a growing sequence's blocks together."""
+    16-token blocks (1.8 at 64, 1.6 at 128), as a sequence's after this."""
     rng = random.Random(0)
     running: list[list] = []  # [blocks, tokens still to decode]
 
@@ -102,7 +102,7 @@ def churn_pool(pool, block_size: int, requests: int = 300, live: int = 32) -> No
             seq[1] -= 1
             seq[2] += 1
             if seq[2] % block_size == 1:
-                seq[0] += pool.allocate(1, after=seq[0][-1].block_id)  # as the cache manager grows a table
+                seq[0] += pool.allocate(1)
         for seq in [s for s in running if s[1] <= 0]:
             running.remove(seq)
             pool.free(reversed(seq[0]))

@@ -10,14 +10,10 @@ Every block is in exactly one of three states:
 
 The free queue is ordered by eviction priority: allocation pops the head (and hands a call's blocks out
 in id order, not the queue's: see `allocate`), freeing appends to the tail, so an unreferenced cached
-block survives as long as possible (LRU). To keep a sequence's blocks together in memory, which the
-attention kernels read faster (`allocate`'s `after` and GROWTH_RUN), a growing sequence first takes the
-free (uncached) blocks that follow its last one, and the few free (uncached) blocks after an
-allocation move to the tail, taken last by others; cached blocks are never taken or moved out of their
-turn, so what is evicted, and when, is the LRU order's. A cached block is evicted lazily: only when
-allocation pops it, at which point its hash is dropped. A prefix hit on a cached block takes it out of
-the middle of the queue in O(1) (`touch`), which is why the queue is a hand-made doubly linked list
-through the blocks themselves rather than a deque.
+block survives as long as possible (LRU). A cached block is evicted lazily: only when allocation pops
+it, at which point its hash is dropped. A prefix hit on a cached block takes it out of the middle of the
+queue in O(1) (`touch`), which is why the queue is a hand-made doubly linked list through the blocks
+themselves rather than a deque.
 """
 
 from __future__ import annotations
@@ -25,13 +21,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from infer.core.block_hash import BlockHash
-
-# After the blocks an allocation takes, up to this many following free blocks move to the free queue's
-# tail, so that the same sequence's next blocks (`allocate(after=...)`) can follow on in memory. Without
-# it 32 streams decoding in lockstep took their next blocks in turn, each sequence's generated blocks 32
-# apart: llama-50m's paged_attention over such tables (32 x ~2,000 tokens) was 9-10% slower than over
-# contiguous ones (docs/benchmarks.md, session 14). With 16-token blocks, runs of 128 tokens or more.
-GROWTH_RUN = 8
 
 
 class Block:
@@ -122,48 +111,27 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self.cached.get(block_hash)
 
-    def allocate(self, n: int, after: int | None = None) -> list[Block]:
-        """Take n blocks, evicting cached ones from the head; each gets ref_cnt 1. `after`: the id of the
-        requester's last block (a sequence that grows): the blocks that follow it are taken first, while
-        they are free and uncached. The rest come from the head of the free queue, in block-id order
-        whatever their order in the queue (freed tail first, a request's blocks came back as a reversed
-        run). Then the free, uncached blocks right after the last one taken (up to GROWTH_RUN) move to
-        the queue's tail, for this sequence's next allocation: the attention kernels stream a sequence's
-        blocks in table order, faster where consecutive blocks are consecutive memory. Nothing is held
-        back (anyone takes those blocks once the head is used up) and cached blocks keep their turn.
+    def allocate(self, n: int) -> list[Block]:
+        """Take n blocks from the head of the free queue, evicting cached ones; each gets ref_cnt 1.
+        Returned in block-id order, whatever their order in the queue: freed tail first, a request's
+        blocks come back as a reversed run, and the attention kernels stream a sequence's blocks in
+        table order, faster where consecutive blocks are consecutive memory.
 
         Caller checks `n <= num_allocatable_blocks` first (asserted).
         """
         assert n <= len(self.free_queue), f"allocate({n}) with only {len(self.free_queue)} free blocks"
-        assert after is None or 0 <= after < len(self.blocks), after
         out = []
-        if after is not None:
-            for block in self.blocks[after + 1 : after + 1 + n]:
-                if block.ref_cnt or block.block_hash is not None:
-                    break
-                self.free_queue.remove(block)
-                out.append(self._take(block))
-        rest = [self._take(self.free_queue.popleft()) for _ in range(n - len(out))]
-        out += sorted(rest, key=lambda block: block.block_id)
-        if not out:
-            return out
-        last = out[-1].block_id
-        for block in self.blocks[last + 1 : last + 1 + GROWTH_RUN]:
-            if block.ref_cnt or block.block_hash is not None:
-                break
-            self.free_queue.remove(block)
-            self.free_queue.append(block)
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:  # lazy eviction of an unreferenced cached block
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_cached_free -= 1
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        out.sort(key=lambda block: block.block_id)
         return out
-
-    def _take(self, block: Block) -> Block:
-        """A block just out of the free queue, for its new holder: its hash dropped (lazy eviction)."""
-        if block.block_hash is not None:
-            del self.cached[block.block_hash]
-            block.block_hash = None
-            self.num_cached_free -= 1
-            self.num_evictions += 1
-        block.ref_cnt = 1
-        return block
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take one more reference on each block (prefix hit); cached-free ones leave the free queue."""

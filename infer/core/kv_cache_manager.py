@@ -125,7 +125,7 @@ class KVCacheManager:
             self._num_hashed[req.req_id] = len(computed_blocks)
             self._count_query(req, len(computed_blocks))
         self.pool.touch(computed_blocks)  # before allocate, so hits cannot be evicted by it
-        new_blocks = self.pool.allocate(num_needed, after=table[-1].block_id if table else None)
+        new_blocks = self.pool.allocate(num_needed)
         ids = self._table_ids[req.req_id]
         for block in (*computed_blocks, *new_blocks):
             table.append(block)

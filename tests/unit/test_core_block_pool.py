@@ -1,7 +1,7 @@
 import pytest
 
 from infer.core.block_hash import ROOT_HASH, hash_block, hash_blocks
-from infer.core.block_pool import GROWTH_RUN, Block, BlockPool, FreeBlockQueue
+from infer.core.block_pool import Block, BlockPool, FreeBlockQueue
 
 
 def ids(blocks):
@@ -88,49 +88,6 @@ def test_a_freed_run_comes_back_in_id_order():
     rest = pool.allocate(3)  # the never-used blocks 5-7 come first
     again = pool.allocate(5)
     assert ids(rest) == [5, 6, 7] and ids(again) == [0, 1, 2, 3, 4]
-    pool.check_integrity()
-
-
-def test_sequences_growing_in_lockstep_keep_their_blocks_together():
-    """Four sequences of two blocks each grow a block at a time, in turn (decodes in one step): each takes
-    the blocks after its last one, kept free for it (GROWTH_RUN), and its table stays one run of memory;
-    past that run it takes a new one from the queue's head, where the others' reserves are not."""
-    pool = BlockPool(64)
-    tables = [pool.allocate(2) for _ in range(4)]
-    assert [ids(t) for t in tables] == [[0, 1], [10, 11], [20, 21], [30, 31]]  # GROWTH_RUN = 8 apart
-    for _ in range(GROWTH_RUN):
-        for table in tables:
-            table += pool.allocate(1, after=table[-1].block_id)
-    assert [ids(t) for t in tables] == [list(range(s, s + 2 + GROWTH_RUN)) for s in (0, 10, 20, 30)]
-    tables[0] += pool.allocate(1, after=tables[0][-1].block_id)  # 10 is the next sequence's
-    assert ids(tables[0])[-1] == 40 + GROWTH_RUN  # the head, past the reserve kept after block 39
-    pool.check_integrity()
-    rest = pool.allocate(pool.num_allocatable_blocks)  # the reserves are free: nothing is held back
-    assert len(rest) == 64 - sum(map(len, tables)) and pool.num_allocatable_blocks == 0
-    pool.check_integrity()
-
-
-def test_growth_takes_free_blocks_only_and_leaves_cached_ones_their_turn():
-    """A growing sequence takes the free blocks after its last one (several at once, then the head for the
-    rest), but never a cached block out of its LRU turn: a finished neighbour's prefix stays findable
-    while never-used blocks remain, and the reserve does not move cached blocks."""
-    pool = BlockPool(32)
-    s = pool.allocate(1)  # [0]; 1-8 kept for it
-    t = pool.allocate(2)
-    assert ids(t) == [9, 10]
-    s += pool.allocate(3, after=0)  # three at once, all following on
-    assert ids(s) == [0, 1, 2, 3]
-    s += pool.allocate(5, after=3)
-    assert ids(s) == list(range(9))
-    pool.cache_block(t[0], b"t0"), pool.cache_block(t[1], b"t1")
-    pool.free(reversed(t))  # the neighbour finishes: its prefix stays cached, at the queue's tail
-    s += pool.allocate(2, after=8)  # 9 is cached: not taken; the head's never-used blocks instead
-    assert ids(s)[-2:] == [19, 20] and pool.num_evictions == 0  # (11-18 were t's reserve)
-    assert pool.get_cached_block(b"t0") is t[0] and pool.get_cached_block(b"t1") is t[1]
-    # the reserve after block 20 went to the tail; the cached blocks kept their places before it
-    assert ids(pool.free_queue)[-GROWTH_RUN - 2 :] == [10, 9, *range(21, 21 + GROWTH_RUN)]
-    u = pool.allocate(1, after=31)  # the pool's last block: nothing follows, the head serves
-    assert len(u) == 1 and pool.allocate(0) == []
     pool.check_integrity()
 
 

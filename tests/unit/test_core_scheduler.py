@@ -1,6 +1,5 @@
 import pytest
 
-from infer.core.block_pool import GROWTH_RUN
 from infer.core.request import RequestStatus
 from tests.unit.core_fakes import (
     EOS,
@@ -120,10 +119,9 @@ def test_decode_block_shortage_preempts_latest_arrival_and_resumes():
     assert len(trace) == 13 and s.num_preemptions == 1
     assert plan(trace[0]) == [("a", 0, 6, True), ("b", 0, 6, True)]
     assert plan(trace[3]) == [("a", 8, 1, True)] and trace[3].preempted_req_ids == ["b"]
-    # b's blocks went back tail first ([3, 2] in the queue); a's growth takes the one after its last
-    assert trace[3].scheduled[0].block_ids == [0, 1, 2]
+    assert trace[3].scheduled[0].block_ids == [0, 1, 3]  # b's tail block went first
     assert [plan(t) for t in trace[4:8]] == [[("a", p, 1, True)] for p in range(9, 13)]  # b cannot fit
-    assert trace[7].scheduled[0].block_ids == [0, 1, 2, 3]
+    assert trace[7].scheduled[0].block_ids == [0, 1, 3, 2]
     assert plan(trace[8]) == [("b", 0, 9, True)]
     assert trace[8].scheduled[0].token_ids == b.prompt_token_ids + b.output_token_ids[:3]
     assert trace[8].scheduled[0].block_ids == [1, 2, 3]  # one allocation: in id order
@@ -320,11 +318,9 @@ def test_concurrent_requests_share_prefix_blocks():
     s.add_request(b)
     out, _ = step(s, r)
     assert plan(out) == [("a", 9, 1, True), ("b", 8, 3, True)]
-    # b's own block: the next free one past those kept for a's growth (3 .. 3 + GROWTH_RUN)
-    assert out.scheduled[1].block_ids == [0, 1, 3 + GROWTH_RUN] and b.num_cached_tokens == 8
-    blocks = s.kv_cache_manager.pool.blocks
-    assert [blocks[i].ref_cnt for i in (0, 1, 2, 3, 3 + GROWTH_RUN)] == [2, 2, 1, 0, 1]
+    assert out.scheduled[1].block_ids == [0, 1, 3] and b.num_cached_tokens == 8
+    assert [blk.ref_cnt for blk in s.kv_cache_manager.pool.blocks[:4]] == [2, 2, 1, 1]
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    assert [blocks[i].ref_cnt for i in (0, 1, 2, 3, 3 + GROWTH_RUN)] == [1, 1, 0, 0, 1]
+    assert [blk.ref_cnt for blk in s.kv_cache_manager.pool.blocks[:4]] == [1, 1, 0, 1]
     run_to_completion(s, r)
     assert b.output_token_ids == [default_token("b", i) for i in range(5)]
