@@ -305,7 +305,7 @@ def model_prefill(model, cfg, batch: int, length: int) -> dict:
 
     def sdpa():
         saved = attention_module._prefill_kernel_for
-        attention_module._prefill_kernel_for = lambda key_cache: None
+        attention_module._prefill_kernel_for = lambda key_cache, q_dtype=None: None
         try:
             return forward()
         finally:
