@@ -12,6 +12,15 @@
 // and high bytes (vpermt2b, AVX-512 VBMI), the sign ORed in: 64 codes in 5 instructions.
 #pragma once
 
+#include <c10/core/ScalarType.h>
+
+namespace infer_fp8 {
+
+// a cache of fp8 codes (either format)?
+inline bool is_fp8(c10::ScalarType t) { return t == c10::kFloat8_e4m3fn || t == c10::kFloat8_e5m2; }
+
+}  // namespace infer_fp8
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define INFER_FP8 1
 

@@ -169,7 +169,7 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache
                   value_cache.is_contiguous() && key_cache.size(2) == k.size(1) && key_cache.size(3) == k.size(2),
               "caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim] of k's heads");
   const at::ScalarType cache_type = key_cache.scalar_type();
-  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  const bool fp8 = infer_fp8::is_fp8(cache_type);
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && value_cache.scalar_type() == cache_type &&
                   (fp8 || cache_type == k.scalar_type()),
               "k, v and the caches share a dtype (or the caches are fp8)");

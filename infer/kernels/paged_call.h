@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "fp8.h"
+
 namespace infer_paged {
 
 struct PagedCall {
@@ -54,7 +56,7 @@ inline PagedCall check_call(const at::Tensor& q, const at::Tensor& key_cache, co
                   key_cache.sizes() == value_cache.sizes(),
               "caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
   const at::ScalarType cache_type = key_cache.scalar_type();
-  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  const bool fp8 = infer_fp8::is_fp8(cache_type);
   TORCH_CHECK(value_cache.scalar_type() == cache_type && (q.scalar_type() == cache_type || fp8),
               "q and the caches must share a dtype (or the caches are fp8)");
   TORCH_CHECK(!fp8 || (q.scalar_type() == at::kBFloat16 && q.size(2) % 64 == 0),

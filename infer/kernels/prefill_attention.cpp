@@ -206,7 +206,6 @@ struct Workspace {
     grow(pos, rows);
     grow(keys, kTile);
     grow(values, kTile);
-    grow(decoded, 2 * kTile * head_dim);
   }
 };
 
@@ -289,6 +288,7 @@ void pack_tile(const Problem& P, Workspace& ws, int64_t s, int64_t h, int64_t i)
   if (P.fp8) {  // bf16 queries: the rows decoded, then packed as bf16's
 #if defined(INFER_FP8)
     const infer_fp8::Lut& lut = infer_fp8::lut_of(P.e5m2);
+    infer_paged::grow(ws.decoded, 2 * kTile * D);
     c10::BFloat16* out = ws.decoded.data();
     for (const void** rows : {ws.keys.data(), ws.values.data()})
       for (int64_t j = 0; j < count; ++j, out += D) {

@@ -431,26 +431,30 @@ def _prefill_kernel(q, cache):
     return _prefill_kernel_for(cache[0], q.dtype)
 
 
-def _reads(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether the kernels take queries of q_dtype over a cache of cache_dtype."""
-    return q_dtype == cache_dtype or (cache_dtype in FP8_DTYPES and q_dtype == torch.bfloat16)
+def _reads(ops, q_dtype: torch.dtype, key_cache: torch.Tensor) -> bool:
+    """Whether the kernels take queries of q_dtype over this cache: of its own dtype, or over an fp8 cache
+    bf16 queries with a head_dim of a multiple of 64 on a "+fp8" build."""
+    if key_cache.dtype not in FP8_DTYPES:
+        return q_dtype == key_cache.dtype
+    return q_dtype == torch.bfloat16 and key_cache.shape[-1] % 64 == 0 and _fp8(ops)
 
 
 def _prefill_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = None):
-    """The kernels' ops where the prefill kernel serves queries of q_dtype (None: what the cache takes)
-    over this cache (PREFILL_KERNEL_DTYPES, a head_dim that is a multiple of 16, an AVX-512 BF16 build;
-    fp8: bf16 queries, a multiple of 64 and "+fp8"), else None."""
+    """The kernels' ops where the prefill kernel serves queries of q_dtype (None: what the cache takes, bf16
+    over fp8) over this cache (PREFILL_KERNEL_DTYPES or fp8, a head_dim that is a multiple of 16, an
+    AVX-512 BF16 build, `_reads`), else None."""
     fp8 = key_cache.dtype in FP8_DTYPES
-    if q_dtype is not None and not _reads(q_dtype, key_cache.dtype):
-        return None
     if (
         (key_cache.dtype not in PREFILL_KERNEL_DTYPES and not fp8)
         or key_cache.device.type != "cpu"
-        or key_cache.shape[-1] % (64 if fp8 else 16)
+        or key_cache.shape[-1] % 16
     ):
         return None
     ops = kernels.load()
-    return ops if ops is not None and _avx512_bf16(ops) and (not fp8 or _fp8(ops)) else None
+    if ops is None or not _avx512_bf16(ops):
+        return None
+    q_dtype = q_dtype or (torch.bfloat16 if fp8 else key_cache.dtype)
+    return ops if _reads(ops, q_dtype, key_cache) else None
 
 
 @functools.cache
@@ -507,21 +511,19 @@ def _batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_
     """The batch's sequences at once: the C++ kernel where it serves them, else the matmuls. Returns the
     batch's real rows [num_batch_tokens, H, D] in their flat order."""
     ops = kernels.load()
-    if ops is not None and _kernel_serves(meta, q, key_cache):
+    if ops is not None and _kernel_serves(ops, meta, q, key_cache):
         return _kernel_batched(ops, q, key_cache, value_cache, meta, scale, sliding_window)
     return _matmul_batched(q, key_cache, value_cache, meta, scale, sliding_window)
 
 
-def _kernel_serves(meta: AttentionMetadata, q, key_cache) -> bool:
-    fp8 = key_cache.dtype in FP8_DTYPES
+def _kernel_serves(ops, meta: AttentionMetadata, q, key_cache) -> bool:
     return (
         meta.max_query_len <= KERNEL_MAX_QUERY_LEN
         and q.dtype in KERNEL_DTYPES
-        and _reads(q.dtype, key_cache.dtype)
+        and _reads(ops, q.dtype, key_cache)
         and q.device.type == "cpu"
-        and q.shape[-1] % (64 if fp8 else 16) == 0
+        and q.shape[-1] % 16 == 0
         and q.stride(-1) == 1
-        and (not fp8 or _fp8(kernels.load()))
     )
 
 

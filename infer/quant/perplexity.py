@@ -35,8 +35,8 @@ def perplexity(
         raise ValueError("perplexity needs at least 2 tokens")
     window = min(window, model.config.max_position_embeddings)
     num_blocks = -(-window // BLOCK_SIZE)
-    dtype = kv_cache_dtype or next(model.parameters()).dtype
-    kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, dtype)
+    model_dtype = next(model.parameters()).dtype
+    kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, kv_cache_dtype or model_dtype)
     total_nll, total_tokens = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
         ids = torch.tensor(token_ids[start : start + window + 1])
@@ -48,7 +48,7 @@ def perplexity(
             slot_mapping=torch.arange(n),
             block_tables=torch.arange(num_blocks).view(1, num_blocks),
             kv_caches=kv_caches,
-            query_dtype=next(model.parameters()).dtype,
+            query_dtype=model_dtype,
         )
         hidden = model(inputs, torch.arange(n), meta)  # [n, hidden]
         logits = model.compute_logits(hidden).float()  # [n, vocab]

@@ -20,18 +20,18 @@ from infer.models.config import ModelConfig
 
 logger = logging.getLogger("infer.runner")
 
-FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache's torch dtype for `--kv-cache-dtype name` (config.KV_CACHE_DTYPES)."""
-    return model_dtype if name == "auto" else FP8_DTYPES[name]
+    return model_dtype if name == "auto" else FP8_FORMATS[name]
 
 
 def warn_unserved_fp8(cache_dtype: torch.dtype, model_dtype: torch.dtype, head_dim: int) -> None:
     """A log line where an fp8 cache will not be read by the kernels (they take bf16 queries and a
     head_dim of a multiple of 64): it works, through the slower Python path."""
-    if cache_dtype in FP8_DTYPES.values() and (model_dtype != torch.bfloat16 or head_dim % 64):
+    if cache_dtype in FP8_FORMATS.values() and (model_dtype != torch.bfloat16 or head_dim % 64):
         logger.warning(
             "fp8 KV cache with a %s model of head_dim %d: the attention kernels read fp8 with bfloat16 "
             "queries and a head_dim of a multiple of 64; this model attends through the slower Python path",
