@@ -10,6 +10,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace infer_amx {
@@ -27,6 +28,19 @@ struct alignas(64) TileConfig {
 inline bool permitted() {
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return ok;
+}
+
+// The linears' layout (small_linear.cpp, quant_linear.cpp): C tiles 0-3 (two blocks of up to 16 rows x
+// two of 16 channels), A tiles 4-5 (the two row blocks), B tiles 6-7 (the two channel blocks), 64 bytes
+// a row each; for `rows` (1-32) rows of x
+inline TileConfig rows_config(int64_t rows) {
+  const uint8_t r0 = std::min<int64_t>(16, rows), r1 = std::max<int64_t>(1, std::min<int64_t>(16, rows - 16));
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = r0;
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = r1;
+  cfg.rows[6] = cfg.rows[7] = 16;
+  return cfg;
 }
 
 }  // namespace infer_amx

@@ -11,6 +11,8 @@
 //       convert each block's 32 codes in registers -> bf16; acc[row][block] += dp(x pair, w)
 //   batch (M > 4), the default: x rounded to int8 per row, vpdpbusd on 4-input quads of the same
 //       codes (run_a8, below: 2.6x the multiply-add rate of vdpbf16ps here)
+//   with AMX (Sapphire Rapids), from 2 rows up: the same int8 sums on the tiles (run_amx_a8, below;
+//       K and the group size multiples of 64), the codes rearranged into B tiles as they are read
 //   batch with bf16 activations (INFER_INT8_ACTIVATIONS=0, or no VNNI): per tile of 2 blocks, per
 //       block of 512 inputs: the codes converted once into a 32 KB buffer (L1) -> for each 12 rows of
 //       x: 24 accumulators (kept in a small float tile between blocks of inputs) += dp(x pair, w)
@@ -35,6 +37,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "amx.h"
 #include "vec.h"
 
 namespace {
@@ -311,15 +314,17 @@ void batch_tile(const Problem& P, int64_t b0, __m512bh* buf, __m512* c) {
 
 struct Activations {
   std::vector<int32_t> q;    // [K / 4][M]: 4 inputs of a row as bytes; int4 weights: xq, int8: xq + 128
+                             // (row-major for the tiles: [M][K / 4], xq)
   std::vector<float> scale;  // [M]
   std::vector<float> sums;   // [M][groups]: sum of xq over each group (zero points)
 };
 
+// kRowMajor (the AMX tiles' A operand): q holds x's rows as [M][K] signed bytes, unshifted
+template <bool kRowMajor = false>
 Activations quantize_x(const Problem& P) {
   const int64_t groups = P.K / P.group;
   Activations A{std::vector<int32_t>(P.M * P.K / 4), std::vector<float>(P.M), std::vector<float>(P.M * groups)};
-  const int64_t quads = P.K / 4;
-  const int shift = P.bits == 8 ? 128 : 0;
+  const int shift = P.bits == 8 && !kRowMajor ? 128 : 0;
   at::parallel_for(0, P.M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const c10::BFloat16* x = P.x + m * P.K;
@@ -333,9 +338,13 @@ Activations quantize_x(const Problem& P) {
         for (int64_t k = g * P.group; k < (g + 1) * P.group; k += 16) {
           const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(infer_vec::vload(x + k), inv));  // nearest
           sum = _mm512_add_epi32(sum, v);
+          const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_add_epi32(v, _mm512_set1_epi32(shift)));
+          if constexpr (kRowMajor) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(A.q.data() + (m * P.K + k) / 4), bytes);
+            continue;
+          }
           alignas(16) int32_t four[4];  // 16 inputs = 4 quads, each to its own row of A.q
-          _mm_store_si128(reinterpret_cast<__m128i*>(four),
-                          _mm512_cvtepi32_epi8(_mm512_add_epi32(v, _mm512_set1_epi32(shift))));
+          _mm_store_si128(reinterpret_cast<__m128i*>(four), bytes);
           for (int j = 0; j < 4; ++j) A.q[(k / 4 + j) * P.M + m] = four[j];
         }
         A.sums[m * groups + g] = static_cast<float>(_mm512_reduce_add_epi32(sum));
@@ -507,6 +516,123 @@ void run_a8(const Problem& P) {
   });
 }
 
+#if defined(INFER_AMX) && defined(__AMX_INT8__)
+// ---- the same W8A8 sums on AMX tiles (Sapphire Rapids): 1,024 multiply-adds per instruction ----
+//
+// x's int8 rows are A tiles (16 rows x 64 inputs), the codes of 16 channels x 64 inputs a B tile: 16
+// quads x 16 channels x 4 codes, which quad_codes gives a quad at a time. int8 codes are signed
+// (tdpbssd: no shift of x, no qsums), int4 codes unsigned (tdpbsud), so per group both are
+//   s[g, n] * sum_k xq q + (-z s)[g, n] * sum_k xq
+// folded into float32 after each group's tiles. As small_linear's run_amx: rows in blocks whose x stays
+// in L2, threads take pairs of channel blocks, a pair's codes are rearranged once per block of rows
+// into a buffer (K x 32 bytes) and read from there by each pass of 32 rows.
+constexpr int64_t kAmxRows = 32;
+constexpr int64_t kAmxBlockBytes = 1 << 20;
+
+// rows m0..m0+32 x blocks b0..b0+NB; tiles: the caller's `rows_config`; w: the blocks' B tiles
+template <int BITS, int NB>
+void amx_tile_a8(const Problem& P, const Activations& A, const int8_t* w, int64_t b0, int64_t m0) {
+  const int64_t r0 = std::min<int64_t>(16, P.M - m0), r1 = std::min<int64_t>(16, P.M - m0 - r0);
+  const int64_t groups = P.K / P.group;
+  const int8_t* x0 = reinterpret_cast<const int8_t*>(A.q.data()) + m0 * P.K;
+  const int8_t* x1 = x0 + 16 * P.K;
+  const int8_t* w1 = w + P.K * 16;  // the second block's tiles
+  alignas(64) int32_t sums[32][32];
+  alignas(64) float acc[32][32] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = g * P.group; k < (g + 1) * P.group; k += 64) {
+      _tile_loadd(6, w + k * 16, 64);
+      if (NB == 2) _tile_loadd(7, w1 + k * 16, 64);
+      _tile_loadd(4, x0 + k, P.K);
+      if (r1 > 0) _tile_loadd(5, x1 + k, P.K);
+      if constexpr (BITS == 8) {
+        _tile_dpbssd(0, 4, 6);
+        if (NB == 2) _tile_dpbssd(1, 4, 7);
+        if (r1 > 0) _tile_dpbssd(2, 5, 6);
+        if (r1 > 0 && NB == 2) _tile_dpbssd(3, 5, 7);
+      } else {
+        _tile_dpbsud(0, 4, 6);
+        if (NB == 2) _tile_dpbsud(1, 4, 7);
+        if (r1 > 0) _tile_dpbsud(2, 5, 6);
+        if (r1 > 0 && NB == 2) _tile_dpbsud(3, 5, 7);
+      }
+    }
+    _tile_stored(0, &sums[0][0], 128);
+    if (NB == 2) _tile_stored(1, &sums[0][16], 128);
+    if (r1 > 0) _tile_stored(2, &sums[16][0], 128);
+    if (r1 > 0 && NB == 2) _tile_stored(3, &sums[16][16], 128);
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n = (b0 + b) * kLanes;
+      const __m512 scale = _mm512_loadu_ps(P.scales + g * P.N + n);
+      const __m512 offset = P.offsets ? _mm512_loadu_ps(P.offsets + g * P.N + n) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < r0 + r1; ++r) {
+        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&sums[r][b * 16])), scale,
+                                   _mm512_load_ps(&acc[r][b * 16]));
+        if (P.offsets) v = _mm512_fmadd_ps(_mm512_set1_ps(A.sums[(m0 + r) * groups + g]), offset, v);
+        _mm512_store_ps(&acc[r][b * 16], v);
+      }
+    }
+  }
+  for (int64_t r = 0; r < r0 + r1; ++r) {
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n = (b0 + b) * kLanes;
+      __m512 v = _mm512_mul_ps(_mm512_load_ps(&acc[r][b * 16]), _mm512_set1_ps(A.scale[m0 + r]));
+      if (P.bias) v = _mm512_add_ps(v, infer_vec::vload(P.bias + n));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(P.y + (m0 + r) * P.N + n), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+// blocks b0..b0+NB of rows [m0, m1) in passes of 32 rows; `loaded`: the tile configuration in force
+template <int BITS, int NB>
+void amx_rows_a8(const Problem& P, const Activations& A, int8_t* w, int64_t b0, int64_t m0, int64_t m1,
+                 const infer_amx::TileConfig* full, const infer_amx::TileConfig* tail,
+                 const infer_amx::TileConfig*& loaded) {
+  const int64_t chunk_bytes = BITS == 8 ? 64 : 32;  // a quad's codes in the weight
+  for (int b = 0; b < NB; ++b) {
+    const char* src = reinterpret_cast<const char*>(P.w) + (b0 + b) * (P.K / 4) * chunk_bytes;
+    for (int64_t q = 0; q < P.K / 4; ++q) {
+      _mm_prefetch(src + (q + 64) * chunk_bytes, _MM_HINT_T0);
+      _mm512_storeu_si512(w + (b * P.K / 4 + q) * 64, quad_codes<BITS>(P, b0 + b, q));
+    }
+  }
+  for (int64_t m = m0; m < m1; m += kAmxRows) {
+    const infer_amx::TileConfig* cfg = m1 - m >= kAmxRows ? full : tail;
+    if (cfg != loaded) _tile_loadconfig(loaded = cfg);
+    amx_tile_a8<BITS, NB>(P, A, w, b0, m);
+  }
+}
+
+void run_amx_a8(const Problem& P) {
+  const Activations A = quantize_x<true>(P);
+  const int64_t blocks = P.N / kLanes, tiles = (blocks + 1) / 2;
+  const int64_t block_rows = std::max<int64_t>(kAmxRows, kAmxBlockBytes / P.K / kAmxRows * kAmxRows);
+  for (int64_t m0 = 0; m0 < P.M; m0 += block_rows) {
+    const int64_t m1 = std::min(P.M, m0 + block_rows);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      const infer_amx::TileConfig full = infer_amx::rows_config(kAmxRows);
+      const infer_amx::TileConfig tail = infer_amx::rows_config((m1 - m0) % kAmxRows);
+      const infer_amx::TileConfig* loaded = nullptr;
+      std::vector<__m512i> buf(P.K / 2);  // two blocks' B tiles: K x 32 bytes
+      int8_t* w = reinterpret_cast<int8_t*>(buf.data());
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b0 = 2 * t;
+        const bool pair = b0 + 1 < blocks;
+        if (P.bits == 8 && pair) amx_rows_a8<8, 2>(P, A, w, b0, m0, m1, &full, &tail, loaded);
+        else if (P.bits == 8) amx_rows_a8<8, 1>(P, A, w, b0, m0, m1, &full, &tail, loaded);
+        else if (pair) amx_rows_a8<4, 2>(P, A, w, b0, m0, m1, &full, &tail, loaded);
+        else amx_rows_a8<4, 1>(P, A, w, b0, m0, m1, &full, &tail, loaded);
+      }
+      _tile_release();
+    });
+  }
+}
+#endif  // INFER_AMX && __AMX_INT8__
+
 #endif  // __AVX512VNNI__
 
 void run(const Problem& P) {
@@ -572,6 +698,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
                                                  qsums->numel() == scales.numel()),
               "int8 activations with int8 weights need qsums: int32 [K / group, N]");
 #if defined(__AVX512VNNI__)
+#if defined(INFER_AMX) && defined(__AMX_INT8__)
+  // the caller asks for int8 activations from 2 rows up here (infer/quant/linear.py DECODE_ROWS)
+  if (int8_activations && M > 0 && K % 64 == 0 && group_size % 64 == 0 && infer_amx::permitted())
+    return run_amx_a8(P), y;
+#endif
   if (int8_activations && M > kDecode) return run_a8(P), y;
 #endif
   if (M > 0) run(P);

@@ -190,16 +190,6 @@ inline void amx_tile(const Problem& P, int64_t m0, int64_t bp) {
   }
 }
 
-infer_amx::TileConfig rows_config(int64_t rows) {  // A and C tiles for `rows` (1-32) rows of x
-  const uint8_t r0 = std::min<int64_t>(16, rows), r1 = std::max<int64_t>(1, std::min<int64_t>(16, rows - 16));
-  infer_amx::TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
-  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = r0;
-  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = r1;
-  cfg.rows[6] = cfg.rows[7] = 16;
-  return cfg;
-}
-
 // Rows in blocks whose x stays in L2 (kAmxBlockBytes); per block, threads take ranges of 32-channel
 // pairs of blocks, and for each pair every pass of 32 rows, so the pair's weights (32 x K) come from
 // DRAM once per block and from L1/L2 for its other passes. Decode steps are one block: one weight read.
@@ -212,7 +202,7 @@ void run_amx(const Problem& P) {
     const int64_t rows = std::min(block_rows, P.M - b0);
     at::parallel_for(0, P.N / 32, 1, [&](int64_t begin, int64_t end) {
       const int64_t tail = rows % kAmxRows, full = rows - tail;
-      const infer_amx::TileConfig full_cfg = rows_config(kAmxRows), tail_cfg = rows_config(tail);
+      const infer_amx::TileConfig full_cfg = infer_amx::rows_config(kAmxRows), tail_cfg = infer_amx::rows_config(tail);
       const bool both = full > 0 && tail > 0;  // else one configuration serves the whole range
       _tile_loadconfig(full > 0 ? &full_cfg : &tail_cfg);
       for (int64_t bp = begin; bp < end; ++bp) {

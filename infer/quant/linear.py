@@ -4,7 +4,8 @@ Each QuantizedLinear repacks its `QuantizedWeight` for the fastest path this mac
 
     "infer"   the C++ kernel (infer/kernels/quant_linear.cpp), bf16 models on an AVX-512 BF16 CPU, every
               step: decodes of up to 4 rows convert the codes to bf16 in registers (vdpbf16ps: the
-              weights' bytes set the time); larger steps round x to int8 per row (vpdpbusd, with VNNI).
+              weights' bytes set the time); larger steps round x to int8 per row (vpdpbusd, with VNNI;
+              with AMX, from 2 rows up, on the tiles).
     "torch"   torch's weight-only kernels (`_weight_int8pack_mm` for int8 per channel without zero points,
               `_weight_int4pack_mm_for_cpu` for int4 in groups of 32..256): other CPUs, float32 models.
     "dequant" anything else (e.g. int8 in groups, on a CPU without AVX-512 BF16): the weight dequantized
@@ -15,6 +16,7 @@ The measurements behind the choice are in docs/benchmarks.md ("Quantization").
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -30,9 +32,11 @@ logger = logging.getLogger("infer.quant")
 
 GROUP_SIZE = 128  # int4's group: AWQ's and GPTQ's default, what torch's int4 kernel was tuned for
 HEAD_BITS = 8  # the LM head: int8 per channel with either method (docs/benchmarks.md: perplexity)
-# Steps of more than DECODE_ROWS rows run with int8 activations (W8A8: rows rounded to 8 bits, each with
-# its own scale; 2.6x the multiply-add rate of bf16 here, docs/benchmarks.md); decodes of fewer rows keep
-# bf16 activations (there the weights' bytes, not the multiply-adds, set the time).
+# Steps of more than decode_rows(ops) rows run with int8 activations (W8A8: rows rounded to 8 bits, each
+# with its own scale; 2.6x the multiply-add rate of bf16 with VNNI, docs/benchmarks.md); decodes of fewer
+# rows keep bf16 activations (there the weights' bytes, not the multiply-adds, set the time). With AMX
+# tiles (the kernel's "+amx" builds) W8A8 runs on them from 2 rows: there vdpbf16ps, which the bf16-
+# activation decodes use, is slow enough that 2-4 rows were already compute-bound (docs/benchmarks.md).
 # INFER_INT8_ACTIVATIONS=0 keeps bf16 activations everywhere (A/B comparisons, tests).
 DECODE_ROWS = 4
 INT8_ACTIVATIONS = os.environ.get("INFER_INT8_ACTIVATIONS", "1") != "0"
@@ -68,6 +72,7 @@ class QuantizedLinear(nn.Module):
 
     def _pack_kernel(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self._ops = kernels.bf16_ops()
+        self._decode_rows = decode_rows(self._ops)
         q, zeros = _unsigned_int4(w) if w.bits == 4 else (w.q, w.zeros)
         self.register_buffer("qweight", pack_kernel(q, w.bits), persistent=False)
         self.register_buffer("scales", w.scales.t().contiguous(), persistent=False)  # [groups, out]
@@ -109,7 +114,7 @@ class QuantizedLinear(nn.Module):
                 self.bits,
                 self.group_size,
                 self.qsums,
-                INT8_ACTIVATIONS and flat.shape[0] > DECODE_ROWS,
+                INT8_ACTIVATIONS and flat.shape[0] > self._decode_rows,
             )
         else:
             if self.backend == "dequant":
@@ -125,6 +130,12 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         shape = f"{self.in_features} -> {self.out_features}"
         return f"{shape}, int{self.bits}, group {self.group_size}, {self.backend}"
+
+
+@functools.cache
+def decode_rows(ops) -> int:
+    """The most rows a step of the kernel takes with bf16 activations (above them, int8: see DECODE_ROWS)."""
+    return 1 if "+amx" in ops.isa() else DECODE_ROWS
 
 
 def _unsigned_int4(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,39 @@ def test_every_backend_computes_the_dequantized_product(
             assert err < tol, (backend, dtype, err)
 
 
+def _w8a8_reference(x: torch.Tensor, qw) -> torch.Tensor:
+    """What the kernel's int8-activation paths compute, in float64: each row of x rounded to int8 as the
+    kernel rounds it (scale max|x| / 127, x * (1 / scale) in float32, to nearest even), times the
+    dequantized weight, times the row's scale."""
+    x = x.float()
+    scale = x.abs().amax(1, keepdim=True) / 127
+    xq = torch.round(x * (1 / scale))
+    return (xq.double() @ qw.dequantize().double().T) * scale.double()
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="the kernel needs AVX-512 BF16")
+@pytest.mark.parametrize(
+    "bits,group,symmetric", [(8, None, True), (8, 64, False), (4, 64, True), (4, 128, False)]
+)
+def test_int8_activation_paths_round_x_per_row_and_sum_exactly(bits, group, symmetric, monkeypatch):
+    """Every step the kernel runs with int8 activations (with AMX, 2 rows and up on the tiles; else 5 and
+    up with vpdpbusd) is x rounded to int8 per row times the codes, summed exactly: its output is that
+    product rounded once to bf16 (float32 folding aside), a tighter bound than the float reference's."""
+    monkeypatch.setattr(quant_linear, "INT8_ACTIVATIONS", True)
+    gen = torch.Generator().manual_seed(bits + (group or 0))
+    w = torch.randn(80, 512, generator=gen) * 0.05
+    qw = quantize_for(w, bits, group, symmetric)
+    layer = QuantizedLinear(qw, None, torch.bfloat16, backend="infer")
+    first = quant_linear.decode_rows(kernels.bf16_ops()) + 1
+    for rows in (first, first + 1, 13, 33, 70):
+        x = torch.randn(rows, 512, generator=gen).bfloat16()
+        ref = _w8a8_reference(x, qw)
+        y = layer(x).double()
+        assert ((y - ref).abs() <= ref.abs() * 2**-8 + 1e-6 * ref.abs().max()).all(), rows
+        unrounded = _reference(x, qw, None).double()  # x not rounded: beyond one bf16 rounding somewhere
+        assert not ((unrounded - ref).abs() <= ref.abs() * 2**-8 + 1e-6 * ref.abs().max()).all(), rows
+
+
 def test_the_kernel_is_chosen_for_bf16_where_the_cpu_has_it():
     qw = quantize(torch.randn(64, 128), 4, 32)
     assert QuantizedLinear(qw, None, torch.bfloat16).backend == ("infer" if HAS_KERNEL else "torch")
