@@ -11,8 +11,9 @@
 //       convert each block's 32 codes in registers -> bf16; acc[row][block] += dp(x pair, w)
 //   batch (M > 4), the default: x rounded to int8 per row, vpdpbusd on 4-input quads of the same
 //       codes (run_a8, below: 2.6x the multiply-add rate of vdpbf16ps here)
-//   with AMX (Sapphire Rapids), from 2 rows up: the same int8 sums on the tiles (run_amx_a8, below;
-//       K and the group size multiples of 64), the codes rearranged into B tiles as they are read
+//   with AMX (Sapphire Rapids), int8 activations at every row count (int4: from 2 rows): the same int8
+//       sums on the tiles (run_amx_a8, below; K and the group size multiples of 64), the codes
+//       rearranged into B tiles as they are read
 //   batch with bf16 activations (INFER_INT8_ACTIVATIONS=0, or no VNNI): per tile of 2 blocks, per
 //       block of 512 inputs: the codes converted once into a 32 KB buffer (L1) -> for each 12 rows of
 //       x: 24 accumulators (kept in a small float tile between blocks of inputs) += dp(x pair, w)
@@ -529,14 +530,29 @@ void run_a8(const Problem& P) {
 constexpr int64_t kAmxRows = 32;
 constexpr int64_t kAmxBlockBytes = 1 << 20;
 
-// rows m0..m0+32 x blocks b0..b0+NB; tiles: the caller's `rows_config`; w: the blocks' B tiles
+// B tiles of blocks b0..b0+NB for inputs [k0, k1) (kStream: k1 = k0 + 64) into w, block b's at
+// w + b * (k1 - k0) * 16: the codes' quads as quad_codes gives them, 64 inputs a tile
 template <int BITS, int NB>
-void amx_tile_a8(const Problem& P, const Activations& A, const int8_t* w, int64_t b0, int64_t m0) {
+inline void b_tiles(const Problem& P, int64_t b0, int64_t k0, int64_t k1, int8_t* w) {
+  const int64_t chunk_bytes = BITS == 8 ? 64 : 32;  // a quad's codes in the weight
+  for (int b = 0; b < NB; ++b) {
+    const char* src = reinterpret_cast<const char*>(P.w) + (b0 + b) * (P.K / 4) * chunk_bytes;
+    for (int64_t q = k0 / 4; q < k1 / 4; ++q) {
+      _mm_prefetch(src + (q + 64) * chunk_bytes, _MM_HINT_T0);
+      _mm512_storeu_si512(w + (b * (k1 - k0) / 4 + q - k0 / 4) * 64, quad_codes<BITS>(P, b0 + b, q));
+    }
+  }
+}
+
+// rows m0..m0+32 x blocks b0..b0+NB; tiles: the caller's `rows_config`. w: the blocks' B tiles for all
+// of K, or with kStream a 2 KB buffer that each 64 inputs' tiles pass through (one pass of rows: the
+// codes go from memory to L1 to the tiles)
+template <int BITS, int NB, bool kStream>
+void amx_tile_a8(const Problem& P, const Activations& A, int8_t* w, int64_t b0, int64_t m0) {
   const int64_t r0 = std::min<int64_t>(16, P.M - m0), r1 = std::min<int64_t>(16, P.M - m0 - r0);
   const int64_t groups = P.K / P.group;
   const int8_t* x0 = reinterpret_cast<const int8_t*>(A.q.data()) + m0 * P.K;
   const int8_t* x1 = x0 + 16 * P.K;
-  const int8_t* w1 = w + P.K * 16;  // the second block's tiles
   alignas(64) int32_t sums[32][32];
   alignas(64) float acc[32][32] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -545,8 +561,11 @@ void amx_tile_a8(const Problem& P, const Activations& A, const int8_t* w, int64_
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t k = g * P.group; k < (g + 1) * P.group; k += 64) {
-      _tile_loadd(6, w + k * 16, 64);
-      if (NB == 2) _tile_loadd(7, w1 + k * 16, 64);
+      const int8_t* w0 = kStream ? w : w + k * 16;
+      const int8_t* w1 = kStream ? w + 1024 : w + (P.K + k) * 16;  // the second block's tile
+      if constexpr (kStream) b_tiles<BITS, NB>(P, b0, k, k + 64, w);
+      _tile_loadd(6, w0, 64);
+      if (NB == 2) _tile_loadd(7, w1, 64);
       _tile_loadd(4, x0 + k, P.K);
       if (r1 > 0) _tile_loadd(5, x1 + k, P.K);
       if constexpr (BITS == 8) {
@@ -592,18 +611,13 @@ template <int BITS, int NB>
 void amx_rows_a8(const Problem& P, const Activations& A, int8_t* w, int64_t b0, int64_t m0, int64_t m1,
                  const infer_amx::TileConfig* full, const infer_amx::TileConfig* tail,
                  const infer_amx::TileConfig*& loaded) {
-  const int64_t chunk_bytes = BITS == 8 ? 64 : 32;  // a quad's codes in the weight
-  for (int b = 0; b < NB; ++b) {
-    const char* src = reinterpret_cast<const char*>(P.w) + (b0 + b) * (P.K / 4) * chunk_bytes;
-    for (int64_t q = 0; q < P.K / 4; ++q) {
-      _mm_prefetch(src + (q + 64) * chunk_bytes, _MM_HINT_T0);
-      _mm512_storeu_si512(w + (b * P.K / 4 + q) * 64, quad_codes<BITS>(P, b0 + b, q));
-    }
-  }
+  const bool stream = m1 - m0 <= kAmxRows;
+  if (!stream) b_tiles<BITS, NB>(P, b0, 0, P.K, w);
   for (int64_t m = m0; m < m1; m += kAmxRows) {
     const infer_amx::TileConfig* cfg = m1 - m >= kAmxRows ? full : tail;
     if (cfg != loaded) _tile_loadconfig(loaded = cfg);
-    amx_tile_a8<BITS, NB>(P, A, w, b0, m);
+    if (stream) amx_tile_a8<BITS, NB, true>(P, A, w, b0, m);
+    else amx_tile_a8<BITS, NB, false>(P, A, w, b0, m);
   }
 }
 
@@ -699,7 +713,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
               "int8 activations with int8 weights need qsums: int32 [K / group, N]");
 #if defined(__AVX512VNNI__)
 #if defined(INFER_AMX) && defined(__AMX_INT8__)
-  // the caller asks for int8 activations from 2 rows up here (infer/quant/linear.py DECODE_ROWS)
+  // the caller asks for int8 activations at every row count here (int4: from 2 rows; infer/quant/linear.py)
   if (int8_activations && M > 0 && K % 64 == 0 && group_size % 64 == 0 && infer_amx::permitted())
     return run_amx_a8(P), y;
 #endif

@@ -32,11 +32,12 @@ logger = logging.getLogger("infer.quant")
 
 GROUP_SIZE = 128  # int4's group: AWQ's and GPTQ's default, what torch's int4 kernel was tuned for
 HEAD_BITS = 8  # the LM head: int8 per channel with either method (docs/benchmarks.md: perplexity)
-# Steps of more than decode_rows(ops) rows run with int8 activations (W8A8: rows rounded to 8 bits, each
-# with its own scale; 2.6x the multiply-add rate of bf16 with VNNI, docs/benchmarks.md); decodes of fewer
-# rows keep bf16 activations (there the weights' bytes, not the multiply-adds, set the time). With AMX
-# tiles (the kernel's "+amx" builds) W8A8 runs on them from 2 rows: there vdpbf16ps, which the bf16-
-# activation decodes use, is slow enough that 2-4 rows were already compute-bound (docs/benchmarks.md).
+# Steps of more than decode_rows(...) rows run with int8 activations (W8A8: rows rounded to 8 bits, each
+# with its own scale; 2.6x the multiply-add rate of bf16 with VNNI, docs/benchmarks.md); decodes of up to
+# DECODE_ROWS rows keep bf16 activations (there the weights' bytes, not the multiply-adds, set the time).
+# With AMX tiles (the kernel's "+amx" builds) W8A8 runs on them, int8 weights at every row count and
+# int4 from 2 rows: there the bf16-activation decodes (vdpbf16ps, slow on those cores) were compute-bound
+# from 1-2 rows, and the tiles read int8 codes at the DRAM's speed (docs/benchmarks.md).
 # INFER_INT8_ACTIVATIONS=0 keeps bf16 activations everywhere (A/B comparisons, tests).
 DECODE_ROWS = 4
 INT8_ACTIVATIONS = os.environ.get("INFER_INT8_ACTIVATIONS", "1") != "0"
@@ -72,7 +73,7 @@ class QuantizedLinear(nn.Module):
 
     def _pack_kernel(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self._ops = kernels.bf16_ops()
-        self._decode_rows = decode_rows(self._ops)
+        self._decode_rows = decode_rows(self._ops, w.bits)
         q, zeros = _unsigned_int4(w) if w.bits == 4 else (w.q, w.zeros)
         self.register_buffer("qweight", pack_kernel(q, w.bits), persistent=False)
         self.register_buffer("scales", w.scales.t().contiguous(), persistent=False)  # [groups, out]
@@ -133,9 +134,11 @@ class QuantizedLinear(nn.Module):
 
 
 @functools.cache
-def decode_rows(ops) -> int:
+def decode_rows(ops, bits: int) -> int:
     """The most rows a step of the kernel takes with bf16 activations (above them, int8: see DECODE_ROWS)."""
-    return 1 if "+amx" in ops.isa() else DECODE_ROWS
+    if "+amx" in ops.isa():
+        return 0 if bits == 8 else 1
+    return DECODE_ROWS
 
 
 def _unsigned_int4(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:

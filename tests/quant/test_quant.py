@@ -72,15 +72,16 @@ def _w8a8_reference(x: torch.Tensor, qw) -> torch.Tensor:
     "bits,group,symmetric", [(8, None, True), (8, 64, False), (4, 64, True), (4, 128, False)]
 )
 def test_int8_activation_paths_round_x_per_row_and_sum_exactly(bits, group, symmetric, monkeypatch):
-    """Every step the kernel runs with int8 activations (with AMX, 2 rows and up on the tiles; else 5 and
-    up with vpdpbusd) is x rounded to int8 per row times the codes, summed exactly: its output is that
-    product rounded once to bf16 (float32 folding aside), a tighter bound than the float reference's."""
+    """Every step the kernel runs with int8 activations (with AMX on the tiles: int8 weights at every row
+    count, int4 from 2 rows; else 5 rows and up with vpdpbusd) is x rounded to int8 per row times the
+    codes, summed exactly: its output is that product rounded once to bf16 (float32 folding aside), a
+    tighter bound than the float reference's."""
     monkeypatch.setattr(quant_linear, "INT8_ACTIVATIONS", True)
     gen = torch.Generator().manual_seed(bits + (group or 0))
     w = torch.randn(80, 512, generator=gen) * 0.05
     qw = quantize_for(w, bits, group, symmetric)
     layer = QuantizedLinear(qw, None, torch.bfloat16, backend="infer")
-    first = quant_linear.decode_rows(kernels.bf16_ops()) + 1
+    first = quant_linear.decode_rows(kernels.bf16_ops(), bits) + 1
     for rows in (first, first + 1, 13, 33, 70):
         x = torch.randn(rows, 512, generator=gen).bfloat16()
         ref = _w8a8_reference(x, qw)
