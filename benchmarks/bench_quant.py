@@ -24,7 +24,7 @@ import torch
 
 from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
-from infer.quant.perplexity import held_out_text, perplexity
+from infer.quant.perplexity import decode_nll, held_out_text, perplexity
 from infer.sampling_params import SamplingParams
 
 
@@ -90,6 +90,8 @@ def main() -> None:
         ids = engines[args.methods[0]].tokenizer.encode(held_out_text())
         for method, eng in engines.items():
             results[method]["perplexity"] = round(perplexity(eng.runner.model, ids), 3)
+            longest = eng.runner.model.config.max_position_embeddings  # decode_nll: one sequence
+            results[method]["decode_nll"] = round(decode_nll(eng.runner.model, ids[:longest]), 4)
         results["perplexity_tokens"] = len(ids)
     if not args.perplexity_only:
         samples = {m: {b: [] for b in args.batches} | {"prefill": []} for m in args.methods}

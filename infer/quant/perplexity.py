@@ -1,7 +1,10 @@
 """Perplexity of a model on a text: how much quantization costs in quality.
 
-The text is cut into windows of `window` tokens, each scored on its own (one packed prefill through the
-model's own paged attention, as the engine runs it), and the loss is averaged over every predicted token.
+`perplexity`: the text is cut into windows of `window` tokens, each scored on its own (one packed prefill
+through the model's own paged attention, as the engine runs it), and the loss is averaged over every
+predicted token. `decode_nll`: each token predicted by a one-token decode step over the cache, as a
+generation computes it; the kernels take other paths for one row than for a prompt (one-row linears of
+quantized weights, decode attention over fp8 codes), which prompts' perplexity never runs.
 """
 
 from __future__ import annotations
@@ -55,3 +58,30 @@ def perplexity(
         total_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
         total_tokens += n
     return math.exp(total_nll / total_tokens)
+
+
+@torch.inference_mode()
+def decode_nll(
+    model, token_ids: list[int], kv_cache_dtype: torch.dtype | None = None, prefill: int = 100
+) -> float:
+    """Mean negative log-likelihood of token_ids[prefill + 1:], each predicted by a decode step of one token
+    over the cache (kv_cache_dtype as in `perplexity`), after one prefill of the first `prefill` tokens."""
+    if not prefill + 2 <= len(token_ids) <= model.config.max_position_embeddings:
+        limit = model.config.max_position_embeddings
+        raise ValueError(
+            f"decode_nll takes {prefill + 2} to {limit} tokens (one sequence), got {len(token_ids)}"
+        )
+    num_blocks = -(-len(token_ids) // BLOCK_SIZE)
+    model_dtype = next(model.parameters()).dtype
+    kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, kv_cache_dtype or model_dtype)
+    table = torch.arange(num_blocks).view(1, -1)
+    total = 0.0
+    for start, end in [(0, prefill)] + [(p, p + 1) for p in range(prefill, len(token_ids) - 1)]:
+        meta = AttentionMetadata(
+            [end - start], [end], torch.arange(start, end), table, kv_caches, query_dtype=model_dtype
+        )
+        hidden = model(torch.tensor(token_ids[start:end]), torch.arange(start, end), meta)
+        if start >= prefill:
+            logits = model.compute_logits(hidden[-1:]).float()
+            total += torch.nn.functional.cross_entropy(logits, torch.tensor([token_ids[end]])).item()
+    return total / (len(token_ids) - 1 - prefill)

@@ -12,15 +12,13 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from infer import kernels
 from infer.config import EngineConfig
 from infer.engine.llm import LLM
 from infer.layers import attention as attention_module
 from infer.layers.attention import AttentionMetadata
-from infer.quant.perplexity import held_out_text, perplexity
-from infer.runner.kv_cache import allocate_kv_cache
+from infer.quant.perplexity import decode_nll, held_out_text, perplexity
 from infer.sampling_params import SamplingParams
 from tests.models.test_kernels import _ops, make_step, reference
 
@@ -230,24 +228,6 @@ def test_engine_holds_twice_the_tokens_at_little_perplexity(name, monkeypatch):
         assert abs(perplexity(model, ids, kv_cache_dtype=fp8.engine.kv_cache_dtype) / base - 1) < 0.02
         base = decode_nll(model, ids[:400], torch.bfloat16)
         assert abs(decode_nll(model, ids[:400], fp8.engine.kv_cache_dtype) / base - 1) < 0.02
-
-
-@torch.inference_mode()
-def decode_nll(model, ids: list[int], cache_dtype: torch.dtype, prefill: int = 100) -> float:
-    """Mean negative log-likelihood of ids[prefill + 1:], each predicted by a decode step over the cache."""
-    blocks = -(-len(ids) // 16)
-    caches = allocate_kv_cache(model.config, blocks, 16, cache_dtype)
-    table = torch.arange(blocks).view(1, -1)
-    dtype = next(model.parameters()).dtype
-    total = 0.0
-    for start, end in [(0, prefill)] + [(p, p + 1) for p in range(prefill, len(ids) - 1)]:
-        slots = torch.arange(start, end)
-        meta = AttentionMetadata([end - start], [end], slots, table, caches, query_dtype=dtype)
-        hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end), meta)
-        if start >= prefill:
-            logits = model.compute_logits(hidden[-1:]).float()
-            total += F.cross_entropy(logits, torch.tensor([ids[end]])).item()
-    return total / (len(ids) - 1 - prefill)
 
 
 def test_bad_kv_cache_dtype_is_refused():
