@@ -439,6 +439,13 @@ def _reads(ops, q_dtype: torch.dtype, key_cache: torch.Tensor) -> bool:
     return q_dtype == torch.bfloat16 and key_cache.shape[-1] % 64 == 0 and _fp8(ops)
 
 
+def kernels_read_fp8(q_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether this build's kernels read an fp8 cache under queries of q_dtype and this head_dim (else the
+    Python path converts what it reads)."""
+    ops = kernels.load()
+    return ops is not None and _reads(ops, q_dtype, torch.empty(0, head_dim, dtype=torch.float8_e4m3fn))
+
+
 def _prefill_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = None):
     """The kernels' ops where the prefill kernel serves queries of q_dtype (None: what the cache takes, bf16
     over fp8) over this cache (PREFILL_KERNEL_DTYPES or fp8, a head_dim that is a multiple of 16, an

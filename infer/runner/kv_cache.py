@@ -14,7 +14,9 @@ import logging
 
 import torch
 
+from infer import kernels
 from infer.kernels import hugepages
+from infer.layers import attention
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.models.config import ModelConfig
 
@@ -30,13 +32,16 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def warn_unserved_fp8(cache_dtype: torch.dtype, model_dtype: torch.dtype, head_dim: int) -> None:
     """A log line where an fp8 cache will not be read by the kernels (they take bf16 queries and a
-    head_dim of a multiple of 64): it works, through the slower Python path."""
-    if cache_dtype in FP8_FORMATS.values() and (model_dtype != torch.bfloat16 or head_dim % 64):
+    head_dim of a multiple of 64, on an AVX-512 BF16 + VBMI build): it works, through the slower Python
+    path."""
+    if cache_dtype in FP8_FORMATS.values() and not attention.kernels_read_fp8(model_dtype, head_dim):
         logger.warning(
             "fp8 KV cache with a %s model of head_dim %d: the attention kernels read fp8 with bfloat16 "
-            "queries and a head_dim of a multiple of 64; this model attends through the slower Python path",
+            "queries and a head_dim of a multiple of 64, on a CPU with AVX-512 BF16 and VBMI (kernels: %s); "
+            "this model attends through the slower Python path",
             str(model_dtype).removeprefix("torch."),
             head_dim,
+            kernels.load().isa() if kernels.load() is not None else "not built",
         )
 
 

@@ -19,6 +19,7 @@ from infer.engine.llm import LLM
 from infer.layers import attention as attention_module
 from infer.layers.attention import AttentionMetadata
 from infer.quant.perplexity import decode_nll, held_out_text, perplexity
+from infer.runner.kv_cache import warn_unserved_fp8
 from infer.sampling_params import SamplingParams
 from tests.models.test_kernels import _ops, make_step, reference
 
@@ -205,6 +206,23 @@ def test_unserved_shapes_raise():
         seq_lens = torch.tensor([20], dtype=torch.int32)
         with pytest.raises(RuntimeError, match="fp8 cache"):
             ops.paged_attention(q, *codes, meta.block_tables, seq_lens, None, 1.0, 0)
+
+
+def test_start_up_says_where_the_kernels_do_not_read_fp8(caplog, monkeypatch):
+    """The start-up warning follows what the build reads: none for a bf16 model of head_dim 64 on a "+fp8"
+    build; one for the shapes it does not take, and for any shape without the kernels."""
+    _fp8_ops()
+
+    def warnings(*args):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="infer.runner"):
+            warn_unserved_fp8(torch.float8_e4m3fn, *args)
+        return sum("slower Python path" in r.getMessage() for r in caplog.records)
+
+    assert warnings(torch.bfloat16, 64) == 0
+    assert warnings(torch.bfloat16, 32) == warnings(torch.float32, 64) == 1
+    monkeypatch.setattr(kernels, "load", lambda: None)  # as with INFER_NO_KERNELS=1, or a failed build
+    assert warnings(torch.bfloat16, 64) == 1
 
 
 @pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
