@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from infer import kernels
 from infer.layers import attention as attention_module
-from infer.layers.attention import AttentionMetadata, attention
+from infer.layers.attention import AttentionMetadata, _take, attention
 
 BLOCK = 16
 SHAPES = {"llama-50m": (8, 4, 64), "Llama-3.2-1B": (32, 8, 64)}  # q heads, kv heads, head_dim
@@ -48,7 +48,7 @@ def sdpa_batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, slid
     of the cache for one stream over consecutive blocks). Its per-forward tensors are kept on meta."""
     n, max_q = len(meta.batch_seqs), meta.max_query_len
     block_size = key_cache.shape[1]
-    q = q if meta.q_rows is None else q.index_select(0, meta.q_rows)  # [n * max_q, H, D]
+    q = q if meta.q_rows is None else _take(q, meta.q_rows)  # [n * max_q, H, D]
     if n == 1 and max_q == 1:
         seq_len, ids = meta.batch_seq_lens[0], meta.batch_tables[0].tolist()
         if ids == list(range(ids[0], ids[0] + len(ids))):

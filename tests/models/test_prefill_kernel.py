@@ -205,15 +205,23 @@ def test_chunks_of_8_tokens_or_more_leave_the_decodes_for_the_prefill_kernel(mon
     assert meta.batch_seqs == [0, 1, 2, 3] and not meta.loop_seqs
 
 
+@pytest.mark.parametrize("decodes_first", [False, True], ids=["interleaved", "decodes_first"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_prompts_and_long_chunks_take_one_kernel_call(dtype, monkeypatch):
+def test_prompts_and_long_chunks_take_one_kernel_call(dtype, decodes_first, monkeypatch):
     """Every loop sequence, short or long, in each dtype, goes to the prefill kernel in one call beside the
-    batched decodes (SDPA only where the kernel does not serve); every row matches the reference."""
+    batched decodes (SDPA only where the kernel does not serve); every row matches the reference. In the
+    scheduler's order (decodes first) both parts' rows are runs, read and written as slices."""
     ops = _prefill_ops()
     monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 0)
     query_lens, seq_lens = [1, 64, 20, 1, 300, 63], [30, 64, 120, 5, 900, 63]
+    if decodes_first:
+        order = [0, 3, 1, 2, 4, 5]
+        query_lens, seq_lens = [query_lens[i] for i in order], [seq_lens[i] for i in order]
     q, k, v, meta, tables = make_step(8, 2, 64, query_lens, seq_lens, dtype)
-    assert meta.batch_seqs == [0, 3] and meta.loop_seqs == [1, 2, 4, 5]
+    batch, loop = ([0, 1], [2, 3, 4, 5]) if decodes_first else ([0, 3], [1, 2, 4, 5])
+    assert meta.batch_seqs == batch and meta.loop_seqs == loop
+    rows = meta.prefill_kernel_args()[0]
+    assert (meta.batch_rows, rows) == (slice(0, 2), slice(2, 449)) if decodes_first else torch.is_tensor(rows)
     kernel_rows, sdpa_rows = [], []
 
     class Counting:  # the prefill kernel's calls, by rows
