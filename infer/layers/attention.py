@@ -453,19 +453,19 @@ def _prefill_kernel(q, cache):
     return _prefill_kernel_for(cache[0], q.dtype)
 
 
-def _reads(ops, q_dtype: torch.dtype, key_cache: torch.Tensor) -> bool:
-    """Whether the kernels take queries of q_dtype over this cache: of its own dtype, or over an fp8 cache
-    bf16 queries with a head_dim of a multiple of 64 on a "+fp8" build."""
-    if key_cache.dtype not in FP8_DTYPES:
-        return q_dtype == key_cache.dtype
-    return q_dtype == torch.bfloat16 and key_cache.shape[-1] % 64 == 0 and _fp8(ops)
+def _reads(ops, q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernels take queries of q_dtype over a cache of cache_dtype: of its own dtype, or over
+    an fp8 cache bf16 queries with a head_dim of a multiple of 64 on a "+fp8" build."""
+    if cache_dtype not in FP8_DTYPES:
+        return q_dtype == cache_dtype
+    return q_dtype == torch.bfloat16 and head_dim % 64 == 0 and _fp8(ops)
 
 
 def kernels_read_fp8(q_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether this build's kernels read an fp8 cache under queries of q_dtype and this head_dim (else the
     Python path converts what it reads)."""
     ops = kernels.load()
-    return ops is not None and _reads(ops, q_dtype, torch.empty(0, head_dim, dtype=torch.float8_e4m3fn))
+    return ops is not None and _reads(ops, q_dtype, FP8_DTYPES[0], head_dim)
 
 
 def _prefill_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = None):
@@ -483,7 +483,7 @@ def _prefill_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = N
     if ops is None or not _avx512_bf16(ops):
         return None
     q_dtype = q_dtype or (torch.bfloat16 if fp8 else key_cache.dtype)
-    return ops if _reads(ops, q_dtype, key_cache) else None
+    return ops if _reads(ops, q_dtype, key_cache.dtype, key_cache.shape[-1]) else None
 
 
 @functools.cache
@@ -549,7 +549,7 @@ def _kernel_serves(ops, meta: AttentionMetadata, q, key_cache) -> bool:
     return (
         meta.max_query_len <= KERNEL_MAX_QUERY_LEN
         and q.dtype in KERNEL_DTYPES
-        and _reads(ops, q.dtype, key_cache)
+        and _reads(ops, q.dtype, key_cache.dtype, key_cache.shape[-1])
         and q.device.type == "cpu"
         and q.shape[-1] % 16 == 0
         and q.stride(-1) == 1

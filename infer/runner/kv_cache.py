@@ -34,14 +34,15 @@ def warn_unserved_fp8(cache_dtype: torch.dtype, model_dtype: torch.dtype, head_d
     """A log line where an fp8 cache will not be read by the kernels (they take bf16 queries and a
     head_dim of a multiple of 64, on an AVX-512 BF16 + VBMI build): it works, through the slower Python
     path."""
-    if cache_dtype in FP8_FORMATS.values() and not attention.kernels_read_fp8(model_dtype, head_dim):
+    if cache_dtype in attention.FP8_DTYPES and not attention.kernels_read_fp8(model_dtype, head_dim):
+        ops = kernels.load()
         logger.warning(
             "fp8 KV cache with a %s model of head_dim %d: the attention kernels read fp8 with bfloat16 "
             "queries and a head_dim of a multiple of 64, on a CPU with AVX-512 BF16 and VBMI (kernels: %s); "
             "this model attends through the slower Python path",
             str(model_dtype).removeprefix("torch."),
             head_dim,
-            kernels.load().isa() if kernels.load() is not None else "not built",
+            ops.isa() if ops is not None else "not built",
         )
 
 
