@@ -7,8 +7,9 @@
 One engine per method, built once; the rounds alternate the methods so that drift on a shared machine
 hits each alike. Decode: `batch` requests with 128-token prompts (`--prompt-len`) run to 64 output
 tokens each, after their prefill; the figure is decode tokens/s over the decode steps only. Prefill: one
-512-token prompt, time to its first token. Perplexity: Genesis 38, which the embedded model never trained on
-(infer/assets/embedded/README.md), in windows of 512 tokens.
+512-token prompt (`--prefill-len`), time to its first token, at the server's default step budget.
+Perplexity: Genesis 38, which the embedded model never trained on (infer/assets/embedded/README.md), in
+windows of 512 tokens.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ def decode_tok_s(eng: LLMEngine, batch: int, seed: int, prompt_len: int = 128) -
     return decode_tokens / decode_s
 
 
-def prefill_ms(eng: LLMEngine, seed: int) -> float:
+def prefill_ms(eng: LLMEngine, seed: int, prompt_len: int = 512) -> float:
     gen = torch.Generator().manual_seed(10_000 + seed)  # not the decode prompts' seed: no prefix-cache hit
-    prompt = torch.randint(10, min(eng.model_config.vocab_size, 30000), (512,), generator=gen).tolist()
+    prompt = torch.randint(10, min(eng.model_config.vocab_size, 30000), (prompt_len,), generator=gen).tolist()
     eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
     start = time.perf_counter()
     while eng.has_unfinished():
@@ -61,9 +62,10 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--load-format", default="auto")
     p.add_argument("--methods", nargs="+", default=["none", "int8", "int4"])
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--batches", nargs="*", type=int, default=[1, 8, 32], help="none: prefill only")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt of the decode runs")
+    p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill run's prompt")
     p.add_argument("--perplexity-only", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -79,7 +81,6 @@ def main() -> None:
                 load_format=args.load_format,
                 quantization=method,
                 kv_cache_memory_gb=1.0,
-                max_num_batched_tokens=512,
             )
         )
     results = {
@@ -99,18 +100,18 @@ def main() -> None:
             for method, eng in engines.items():
                 for b in args.batches:
                     samples[method][b].append(decode_tok_s(eng, b, seed=r, prompt_len=args.prompt_len))
-                samples[method]["prefill"].append(prefill_ms(eng, seed=r))
+                samples[method]["prefill"].append(prefill_ms(eng, seed=r, prompt_len=args.prefill_len))
         for method in args.methods:
             for b in args.batches:
                 results[method][f"decode_tok_s_b{b}"] = round(statistics.median(samples[method][b]), 1)
-            results[method]["prefill_512_ms"] = round(statistics.median(samples[method]["prefill"]), 1)
+            results[method][f"prefill_{args.prefill_len}_ms"] = round(statistics.median(samples[method]["prefill"]), 1)
     print(json.dumps(results, indent=1))
     if not args.perplexity_only:
         base = results[args.methods[0]]
         print(
-            "\n| method | weights MiB | "
-            + " | ".join(f"decode b={b} tok/s" for b in args.batches)
-            + " | prefill 512 ms |"
+            "\n| "
+            + " | ".join(["method", "weights MiB", *(f"decode b={b} tok/s" for b in args.batches)])
+            + f" | prefill {args.prefill_len} ms |"
             + (" perplexity |" if "perplexity" in base else "")
         )
         print("|---" * (3 + len(args.batches) + ("perplexity" in base)) + "|")
@@ -123,7 +124,7 @@ def main() -> None:
             ppl = [f"{r['perplexity']}"] if "perplexity" in r else []
             print(
                 "| "
-                + " | ".join([method, str(r["weight_mib"]), *cells, str(r["prefill_512_ms"]), *ppl])
+                + " | ".join([method, str(r["weight_mib"]), *cells, str(r[f"prefill_{args.prefill_len}_ms"]), *ppl])
                 + " |"
             )
     if args.json:
