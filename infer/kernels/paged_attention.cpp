@@ -15,12 +15,13 @@
 // time for a kv head of 64 dims: 2-8% slower a step at long contexts). GQA: the group of query heads of
 // a kv head reads each of its keys once, together.
 // Threads (at::parallel_for: torch's OpenMP pool, torch.get_num_threads()) take items from a shared
-// counter, longest first. A part of a split context leaves (max, sum, unnormalized output) per row,
-// merged when all are done. Accumulation is float32 whatever the cache's dtype (float32, bfloat16,
-// float16); the vector ISA is this build's (vec.h), plus vdpbf16ps for bfloat16 scores and probs @ values
-// where present. An fp8 cache (fp8.h) is read with bf16 queries on the same vdpbf16ps path: each 64-dim
-// group of a key or value decoded to bf16 as it is loaded, in an order of its own (the queries permuted
-// to match once per item, the output unpermuted at the end).
+// counter, longest first, each claiming its next item before it runs one (Prefetcher). A part of a split
+// context leaves (max, sum, unnormalized output) per row, merged when all are done. Accumulation is
+// float32 whatever the cache's dtype (float32, bfloat16, float16); the vector ISA is this build's (vec.h),
+// plus vdpbf16ps for bfloat16 scores and probs @ values where present. An fp8 cache (fp8.h) is read with
+// bf16 queries on the same vdpbf16ps path: each 64-dim group of a key or value decoded to bf16 as it is
+// loaded, in an order of its own (the queries permuted to match once per item, the output unpermuted at
+// the end).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -104,7 +105,11 @@ thread_local Workspace workspace;
 // values) so that the loads overlap with compute. The hardware prefetchers don't keep up on their own
 // (blocks are scattered; the compute between loads): without it, a cache beyond L3 took 1.3-1.5x longer
 // (llama-50m decode steps at 32 x 1,900 tokens: 47 against 31 ms; one that fits in L3 ~10% less; a real
-// step's caches, every layer's, do not fit).
+// step's caches, every layer's, do not fit). An item's last tile prefetches the first tile of the item its
+// thread takes next: at short contexts a sequence is 2-3 tiles, and its first one, fetched when the item
+// starts, waited on memory (llama-50m, 32 streams at ~145 tokens: one layer's call 307-313 -> 248-278 us
+// in the engine; decode steps 3-5% faster at 32 streams of 128-1,900 tokens; docs/benchmarks.md, session
+// 16). The last num_threads items are not claimed ahead (see run).
 struct Prefetcher {
   const void* const* keys = nullptr;
   const void* const* values = nullptr;
@@ -499,8 +504,27 @@ void softmax_row(float* s, int64_t count, float& max, float& sum, float* acc, in
 
 // ---- items ----
 
+// the slots of sequence s's positions [start, start + count): position p is in slot
+// table[p / block_size] * block_size + p % block_size; block by block
+inline void find_slots(const Problem& P, int64_t s, int64_t start, int64_t count, int64_t elem,
+                       std::vector<const void*>& keys, std::vector<const void*>& values) {
+  const int64_t slot_stride = P.num_kv_heads * P.head_dim;
+  const int64_t* table = P.block_tables + s * P.table_stride;
+  for (int64_t j = 0; j < count;) {
+    const int64_t pos = start + j, offset = pos % P.block_size;
+    const int64_t n = std::min(P.block_size - offset, count - j);
+    const int64_t first = (table[pos / P.block_size] * P.block_size + offset) * slot_stride;
+    for (int64_t i = 0; i < n; ++i, ++j) {
+      keys[j] = static_cast<const char*>(P.key_cache) + (first + i * slot_stride) * elem;
+      values[j] = static_cast<const char*>(P.value_cache) + (first + i * slot_stride) * elem;
+    }
+  }
+}
+
+// `following`: the item this thread takes next, or nullptr; its first tile is prefetched during this
+// item's last (`warm`: this item's first tile was, by the item before)
 template <typename T>
-void run_item(const Problem& P, const Item& item) {
+void run_item(const Problem& P, const Item& item, const Item* following, bool warm) {
   Workspace& ws = workspace;
   const int64_t s = item.seq, D = P.head_dim, G = P.group, num_kv_heads = P.num_kv_heads;
   const int64_t q_len = P.query_len(s), seq_len = P.seq_lens[s];
@@ -524,39 +548,29 @@ void run_item(const Problem& P, const Item& item) {
 
   const int64_t slot_stride = num_kv_heads * D;
   const int64_t elem = P.fp8 ? 1 : static_cast<int64_t>(sizeof(T));  // bytes per cached element
-  const int64_t* table = P.block_tables + s * P.table_stride;
-  // the slots of positions [start, start + count): position p is in slot
-  // table[p / block_size] * block_size + p % block_size; block by block
-  auto find_slots = [&](int64_t start, int64_t count, std::vector<const void*>& keys,
-                        std::vector<const void*>& values) {
-    for (int64_t j = 0; j < count;) {
-      const int64_t pos = start + j, offset = pos % P.block_size;
-      const int64_t n = std::min(P.block_size - offset, count - j);
-      const int64_t first = (table[pos / P.block_size] * P.block_size + offset) * slot_stride;
-      for (int64_t i = 0; i < n; ++i, ++j) {
-        keys[j] = static_cast<const char*>(P.key_cache) + (first + i * slot_stride) * elem;
-        values[j] = static_cast<const char*>(P.value_cache) + (first + i * slot_stride) * elem;
-      }
-    }
-  };
   const int64_t slot_bytes = slot_stride * elem;
   const bool bf16 = !P.fp8 && bf16_values<T>(D);
-  find_slots(item.begin, std::min(kTile, item.end - item.begin), ws.next_keys, ws.next_values);
+  find_slots(P, s, item.begin, std::min(kTile, item.end - item.begin), elem, ws.next_keys, ws.next_values);
   for (int64_t start = item.begin; start < item.end; start += kTile) {
     const int64_t count = std::min(kTile, item.end - start);
     std::swap(ws.keys, ws.next_keys);
     std::swap(ws.values, ws.next_values);
-    if (start == item.begin) {  // the first tile: all of it at once
+    if (start == item.begin && !warm) {  // the first tile: all of it at once
       Prefetcher first{ws.keys.data(), ws.values.data(), 0, count, count, slot_bytes};
       first.step();
     }
     const int64_t next_count = std::max<int64_t>(0, std::min(kTile, item.end - start - count));
-    if (next_count > 0) find_slots(start + count, next_count, ws.next_keys, ws.next_values);
+    int64_t ahead_count = next_count;
+    if (next_count > 0) find_slots(P, s, start + count, next_count, elem, ws.next_keys, ws.next_values);
+    else if (following) {  // the last tile: the next item's first one comes in meanwhile
+      ahead_count = std::min(kTile, following->end - following->begin);
+      find_slots(P, following->seq, following->begin, ahead_count, elem, ws.next_keys, ws.next_values);
+    }
     // every kv head's scores, kSub slots at a time (the slots past count repeat the last one: a block of
     // keys needs no tail)
     std::fill(ws.keys.begin() + count, ws.keys.begin() + count + kLanes, ws.keys[count - 1]);
     const int64_t subs = (count + kSub - 1) / kSub;
-    Prefetcher ahead{ws.next_keys.data(), ws.next_values.data(), 0, next_count, 0, slot_bytes};
+    Prefetcher ahead{ws.next_keys.data(), ws.next_values.data(), 0, ahead_count, 0, slot_bytes};
     ahead.spread_over(subs * num_kv_heads * 2);
     for (int64_t j0 = 0; j0 < count; j0 += kSub) {
       const int64_t j1 = std::min(count, j0 + kSub);
@@ -641,7 +655,17 @@ void run(const Problem& P, std::vector<Item>& items, const Splits& splits) {
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(1)) < num_items;) run_item<T>(P, items[i]);
+    bool warm = false;
+    for (int64_t i = next.fetch_add(1); i < num_items;) {
+      // the next item claimed now, to prefetch it; but the last num_threads items go to whichever thread
+      // is free first (claimed early, one could wait behind a long item while another thread idles)
+      int64_t j = -1;
+      if (next.load(std::memory_order_relaxed) < num_items - num_threads) j = next.fetch_add(1);
+      const Item* following = j >= 0 && j < num_items ? &items[j] : nullptr;
+      run_item<T>(P, items[i], following, warm);
+      i = j >= 0 ? j : next.fetch_add(1);
+      warm = following != nullptr;
+    }
   });
   for (const auto& [s, offsets] : splits) merge_parts<T>(P, s, offsets);
 }
