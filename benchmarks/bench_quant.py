@@ -104,10 +104,12 @@ def main() -> None:
         for method in args.methods:
             for b in args.batches:
                 results[method][f"decode_tok_s_b{b}"] = round(statistics.median(samples[method][b]), 1)
-            results[method][f"prefill_{args.prefill_len}_ms"] = round(statistics.median(samples[method]["prefill"]), 1)
+            prefill = round(statistics.median(samples[method]["prefill"]), 1)
+            results[method][f"prefill_{args.prefill_len}_ms"] = prefill
     print(json.dumps(results, indent=1))
     if not args.perplexity_only:
         base = results[args.methods[0]]
+        prefill_key = f"prefill_{args.prefill_len}_ms"
         print(
             "\n| "
             + " | ".join(["method", "weights MiB", *(f"decode b={b} tok/s" for b in args.batches)])
@@ -122,11 +124,7 @@ def main() -> None:
                 for b in args.batches
             ]
             ppl = [f"{r['perplexity']}"] if "perplexity" in r else []
-            print(
-                "| "
-                + " | ".join([method, str(r["weight_mib"]), *cells, str(r[f"prefill_{args.prefill_len}_ms"]), *ppl])
-                + " |"
-            )
+            print("| " + " | ".join([method, str(r["weight_mib"]), *cells, str(r[prefill_key]), *ppl]) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
