@@ -313,11 +313,19 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer_kernels, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
-  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm);
-  m.def("rotary(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rotary);
-  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
-  m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
-  m.def("write_cache(Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots) -> ()",
-        &write_cache);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rotary(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("write_cache(Tensor k, Tensor v, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(infer_kernels, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary", &rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("write_cache", &write_cache);
 }

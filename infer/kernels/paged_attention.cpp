@@ -745,10 +745,16 @@ std::string isa() {
 
 }  // namespace
 
+// Each op's kernel is registered for the CPU dispatch key (TORCH_LIBRARY_IMPL in each source), not as a
+// catch-all with its schema: a tracer (make_fx, torch.compile) then records a call as the op itself
+// instead of tracing into its allocations, so that a captured decode step calls the kernels
+// (docs/benchmarks.md, session 16). isa() takes no tensor, so no dispatch key: it stays a catch-all.
 TORCH_LIBRARY(infer_kernels, m) {
-  m.def(
-      "paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens,"
-      " Tensor? query_starts, float scale, int window) -> Tensor",
-      &paged_attention);
+  m.def("paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens,"
+      " Tensor? query_starts, float scale, int window) -> Tensor");
   m.def("isa() -> str", &isa);
+}
+
+TORCH_LIBRARY_IMPL(infer_kernels, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
 }

@@ -796,8 +796,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer_kernels, m) {
-  m.def(
-      "prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens,"
-      " Tensor query_starts, float scale, int window) -> Tensor",
-      &prefill_attention);
+  m.def("prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens,"
+      " Tensor query_starts, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infer_kernels, CPU, m) {
+  m.impl("prefill_attention", &prefill_attention);
 }

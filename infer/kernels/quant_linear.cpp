@@ -729,8 +729,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer_kernels, m) {
-  m.def(
-      "quant_linear(Tensor x, Tensor weight, Tensor scales, Tensor? offsets, Tensor? bias, int bits,"
-      " int group_size, Tensor? qsums, bool int8_activations) -> Tensor",
-      &quant_linear);
+  m.def("quant_linear(Tensor x, Tensor weight, Tensor scales, Tensor? offsets, Tensor? bias, int bits,"
+      " int group_size, Tensor? qsums, bool int8_activations) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infer_kernels, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
 }

@@ -296,6 +296,11 @@ at::Tensor small_linear_silu(const at::Tensor& x, const at::Tensor& weight, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer_kernels, m) {
-  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &small_linear);
-  m.def("small_linear_silu(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &small_linear_silu);
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("small_linear_silu(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infer_kernels, CPU, m) {
+  m.impl("small_linear", &small_linear);
+  m.impl("small_linear_silu", &small_linear_silu);
 }

@@ -234,6 +234,40 @@ def test_other_isas(march, isa):
     assert done.stdout.split()[-1] == isa
 
 
+OPS = (
+    "paged_attention",
+    "prefill_attention",
+    "quant_linear",
+    "small_linear",
+    "small_linear_silu",
+    "rms_norm",
+    "add_rms_norm",
+    "rotary",
+    "silu_and_mul",
+    "argmax_rows",
+    "write_cache",
+)
+
+
+def test_tracers_record_each_op_as_one_call():
+    """Every op's kernel is registered for the CPU dispatch key, not as a catch-all, so that a tracer
+    (make_fx, torch.compile) records a call as the op itself instead of tracing into its allocations:
+    what a captured decode step needs (docs/benchmarks.md, session 16)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    ops = _ops()
+    for name in OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"infer_kernels::{name}", "CPU"), name
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"infer_kernels::{name}", "CompositeImplicitAutograd"
+        ), name
+    x, weight = torch.randn(4, 64), torch.randn(64)
+    traced = make_fx(lambda x, w: ops.rms_norm(x, w, 1e-6))(x, weight)
+    calls = [str(n.target) for n in traced.graph.nodes if n.op == "call_function"]
+    assert calls == ["infer_kernels.rms_norm.default"]
+    torch.testing.assert_close(traced(x, weight), ops.rms_norm(x, weight, 1e-6))
+
+
 def test_disabled_by_env(monkeypatch):
     monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setenv("INFER_NO_KERNELS", "1")
