@@ -43,6 +43,7 @@ def engine(args, **overrides) -> LLMEngine:
         dtype=args.dtype,
         kv_cache_memory_gb=1.0,
         prepack_weights=not args.no_prepack,
+        enforce_eager=args.enforce_eager,
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
     )
@@ -236,6 +237,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3, fp8_e5m2")
     p.add_argument("--no-prepack", action="store_true", help="plain F.linear: what prepacking buys")
+    p.add_argument("--enforce-eager", action="store_true", help="no decode graphs: what replaying them buys")
     p.add_argument("--trace", default=None, metavar="FILE", help="record the engine trace (overhead only)")
     p.add_argument("--only", nargs="+", default=["overhead", "context", "prefix", "memory"])
     p.add_argument("--json", default=None)

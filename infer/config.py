@@ -156,6 +156,8 @@ class EngineConfig:
     trace_steps: the trace keeps the events of this many last steps (a ring), so its memory is bounded.
     slo_config: a YAML file of request classes with default TTFT / TPOT objectives (infer.core.slo.
         SloClasses), for requests that bring none; slo_max_wait_s, slo_reject_late: SchedulerConfig's.
+    enforce_eager: run every forward eagerly; by default a batch size that decodes steadily is replayed
+        from a captured graph (infer.runner.decode_graph), as vLLM's flag turns off its CUDA graphs.
     tensor_parallel_size: ranks that each hold a shard of every layer (infer.runner.parallel); 1 = one
         process.
     """
@@ -186,6 +188,7 @@ class EngineConfig:
     slo_max_wait_s: float = 30.0
     slo_reject_late: bool = False
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:

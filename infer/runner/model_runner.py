@@ -17,6 +17,7 @@ from infer import kernels
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
 from infer.layers.attention import AttentionMetadata
 from infer.layers.parallel import SINGLE, TensorParallel
+from infer.runner.decode_graph import DecodeGraphs
 from infer.runner.kv_cache import allocate_kv_cache
 from infer.runner.sampler import Sampler
 
@@ -40,6 +41,7 @@ class ModelRunner:
         eos_token_ids: frozenset[int] = frozenset(),
         tp: TensorParallel = SINGLE,
         kv_cache_dtype: torch.dtype | None = None,
+        decode_graphs_max_len: int | None = None,
     ):
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
@@ -53,6 +55,13 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed)
         kernels.load()  # now, not in the first step that needs it (a first build takes ~10 s)
+        # decode steps replayed from graphs (infer.runner.decode_graph): given the longest sequence, with a
+        # KV cache, on one rank, and the C++ kernels to run
+        self.graphs = None
+        eligible = self.kv_caches is not None and tp.size == 1 and kernels.load() is not None
+        if decode_graphs_max_len and eligible:
+            max_blocks = -(-decode_graphs_max_len // block_size)
+            self.graphs = DecodeGraphs(model, self.kv_caches, block_size, max_blocks, self.dtype)
         self.last_prepare_s = 0.0
         self.history: dict[str, list[int]] = {}  # no-cache mode only: each request's tokens so far
 
@@ -72,6 +81,8 @@ class ModelRunner:
         self.last_prepare_s = 0.0
         if sched.is_empty:
             return None, []
+        if self.graphs is not None and (logits := self.graphs.logits(sched.scheduled)) is not None:
+            return logits, list(sched.scheduled)
         start = time.perf_counter()
         input_ids, positions, meta = self._prepare(sched)
         self.last_prepare_s = time.perf_counter() - start
@@ -81,6 +92,8 @@ class ModelRunner:
             return None, []
         ends = list(itertools.accumulate(meta.query_lens))  # one past the last row of each request
         logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sampled]], float32=False)
+        if self.graphs is not None:
+            self.graphs.maybe_capture(sched.scheduled, logits)
         return logits, [sched.scheduled[i] for i in sampled]
 
     @torch.inference_mode()

@@ -126,6 +126,12 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--seed", type=int, default=d["seed"], help="engine seed (dummy weights, unseeded sampling)"
     )
     parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=d["enforce_eager"],
+        help="every forward eager: no decode steps replayed from captured graphs (as vLLM's flag)",
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,

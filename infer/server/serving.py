@@ -69,7 +69,12 @@ class ServerState:
             if on_fatal is not None:
                 on_fatal(exc)
 
-        engine = AsyncEngine(factory=lambda: MeteredEngine(self.args.engine, self.metrics), on_fatal=fatal)
+        def build() -> MeteredEngine:
+            engine = MeteredEngine(self.args.engine, self.metrics)
+            engine.warm_up()  # the decode graphs, before /health says ready (infer.runner.decode_graph)
+            return engine
+
+        engine = AsyncEngine(factory=build, on_fatal=fatal)
         engine.start()
         await engine.ready()
         self.engine = engine

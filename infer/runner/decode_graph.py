@@ -1,0 +1,190 @@
+"""Decode steps replayed from captured graphs: the forward without the Python between its ops.
+
+A decode step of a small model spends ~30% of its time in the Python around its ~200 ops (module calls,
+views, dispatch checks; llama-50m, docs/benchmarks.md, session 16). In a step where every request
+decodes one token, what that Python does depends on the batch size alone: the same ops on the same
+shapes, only the values differ (token ids, positions, cache slots, block tables, context lengths). So
+once a batch size has held for STEADY_STEPS such steps, `make_fx` records the forward, embedding to
+logits, run on real tensors, as a flat graph of the C++ kernels and torch ops (infer/kernels registers
+its ops per dispatch key so that a tracer records each call as the op). The graph reads those values
+from static buffers that every later step of that size refills, and the caches and weights by
+reference, as a CUDA graph does; its Python is one line per op.
+
+A capture is kept only if its replay gives exactly the logits the eager forward gave for the step it
+was captured on and it runs the C++ decode attention (whose Python does not look at the values);
+otherwise, or if the capture raises, graphs stay off for the engine (logged). They also go off where
+they do not pay: the first capture times a replay against the eager forward (a large model's step is
+its weights' reads; Llama-3.2-1B: 2-3%, not worth 30 s of captures at start). Only with a KV cache on
+one rank (the runner decides). A capture costs ~0.3 s on llama-50m, once per batch size, at most
+MAX_GRAPHS; a server captures the sizes up to WARM_UP_MAX before it reports ready (`warm_up`), so that
+a capture stalls no step of its load. The sampler runs eagerly on the graph's logits, so every
+sampling feature is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from infer.core.outputs import ScheduledRequest
+from infer.layers.attention import AttentionMetadata
+from infer.sampling_params import SamplingParams
+
+logger = logging.getLogger("infer.runner")
+STEADY_STEPS = 4  # pure-decode steps of one batch size before it is captured: a passing size never is
+MAX_GRAPHS = 64
+WARM_UP_MAX = 32  # the server captures batch sizes 1..min(max_num_seqs, this) before it is ready
+MIN_GAIN = 0.95  # a replay must take less than this share of the eager forward's time, or graphs go off
+
+
+@dataclass
+class _Graph:
+    module: torch.fx.GraphModule | None
+    # the static inputs: [n] each, tables [n, max_blocks]
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    tables: torch.Tensor
+    seq_lens: torch.Tensor  # int32, as the attention kernel takes them
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches, block_size: int, max_blocks: int, dtype: torch.dtype):
+        self.model, self.kv_caches, self.dtype = model, kv_caches, dtype
+        self.block_size, self.max_blocks = block_size, max_blocks
+        self.graphs: dict[int, _Graph] = {}
+        self.size = self.streak = 0
+        self.enabled = True
+        self.captures = self.replays = 0
+        self.pays: bool | None = None  # decided at the first capture (_check_pays)
+
+    def logits(self, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
+        """The step's logits from its batch size's graph; None: run the forward eagerly (and then
+        `maybe_capture`)."""
+        if not self.enabled or not all(len(s.token_ids) == 1 and s.sample for s in reqs):
+            self.streak = 0
+            return None
+        self.streak = self.streak + 1 if len(reqs) == self.size else 1
+        self.size = len(reqs)
+        graph = self.graphs.get(len(reqs))
+        if graph is None or not self._fill(graph, reqs):
+            return None
+        self.replays += 1
+        return graph.module()
+
+    def maybe_capture(self, reqs: list[ScheduledRequest], logits: torch.Tensor) -> None:
+        """After an eager step: capture its batch size if it has held for STEADY_STEPS pure-decode
+        steps, checked against `logits`, the eager forward's."""
+        n = len(reqs)
+        if self.streak < STEADY_STEPS or n != self.size or n in self.graphs or len(self.graphs) >= MAX_GRAPHS:
+            return
+        self._capture(reqs, logits)
+
+    def warm_up(self, sizes) -> None:
+        """Capture these batch sizes now, on made-up decode steps, so that no step of a real load stalls
+        on a capture (the server does this before it reports ready). Row i decodes token 0 at position 0
+        of block i: the pool is fresh, those blocks hold nothing yet, and a request writes its slots
+        before it reads them."""
+        start = time.perf_counter()
+        num_blocks = self.kv_caches[0][0].shape[0]
+        for n in sizes:
+            if not self.enabled or n > num_blocks or len(self.graphs) >= MAX_GRAPHS:
+                break
+            if n not in self.graphs:
+                greedy = SamplingParams(temperature=0)
+                rows = [ScheduledRequest(f"warm-up-{i}", [0], 0, [i], True, greedy, 1) for i in range(n)]
+                self._capture(rows)
+        logger.info(
+            "decode graphs: %d batch sizes captured in %.1f s", len(self.graphs), time.perf_counter() - start
+        )
+
+    def _capture(self, reqs: list[ScheduledRequest], logits: torch.Tensor | None = None) -> None:
+        """Capture len(reqs), checked against `logits` (None: the eager forward of these rows, run here)."""
+        n = len(reqs)
+        graph = _Graph(None, *(torch.zeros(n, dtype=torch.long) for _ in range(3)),
+                       torch.zeros(n, self.max_blocks, dtype=torch.long),
+                       torch.zeros(n, dtype=torch.int32))  # fmt: skip
+        if not self._fill(graph, reqs):
+            return
+        meta = AttentionMetadata(
+            query_lens=[1] * n,
+            seq_lens=[s.start_pos + 1 for s in reqs],
+            slot_mapping=graph.slots,
+            block_tables=graph.tables,
+            kv_caches=self.kv_caches,
+            query_dtype=self.dtype,
+        )
+        meta.batch_tables = graph.tables  # the whole width: a later step may need more of it than this one
+        meta._kernel_args = (graph.seq_lens, None)
+
+        def forward():
+            return self.model.compute_logits(self.model(graph.ids, graph.positions, meta), float32=False)
+
+        try:  # the capture runs the forward once more: the same keys and values into the same slots
+            with torch.inference_mode():  # as the runner's forward runs (layer ops are off under autograd)
+                if logits is None:
+                    logits = forward()
+                graph.module = make_fx(forward)()
+                replayed = graph.module()
+        except Exception as exc:  # an op the tracer cannot take: this model stays eager
+            self._disable(f"capture failed: {type(exc).__name__}: {exc}")
+            return
+        targets = [str(node.target) for node in graph.module.graph.nodes if node.op == "call_function"]
+        if not any("paged_attention" in t for t in targets):
+            self._disable("the step does not run the C++ decode attention")
+        elif not torch.equal(replayed, logits):
+            self._disable("the replay differs from the eager forward")
+        elif self.pays is None and not self._check_pays(forward, graph.module):
+            return
+        else:
+            self.graphs[n] = graph
+            self.captures += 1
+
+    def _check_pays(self, forward, module) -> bool:
+        """At the first capture: whether a replay beats the eager forward by (1 - MIN_GAIN), best of 3 of
+        each, alternated. A large model's step is its weights' reads, not the Python between its ops
+        (Llama-3.2-1B: 91 against 93 ms), and then graphs cost their captures for nothing."""
+        eager = replay = float("inf")
+        with torch.inference_mode():
+            for _ in range(3):
+                start = time.perf_counter()
+                forward()
+                eager = min(eager, time.perf_counter() - start)
+                start = time.perf_counter()
+                module()
+                replay = min(replay, time.perf_counter() - start)
+        self.pays = replay < MIN_GAIN * eager
+        if not self.pays:
+            times = f"{replay * 1e3:.2f} ms against {eager * 1e3:.2f} ms eager"
+            self._disable(f"a replay takes {times}: not worth capturing", logging.INFO)
+        return self.pays
+
+    def _fill(self, graph: _Graph, reqs: list[ScheduledRequest]) -> bool:
+        bs = self.block_size
+        width = max(len(s.block_ids) for s in reqs)
+        if width > self.max_blocks:
+            return False
+        pos = [s.start_pos for s in reqs]
+        rows = torch.tensor([
+            [s.token_ids[0] for s in reqs],
+            pos,
+            [s.block_ids[p // bs] * bs + p % bs for s, p in zip(reqs, pos, strict=True)],
+            [p + 1 for p in pos],
+        ])  # fmt: skip
+        graph.ids.copy_(rows[0])
+        graph.positions.copy_(rows[1])
+        graph.slots.copy_(rows[2])
+        graph.seq_lens.copy_(rows[3])
+        # entries past a sequence's own blocks are never read: the kernel reads up to its seq_len
+        table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in reqs]
+        graph.tables[:, :width].copy_(torch.tensor(table))
+        return True
+
+    def _disable(self, why: str, level: int = logging.WARNING) -> None:
+        logger.log(level, "decode graphs off for this engine: %s", why)
+        self.enabled = False
+        self.graphs.clear()

@@ -1,0 +1,167 @@
+"""Decode steps replayed from captured graphs (infer.runner.decode_graph): the eager forward's tokens and
+logprobs in every format they run in, a batch size captured only once it has held, and graphs turned
+off where a capture would not be faithful."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from infer import kernels
+from infer.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.layers import attention
+from infer.runner import decode_graph
+from infer.sampling_params import SamplingParams
+from tests.models.tiny_models import save_byte_tokenizer
+
+STEPS = decode_graph.STEADY_STEPS
+
+
+@pytest.fixture(autouse=True)
+def graphs_pay(monkeypatch):
+    """Whether replays pay is timed (`_check_pays`); here they always do, but in the test that says not."""
+    monkeypatch.setattr(decode_graph, "MIN_GAIN", float("inf"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A random Llama of head_dim 64, so that the C++ kernels (bf16, fp8, int8 / int4 linears) serve it."""
+    if kernels.load() is None:
+        pytest.skip("decode graphs run the C++ kernels")
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("graphs") / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    save_byte_tokenizer(path)
+    return str(path)
+
+
+def prompts(n: int = 6) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(2, 256, (length,), generator=gen).tolist() for length in (5, 17, 30, 9, 44, 1)[:n]]
+
+
+def generate(path: str, enforce_eager: bool, params: SamplingParams, **config):
+    """Every request's (token ids, logprobs) in order, and the engine."""
+    engine = LLMEngine(
+        EngineConfig(model=path, dtype="bfloat16", num_kv_blocks=128, enforce_eager=enforce_eager, **config)
+    )
+    outputs = {engine.add_request(p, params).req_id: ([], []) for p in prompts()}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.req_id][0].extend(out.token_ids)
+            outputs[out.req_id][1].append(out.logprobs)
+    return list(outputs.values()), engine
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"kv_cache_dtype": "fp8"}, {"quantization": "int8"}, {"quantization": "int4"}, {"max_num_seqs": 2}],
+    ids=["bf16", "fp8_cache", "int8", "int4", "two_at_a_time"],
+)
+def test_replayed_steps_give_the_eager_tokens_and_logprobs(model_dir, config):
+    """Prompts of 1-44 tokens, 40 outputs each: block tables grow while steps replay (block size 16)."""
+    eager, _ = generate(model_dir, True, GREEDY, **config)
+    replayed, engine = generate(model_dir, False, GREEDY, **config)
+    assert replayed == eager
+    graphs = engine.runner.graphs
+    if config.get("kv_cache_dtype") == "fp8" and not attention.kernels_read_fp8(torch.bfloat16, 64):
+        assert not graphs.enabled  # the Python attention path: nothing captured
+        return
+    assert graphs.enabled and graphs.captures >= 1 and graphs.replays > 20
+
+
+def test_seeded_sampling_draws_alike(model_dir):
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=30, ignore_eos=True)
+    eager, _ = generate(model_dir, True, params)
+    replayed, engine = generate(model_dir, False, params)
+    assert replayed == eager and engine.runner.graphs.replays > 0
+
+
+def test_a_batch_size_is_captured_once_it_has_held(model_dir):
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128))
+    for p in prompts(3):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    graphs = engine.runner.graphs
+    engine.step()  # the three prompts: not a decode step
+    counts = []
+    for _ in range(STEPS + 2):
+        engine.step()
+        counts.append((graphs.captures, graphs.replays))
+    assert counts[: STEPS - 1] == [(0, 0)] * (STEPS - 1)  # eager while the size has not held
+    assert counts[STEPS - 1 :] == [(1, 0), (1, 1), (1, 2)]  # captured after the STEPS-th, then replayed
+    engine.abort(list(engine.requests))
+
+
+def test_a_replay_that_differs_turns_graphs_off(model_dir, monkeypatch, caplog):
+    """The check at capture: a graph whose replay is not the eager forward's result is never used."""
+    real = decode_graph.make_fx
+
+    def skewed(forward):
+        def trace():
+            module = real(forward)()
+            replay = module.forward
+            module.forward = lambda: replay() + 1
+            return module
+
+        return trace
+
+    eager, _ = generate(model_dir, True, GREEDY)
+    monkeypatch.setattr(decode_graph, "make_fx", skewed)
+    with caplog.at_level("WARNING", logger="infer.runner"):
+        replayed, engine = generate(model_dir, False, GREEDY)
+    assert replayed == eager
+    graphs = engine.runner.graphs
+    assert not graphs.enabled and graphs.replays == 0 and not graphs.graphs
+    assert any("replay differs" in r.getMessage() for r in caplog.records)
+
+
+def test_enforce_eager_and_other_ranks_keep_no_graphs(model_dir):
+    assert LLMEngine(EngineConfig(model=model_dir, enforce_eager=True)).runner.graphs is None
+    assert LLMEngine(EngineConfig(model=model_dir, use_kv_cache=False)).runner.graphs is None
+
+
+def test_warm_up_captures_every_batch_size_before_any_request(model_dir):
+    """What the server does before it reports ready: sizes 1..max_num_seqs captured on made-up steps,
+    none left to capture under load, and the load's tokens still the eager ones."""
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=6))
+    engine.warm_up()
+    graphs = engine.runner.graphs
+    assert sorted(graphs.graphs) == [1, 2, 3, 4, 5, 6] and graphs.enabled
+    outputs = {engine.add_request(p, GREEDY).req_id: [] for p in prompts()}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.req_id].extend(out.token_ids)
+    assert graphs.captures == 6 and graphs.replays > 20
+    eager, _ = generate(model_dir, True, GREEDY, max_num_seqs=6)
+    assert list(outputs.values()) == [tokens for tokens, _ in eager]
+    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_graphs_that_do_not_pay_go_off_after_the_first_capture(model_dir, monkeypatch, caplog):
+    monkeypatch.setattr(decode_graph, "MIN_GAIN", 0.0)  # no replay is faster than nothing
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=6))
+    with caplog.at_level("INFO", logger="infer.runner"):
+        engine.warm_up()
+    graphs = engine.runner.graphs
+    assert not graphs.enabled and not graphs.graphs and graphs.pays is False
+    assert any("not worth capturing" in r.getMessage() for r in caplog.records)
+    eager, _ = generate(model_dir, True, GREEDY)
+    replayed, engine = generate(model_dir, False, GREEDY)
+    assert replayed == eager and engine.runner.graphs.replays == 0
