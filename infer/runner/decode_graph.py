@@ -39,6 +39,7 @@ STEADY_STEPS = 4  # pure-decode steps of one batch size before it is captured: a
 MAX_GRAPHS = 64
 WARM_UP_MAX = 32  # the server captures batch sizes 1..min(max_num_seqs, this) before it is ready
 MIN_GAIN = 0.95  # a replay must take less than this share of the eager forward's time, or graphs go off
+TABLES_MAX_BYTES = 64 * 2**20  # all graphs' block tables (n x max_blocks int64): a long context's are large
 
 
 @dataclass
@@ -80,9 +81,8 @@ class DecodeGraphs:
         """After an eager step: capture its batch size if it has held for STEADY_STEPS pure-decode
         steps, checked against `logits`, the eager forward's."""
         n = len(reqs)
-        if self.streak < STEADY_STEPS or n != self.size or n in self.graphs or len(self.graphs) >= MAX_GRAPHS:
-            return
-        self._capture(reqs, logits)
+        if self.streak >= STEADY_STEPS and n == self.size and n not in self.graphs:
+            self._capture(reqs, logits)
 
     def warm_up(self, sizes) -> None:
         """Capture these batch sizes now, on made-up decode steps, so that no step of a real load stalls
@@ -92,7 +92,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         num_blocks = self.kv_caches[0][0].shape[0]
         for n in sizes:
-            if not self.enabled or n > num_blocks or len(self.graphs) >= MAX_GRAPHS:
+            if not self.enabled or n > num_blocks:
                 break
             if n not in self.graphs:
                 greedy = SamplingParams(temperature=0)
@@ -105,6 +105,9 @@ class DecodeGraphs:
     def _capture(self, reqs: list[ScheduledRequest], logits: torch.Tensor | None = None) -> None:
         """Capture len(reqs), checked against `logits` (None: the eager forward of these rows, run here)."""
         n = len(reqs)
+        tables = sum(g.tables.nbytes for g in self.graphs.values()) + n * self.max_blocks * 8
+        if len(self.graphs) >= MAX_GRAPHS or tables > TABLES_MAX_BYTES:
+            return
         graph = _Graph(None, *(torch.zeros(n, dtype=torch.long) for _ in range(3)),
                        torch.zeros(n, self.max_blocks, dtype=torch.long),
                        torch.zeros(n, dtype=torch.int32))  # fmt: skip

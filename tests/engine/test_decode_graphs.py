@@ -165,3 +165,17 @@ def test_graphs_that_do_not_pay_go_off_after_the_first_capture(model_dir, monkey
     eager, _ = generate(model_dir, True, GREEDY)
     replayed, engine = generate(model_dir, False, GREEDY)
     assert replayed == eager and engine.runner.graphs.replays == 0
+
+
+def test_graphs_stay_within_their_bounds(model_dir, monkeypatch):
+    """At most MAX_GRAPHS, and block tables within TABLES_MAX_BYTES: a size past either stays eager."""
+    monkeypatch.setattr(decode_graph, "MAX_GRAPHS", 3)
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=6))
+    engine.warm_up()
+    assert sorted(engine.runner.graphs.graphs) == [1, 2, 3]
+    monkeypatch.setattr(decode_graph, "MAX_GRAPHS", 64)
+    graphs = engine.runner.graphs
+    per_row = graphs.max_blocks * 8
+    monkeypatch.setattr(decode_graph, "TABLES_MAX_BYTES", (6 + 4) * per_row)  # [1, 2, 3] hold 6 rows
+    engine.warm_up()
+    assert sorted(graphs.graphs) == [1, 2, 3, 4] and graphs.enabled
