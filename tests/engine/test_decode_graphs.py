@@ -14,7 +14,7 @@ from infer.engine.llm_engine import LLMEngine
 from infer.layers import attention
 from infer.runner import decode_graph
 from infer.sampling_params import SamplingParams
-from tests.models.tiny_models import save_byte_tokenizer
+from tests.models.tiny_models import COMMON, save_byte_tokenizer
 
 STEPS = decode_graph.STEADY_STEPS
 
@@ -30,18 +30,8 @@ def model_dir(tmp_path_factory):
     """A random Llama of head_dim 64, so that the C++ kernels (bf16, fp8, int8 / int4 linears) serve it."""
     if kernels.load() is None:
         pytest.skip("decode graphs run the C++ kernels")
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
+    wider = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+    config = transformers.LlamaConfig(**{**COMMON, **wider}, bos_token_id=0, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("graphs") / "llama"
     transformers.LlamaForCausalLM(config).save_pretrained(path)
