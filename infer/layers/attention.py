@@ -206,6 +206,26 @@ class AttentionMetadata:
         """Metadata for whole sequences computed from scratch, with no cache."""
         return cls(query_lens=list(lens), seq_lens=list(lens))
 
+    @classmethod
+    def static_decode(
+        cls, slot_mapping, block_tables, seq_lens: torch.Tensor, kv_caches, query_dtype
+    ) -> AttentionMetadata:
+        """Metadata of a decode step (one query per sequence) whose per-forward tensors are the given ones,
+        for a graph that keeps reading them (infer.runner.decode_graph): the kernel gets the whole width
+        of block_tables (a later step may need more of it than this one) and seq_lens (int32) as they are,
+        so that refilling them in place changes what the next replay reads."""
+        meta = cls(
+            query_lens=[1] * len(seq_lens),
+            seq_lens=seq_lens.tolist(),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            kv_caches=kv_caches,
+            query_dtype=query_dtype,
+        )
+        meta.batch_tables = block_tables
+        meta._kernel_args = (seq_lens, None)
+        return meta
+
     def __post_init__(self):
         assert len(self.query_lens) == len(self.seq_lens)
         assert all(0 < q <= s for q, s in zip(self.query_lens, self.seq_lens, strict=True))

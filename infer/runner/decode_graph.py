@@ -113,16 +113,8 @@ class DecodeGraphs:
                        torch.zeros(n, dtype=torch.int32))  # fmt: skip
         if not self._fill(graph, reqs):
             return
-        meta = AttentionMetadata(
-            query_lens=[1] * n,
-            seq_lens=[s.start_pos + 1 for s in reqs],
-            slot_mapping=graph.slots,
-            block_tables=graph.tables,
-            kv_caches=self.kv_caches,
-            query_dtype=self.dtype,
-        )
-        meta.batch_tables = graph.tables  # the whole width: a later step may need more of it than this one
-        meta._kernel_args = (graph.seq_lens, None)
+        static = (graph.slots, graph.tables, graph.seq_lens)
+        meta = AttentionMetadata.static_decode(*static, self.kv_caches, self.dtype)
 
         def forward():
             return self.model.compute_logits(self.model(graph.ids, graph.positions, meta), float32=False)

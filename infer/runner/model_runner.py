@@ -54,12 +54,11 @@ class ModelRunner:
             else None
         )
         self.sampler = Sampler(seed)
-        kernels.load()  # now, not in the first step that needs it (a first build takes ~10 s)
+        built = kernels.load() is not None  # now, not in the first step that needs it (a first build: ~10 s)
         # decode steps replayed from graphs (infer.runner.decode_graph): given the longest sequence, with a
         # KV cache, on one rank, and the C++ kernels to run
         self.graphs = None
-        eligible = self.kv_caches is not None and tp.size == 1 and kernels.load() is not None
-        if decode_graphs_max_len and eligible:
+        if decode_graphs_max_len and self.kv_caches is not None and tp.size == 1 and built:
             max_blocks = -(-decode_graphs_max_len // block_size)
             self.graphs = DecodeGraphs(model, self.kv_caches, block_size, max_blocks, self.dtype)
         self.last_prepare_s = 0.0
