@@ -15,11 +15,9 @@ V=${1:-/work/vllm-venv}
 MODELS=${2:-/work/models}
 [ -x .venv/bin/python ] || { echo "no .venv: run scripts/setup.sh first" >&2; exit 1; }
 
-if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 ||
-    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; }
-fi
+# tcmalloc: scripts/setup.sh installs it (best effort) for infer serve; the peer preloads the same library
 TCMALLOC=$(ldconfig -p | awk '/libtcmalloc_minimal.so.4 /{print $NF; exit}')
+[ -n "$TCMALLOC" ] || { echo "no libtcmalloc_minimal.so.4: apt-get install libtcmalloc-minimal4" >&2; exit 1; }
 
 if [ ! -x "$V/bin/vllm" ]; then
   python3 -m venv "$V"
