@@ -8,14 +8,18 @@ once a batch size has held for STEADY_STEPS such steps, `make_fx` records the fo
 logits, run on real tensors, as a flat graph of the C++ kernels and torch ops (infer/kernels registers
 its ops per dispatch key so that a tracer records each call as the op). The graph reads those values
 from static buffers that every later step of that size refills, and the caches and weights by
-reference, as a CUDA graph does; its Python is one line per op.
+reference, as a CUDA graph does. TorchScript's C++ interpreter then runs that graph (`torch.jit.trace`
+of the FX module, which holds no Python to lose): replayed as Python, one line per op, a step still
+paid about half the Python cost it set out to remove (llama-50m decode steps, FX -> TorchScript: -32%
+at 1 stream, -18% at 32; docs/benchmarks.md, session 17). TorchScript is deprecated; a torch that
+cannot trace the graph replays the FX module.
 
 A capture is kept only if its replay gives exactly the logits the eager forward gave for the step it
 was captured on and it runs the C++ decode attention (whose Python does not look at the values);
 otherwise, or if the capture raises, graphs stay off for the engine (logged). They also go off where
 they do not pay: the first capture times a replay against the eager forward (a large model's step is
 its weights' reads; Llama-3.2-1B: 2-3%, not worth 30 s of captures at start). Only with a KV cache on
-one rank (the runner decides). A capture costs ~0.3 s on llama-50m, once per batch size, at most
+one rank (the runner decides). A capture costs ~0.35 s on llama-50m, once per batch size, at most
 MAX_GRAPHS; a server captures the sizes up to WARM_UP_MAX before it reports ready (`warm_up`), so that
 a capture stalls no step of its load. The sampler runs eagerly on the graph's logits, so every
 sampling feature is unchanged.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +49,7 @@ TABLES_MAX_BYTES = 64 * 2**20  # all graphs' block tables (n x max_blocks int64)
 
 @dataclass
 class _Graph:
-    module: torch.fx.GraphModule | None
+    module: torch.jit.ScriptModule | torch.fx.GraphModule | None
     # the static inputs: [n] each, tables [n, max_blocks]
     ids: torch.Tensor
     positions: torch.Tensor
@@ -62,6 +67,7 @@ class DecodeGraphs:
         self.enabled = True
         self.captures = self.replays = 0
         self.pays: bool | None = None  # decided at the first capture (_check_pays)
+        self.interpret = True  # replay through TorchScript (_interpreted)
 
     def logits(self, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
         """The step's logits from its batch size's graph; None: run the forward eagerly (and then
@@ -123,12 +129,13 @@ class DecodeGraphs:
             with torch.inference_mode():  # as the runner's forward runs (layer ops are off under autograd)
                 if logits is None:
                     logits = forward()
-                graph.module = make_fx(forward)()
+                traced = make_fx(forward)()
+                graph.module = self._interpreted(traced)
                 replayed = graph.module()
         except Exception as exc:  # an op the tracer cannot take: this model stays eager
             self._disable(f"capture failed: {type(exc).__name__}: {exc}")
             return
-        targets = [str(node.target) for node in graph.module.graph.nodes if node.op == "call_function"]
+        targets = [str(node.target) for node in traced.graph.nodes if node.op == "call_function"]
         if not any("paged_attention" in t for t in targets):
             self._disable("the step does not run the C++ decode attention")
         elif not torch.equal(replayed, logits):
@@ -138,6 +145,19 @@ class DecodeGraphs:
         else:
             self.graphs[n] = graph
             self.captures += 1
+
+    def _interpreted(self, traced: torch.fx.GraphModule):
+        """`traced` run by TorchScript's C++ interpreter, or as it is if this torch cannot script it."""
+        if self.interpret:
+            try:
+                with warnings.catch_warnings():  # TorchScript is deprecated; torch 2.13 still runs it
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    return torch.jit.trace(traced, (), check_trace=False)
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                logger.warning("decode graphs replay in Python: TorchScript failed: %s", why)
+                self.interpret = False
+        return traced
 
     def _check_pays(self, forward, module) -> bool:
         """At the first capture: whether a replay beats the eager forward by (1 - MIN_GAIN), best of 3 of

@@ -122,6 +122,24 @@ def test_a_replay_that_differs_turns_graphs_off(model_dir, monkeypatch, caplog):
     assert any("replay differs" in r.getMessage() for r in caplog.records)
 
 
+def test_graphs_replay_in_python_where_torchscript_fails(model_dir, monkeypatch, caplog):
+    """TorchScript is deprecated: a torch that cannot script the graph replays it as the FX module."""
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no TorchScript")
+
+    monkeypatch.setattr(torch.jit, "trace", fails)
+    with caplog.at_level("WARNING", logger="infer.runner"):
+        replayed, engine = generate(model_dir, False, GREEDY)
+    graphs = engine.runner.graphs
+    assert graphs.enabled and graphs.replays > 20 and not graphs.interpret
+    assert all(isinstance(g.module, torch.fx.GraphModule) for g in graphs.graphs.values())
+    assert [r.getMessage() for r in caplog.records if "TorchScript" in r.getMessage()] == [
+        "decode graphs replay in Python: TorchScript failed: RuntimeError: no TorchScript"
+    ]
+    assert replayed == generate(model_dir, True, GREEDY)[0]
+
+
 def test_enforce_eager_and_other_ranks_keep_no_graphs(model_dir):
     assert LLMEngine(EngineConfig(model=model_dir, enforce_eager=True)).runner.graphs is None
     assert LLMEngine(EngineConfig(model=model_dir, use_kv_cache=False)).runner.graphs is None
@@ -134,6 +152,7 @@ def test_warm_up_captures_every_batch_size_before_any_request(model_dir):
     engine.warm_up()
     graphs = engine.runner.graphs
     assert sorted(graphs.graphs) == [1, 2, 3, 4, 5, 6] and graphs.enabled
+    assert all(isinstance(g.module, torch.jit.ScriptModule) for g in graphs.graphs.values())
     outputs = {engine.add_request(p, GREEDY).req_id: [] for p in prompts()}
     while engine.has_unfinished():
         for out in engine.step():
