@@ -47,7 +47,10 @@ def engine(args, **overrides) -> LLMEngine:
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
     )
-    return LLMEngine(EngineConfig(**{**cfg, **overrides}))
+    eng = LLMEngine(EngineConfig(**{**cfg, **overrides}))
+    if args.graphs_in_python and eng.runner.graphs is not None:
+        eng.runner.graphs.interpret = False
+    return eng
 
 
 def random_prompt(gen: torch.Generator, n: int, vocab: int) -> list[int]:
@@ -238,6 +241,11 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3, fp8_e5m2")
     p.add_argument("--no-prepack", action="store_true", help="plain F.linear: what prepacking buys")
     p.add_argument("--enforce-eager", action="store_true", help="no decode graphs: what replaying them buys")
+    p.add_argument(
+        "--graphs-in-python",
+        action="store_true",
+        help="decode graphs replayed as Python: what TorchScript buys",
+    )
     p.add_argument("--trace", default=None, metavar="FILE", help="record the engine trace (overhead only)")
     p.add_argument("--only", nargs="+", default=["overhead", "context", "prefix", "memory"])
     p.add_argument("--json", default=None)

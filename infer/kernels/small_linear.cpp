@@ -26,6 +26,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -293,14 +295,33 @@ at::Tensor small_linear_silu(const at::Tensor& x, const at::Tensor& weight, cons
 #endif
 }
 
+// oneDNN's prepacked linear (torch's mkldnn::_linear_pointwise, no post-op), the path of larger weights
+// and longer steps, under a schema TorchScript can record: torch's own takes a Scalar?[] argument that
+// the TorchScript tracer rejects, which left a decode graph holding one (the LM head without AMX) to be
+// replayed in Python (infer/runner/decode_graph.py).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed_weight, const std::optional<at::Tensor>& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed_weight, bias, std::string("none"), c10::List<std::optional<c10::Scalar>>(),
+                          std::string("")};
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer_kernels, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("small_linear_silu(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("onednn_linear(Tensor x, Tensor packed_weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer_kernels, CPU, m) {
   m.impl("small_linear", &small_linear);
   m.impl("small_linear_silu", &small_linear_silu);
+  m.impl("onednn_linear", &onednn_linear);
+}
+
+TORCH_LIBRARY_IMPL(infer_kernels, MkldnnCPU, m) {  // the dispatch key of the opaque packed weight
+  m.impl("onednn_linear", &onednn_linear);
 }

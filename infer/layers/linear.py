@@ -102,6 +102,8 @@ class PrepackedLinear(nn.Module):
         self.register_buffer("kernel_weight", kernel_weight, persistent=False)
         only = self._ops is not None and (self.fused_silu or not small)
         self.packed_weight = None if only else torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        ops = kernels.load()  # its onednn_linear is oneDNN's call in a form a decode graph can replay
+        self._onednn = ops.onednn_linear if ops is not None else _onednn_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -110,7 +112,7 @@ class PrepackedLinear(nn.Module):
             if self.fused_silu:  # the kernel's channels are interleaved: back to gate | up
                 out = out.view(-1, self.out_features // 32, 2, 16).transpose(1, 2).reshape(out.shape)
         else:
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+            out = self._onednn(flat, self.packed_weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,6 +121,10 @@ class PrepackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()
         out = self._ops.small_linear_silu(flat, self.kernel_weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features // 2)
+
+
+def _onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
 def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import transformers
 from infer import kernels
 from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
-from infer.layers import attention
+from infer.layers import attention, linear
 from infer.runner import decode_graph
 from infer.sampling_params import SamplingParams
 from tests.models.tiny_models import COMMON, save_byte_tokenizer
@@ -120,6 +120,21 @@ def test_a_replay_that_differs_turns_graphs_off(model_dir, monkeypatch, caplog):
     graphs = engine.runner.graphs
     assert not graphs.enabled and graphs.replays == 0 and not graphs.graphs
     assert any("replay differs" in r.getMessage() for r in caplog.records)
+
+
+def test_onednn_linears_replay_in_torchscript(model_dir, monkeypatch):
+    """Without AMX a weight over SMALL_WEIGHT_BYTES (an LM head) runs on oneDNN in decode steps: its call
+    must be one TorchScript can record (torch's own takes a Scalar?[] its tracer rejects)."""
+    if not linear.can_prepack(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 here")
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(linear, "SMALL_WEIGHT_BYTES", 0)  # every linear on oneDNN
+    replayed, engine = generate(model_dir, False, GREEDY)
+    graphs = engine.runner.graphs
+    assert graphs.enabled and graphs.interpret and graphs.replays > 20
+    assert all(isinstance(g.module, torch.jit.ScriptModule) for g in graphs.graphs.values())
+    assert engine.runner.model.lm_head.packed_weight is not None
+    assert replayed == generate(model_dir, True, GREEDY)[0]
 
 
 def test_graphs_replay_in_python_where_torchscript_fails(model_dir, monkeypatch, caplog):

@@ -63,6 +63,20 @@ def test_refuses_what_it_cannot_compute():
         ops.small_linear(torch.randn(1, 64), weight, None)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_is_torchs_prepacked_call(bias):
+    """The op that makes oneDNN's linear recordable by TorchScript gives torch's own call's values."""
+    ops = _ops()
+    if not can_prepack(torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 here")
+    layer = torch.nn.Linear(512, 1000, bias=bias).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 1)
+    for rows in (1, 7, 64):
+        x = torch.randn(rows, 512).bfloat16()
+        expected = torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
+        assert torch.equal(ops.onednn_linear(x, packed, layer.bias), expected)
+
+
 def test_prepacked_linear_routes_small_weights_and_small_steps(monkeypatch):
     """Steps of up to SMALL_ROWS rows of a small weight go to the kernel, larger ones to oneDNN; a weight
     over SMALL_WEIGHT_BYTES keeps one copy: the kernel's on a CPU with AMX (every step goes to it), else
