@@ -10,9 +10,9 @@ its ops per dispatch key so that a tracer records each call as the op). The grap
 from static buffers that every later step of that size refills, and the caches and weights by
 reference, as a CUDA graph does. TorchScript's C++ interpreter then runs that graph (`torch.jit.trace`
 of the FX module, which holds no Python to lose): replayed as Python, one line per op, a step still
-paid about half the Python cost it set out to remove (llama-50m decode steps, FX -> TorchScript: -32%
-at 1 stream, -18% at 32; docs/benchmarks.md, session 17). TorchScript is deprecated; a torch that
-cannot trace the graph replays the FX module.
+paid about half the Python cost it set out to remove (llama-50m decode steps, FX -> TorchScript:
+-31 to -36% at 1 stream, -15 to -23% at 32; docs/benchmarks.md, session 17). TorchScript is
+deprecated; a torch that cannot trace the graph replays the FX module.
 
 A capture is kept only if its replay gives exactly the logits the eager forward gave for the step it
 was captured on and it runs the C++ decode attention (whose Python does not look at the values);
