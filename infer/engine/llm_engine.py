@@ -218,8 +218,9 @@ class LLMEngine:
         return outputs
 
     def warm_up(self) -> None:
-        """Capture the decode graphs of batch sizes 1..min(max_num_seqs, 32) now (infer.runner.decode_graph;
-        the server does, before it reports ready); a no-op under enforce_eager and tensor parallelism."""
+        """Capture the decode graphs of batch sizes 1..min(max_num_seqs, 32) now, as many as fit in
+        decode_graph.WARM_UP_SECONDS (the server does, before it reports ready); a no-op under
+        enforce_eager and tensor parallelism."""
         graphs = getattr(self.runner, "graphs", None)
         if graphs is not None:
             graphs.warm_up(range(1, min(self.scheduler_config.max_num_seqs, decode_graph.WARM_UP_MAX) + 1))

@@ -178,6 +178,22 @@ def test_warm_up_captures_every_batch_size_before_any_request(model_dir):
     assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
+def test_warm_up_stops_at_its_time_budget(model_dir, monkeypatch):
+    """A model whose captures take long captures what fits in WARM_UP_SECONDS; the sizes past it are
+    captured under load once they hold, as without a warm-up."""
+    monkeypatch.setattr(decode_graph, "WARM_UP_SECONDS", 0)
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=6))
+    engine.warm_up()
+    graphs = engine.runner.graphs
+    assert sorted(graphs.graphs) == [1] and graphs.enabled
+    outputs = {engine.add_request(p, GREEDY).req_id: [] for p in prompts()}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.req_id].extend(out.token_ids)
+    assert sorted(graphs.graphs) == [1, 6] and graphs.replays > 20
+    assert list(outputs.values()) == [tokens for tokens, _ in generate(model_dir, True, GREEDY)[0]]
+
+
 def test_graphs_that_do_not_pay_go_off_after_the_first_capture(model_dir, monkeypatch, caplog):
     monkeypatch.setattr(decode_graph, "MIN_GAIN", 0.0)  # no replay is faster than nothing
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=6))
