@@ -4,6 +4,8 @@ off where a capture would not be faithful."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers
@@ -192,6 +194,18 @@ def test_warm_up_stops_at_its_time_budget(model_dir, monkeypatch):
             outputs[out.req_id].extend(out.token_ids)
     assert sorted(graphs.graphs) == [1, 6] and graphs.replays > 20
     assert list(outputs.values()) == [tokens for tokens, _ in generate(model_dir, True, GREEDY)[0]]
+
+
+def test_one_fake_mode_for_the_capture_records_the_same_graph(model_dir, monkeypatch):
+    """_one_fake_mode only speeds make_fx's metadata up: without it (another torch's internals) the
+    captured graph is the same."""
+    codes = []
+    for context in (decode_graph._one_fake_mode, contextlib.nullcontext):
+        monkeypatch.setattr(decode_graph, "_one_fake_mode", context)
+        engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=2))
+        engine.warm_up()
+        codes.append([engine.runner.graphs.graphs[n].module.code for n in (1, 2)])
+    assert codes[0] == codes[1] and "paged_attention" in codes[0][1]
 
 
 def test_graphs_that_do_not_pay_go_off_after_the_first_capture(model_dir, monkeypatch, caplog):
