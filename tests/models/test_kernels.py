@@ -240,6 +240,7 @@ OPS = (
     "quant_linear",
     "small_linear",
     "small_linear_silu",
+    "onednn_linear",
     "rms_norm",
     "add_rms_norm",
     "rotary",
