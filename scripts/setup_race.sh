@@ -41,4 +41,9 @@ Ready. The race at the issue's load (never run anything else CPU-heavy meanwhile
     --peer-env VLLM_CPU_OMP_THREADS_BIND=0-1 --peer-env VLLM_CPU_KVCACHE_SPACE=4 \\
     --peer-env LD_PRELOAD=$TCMALLOC:$V/lib/libiomp5.so
 and for the 1B the same with $MODELS/llama-1b and --num-requests 8 --concurrencies 1,8.
+On a CPU without AMX (an AMD EPYC), also our step budget against vLLM's (512, our default there, against
+2048: throughput against ITL p99, docs/benchmarks.md "Session 18"):
+  .venv/bin/infer bench race $MODELS/llama-50m --rounds 2 \
+    --peer-cmd ".venv/bin/infer serve $MODELS/llama-50m --max-num-batched-tokens 2048 --port 8011"
+scripts/without_amx.sh runs any of these on an Intel CPU as if it had no AMX (the paths, not the speed).
 EOF
