@@ -145,10 +145,9 @@ inline void silu_mul_16(const float* gate, const float* up, const c10::BFloat16*
 // reads the weights once, so up to 32 rows cost what one does when the weights come from DRAM.
 constexpr int64_t kAmxRows = 32;
 
-// Rows m0..m0+32 of x times channel blocks 2bp, 2bp+1; the caller has loaded the rows' `rows_config`.
-template <bool kGated>
-inline void amx_tile(const Problem& P, int64_t m0, int64_t bp) {
-  const int64_t r0 = std::min<int64_t>(16, P.M - m0), r1 = std::min<int64_t>(16, P.M - m0 - r0);
+// Rows m0..m0+rows (up to 32) of x times channel blocks 2bp, 2bp+1, left in C tiles 0-3; the caller
+// has loaded the rows' `rows_config`.
+inline void amx_products(const Problem& P, int64_t m0, int64_t bp, bool two) {
   const int64_t pairs = P.K / 2, x_stride = P.K * 2;
   const c10::BFloat16* x0 = P.x + m0 * P.K;
   const c10::BFloat16* x1 = x0 + 16 * P.K;
@@ -164,21 +163,28 @@ inline void amx_tile(const Problem& P, int64_t m0, int64_t bp) {
     _tile_loadd(4, x0 + k, x_stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
-    if (r1 > 0) {
+    if (two) {
       _tile_loadd(5, x1 + k, x_stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  alignas(64) float c[32][32];
+}
+
+inline void amx_store(float (*c)[32], bool two) {
   _tile_stored(0, &c[0][0], 128);
   _tile_stored(1, &c[0][16], 128);
-  if (r1 > 0) {
+  if (two) {
     _tile_stored(2, &c[16][0], 128);
     _tile_stored(3, &c[16][16], 128);
   }
+}
+
+// A pass's float32 results (`amx_store`) -> its bf16 outputs (+ bias; gated: SiLU-and-multiply)
+template <bool kGated>
+inline void amx_finish(const Problem& P, const float (*c)[32], int64_t m0, int64_t bp, int64_t rows) {
   const int64_t n = bp * 32;
-  for (int64_t r = 0; r < r0 + r1; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
     if constexpr (kGated) {  // the pair is 16 gate channels and their 16 up channels
       silu_mul_16(&c[r][0], &c[r][16], P.bias ? P.bias + n : nullptr, P.y + (m0 + r) * (P.N / 2) + bp * 16);
       continue;
@@ -191,6 +197,37 @@ inline void amx_tile(const Problem& P, int64_t m0, int64_t bp) {
     }
   }
 }
+
+// A thread's passes, software-pipelined: the vector epilogue of one pass (`amx_finish`) is issued after
+// the next pass's tile products, so the out-of-order core runs it while the tiles compute, instead of
+// after them. Two buffers: a pass stores its results while the one before is still being finished.
+template <bool kGated>
+class AmxPipeline {
+ public:
+  explicit AmxPipeline(const Problem& P) : P_(P) {}
+  void pass(int64_t m0, int64_t bp, int64_t rows) {
+    const bool two = rows > 16;
+    amx_products(P_, m0, bp, two);
+    finish_pending();
+    amx_store(buf_[cur_], two);
+    pending_ = {m0, bp, rows, cur_};
+    cur_ ^= 1;
+  }
+  void finish_pending() {
+    if (pending_.rows > 0) amx_finish<kGated>(P_, buf_[pending_.buf], pending_.m0, pending_.bp, pending_.rows);
+    pending_.rows = 0;
+  }
+
+ private:
+  struct Pending {
+    int64_t m0 = 0, bp = 0, rows = 0;
+    int buf = 0;
+  };
+  const Problem& P_;
+  alignas(64) float buf_[2][32][32];
+  Pending pending_;
+  int cur_ = 0;
+};
 
 // Rows in blocks whose x stays in L2 (kAmxBlockBytes); per block, threads take ranges of 32-channel
 // pairs of blocks, and for each pair every pass of 32 rows, so the pair's weights (32 x K) come from
@@ -206,13 +243,15 @@ void run_amx(const Problem& P) {
       const int64_t tail = rows % kAmxRows, full = rows - tail;
       const infer_amx::TileConfig full_cfg = infer_amx::rows_config(kAmxRows), tail_cfg = infer_amx::rows_config(tail);
       const bool both = full > 0 && tail > 0;  // else one configuration serves the whole range
+      AmxPipeline<kGated> pipe(P);  // a pending pass's results are in memory: a new configuration keeps them
       _tile_loadconfig(full > 0 ? &full_cfg : &tail_cfg);
       for (int64_t bp = begin; bp < end; ++bp) {
         if (both) _tile_loadconfig(&full_cfg);
-        for (int64_t m0 = b0; m0 < b0 + full; m0 += kAmxRows) amx_tile<kGated>(P, m0, bp);
+        for (int64_t m0 = b0; m0 < b0 + full; m0 += kAmxRows) pipe.pass(m0, bp, kAmxRows);
         if (both) _tile_loadconfig(&tail_cfg);
-        if (tail > 0) amx_tile<kGated>(P, b0 + full, bp);
+        if (tail > 0) pipe.pass(b0 + full, bp, tail);
       }
+      pipe.finish_pending();
       _tile_release();
     });
   }
