@@ -13,8 +13,9 @@
 // 3072x512 at 32 rows 140 vs 198 us, Llama-3.2-1B's 16384x2048 at 1 / 32 / 512 rows 1.68 / 2.47 / 17.3
 // vs 2.35 / 3.47 / 19.4 ms, its 128256x2048 LM head at 1 row 15.7 vs 21.2 ms (throwaway loops over
 // copies larger than the cache; engine steps in docs/benchmarks.md, `bench_layer_ops.py --switch tiles`).
-// Only 2048-row prefills of small-K weights stay faster in oneDNN (3072x512: 2.6 vs 3.8 ms), which is
-// why weights of up to 8 MiB keep oneDNN's copy for steps over SMALL_ROWS.
+// Only 2048-row prefills of small-K weights stay faster in oneDNN (3072x512: 2.4-2.6 vs 2.9-3.4 ms;
+// writing the 12.6 MB output is a third of the time), which is why weights of up to 8 MiB keep oneDNN's
+// copy for steps over SMALL_ROWS.
 //
 // small_linear_silu: a gate_up projection with SiLU-and-multiply in the tiles' epilogue (its weight's
 // rows interleaved by 16: gate, up, gate, ...), so a SiLU MLP never writes its [rows, 2I] product.

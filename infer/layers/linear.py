@@ -19,7 +19,8 @@ from infer.kernels import hugepages
 # 32 streams). With AMX the kernel runs 7+ rows on tiles and beat oneDNN's prepacked linears at every
 # row count measured up to 128 (and on the llama-50m shapes up to 512: a weight pass per 32 rows, from
 # L2 after the first; docs/benchmarks.md), so decodes and mixed steps go to it and long prefills stay
-# on oneDNN, whose blocked GEMM is still faster for small-K weights at 2048 rows (3072x512: 2.6 vs 3.8 ms).
+# on oneDNN, whose blocked GEMM is still faster for small-K weights at 2048 rows (3072x512: 2.4-2.6 vs
+# 2.9-3.4 ms).
 SMALL_WEIGHT_BYTES = 8 * 2**20
 SMALL_ROWS = 128 if kernels.cpu_has_amx() else 32
 
