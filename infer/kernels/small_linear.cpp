@@ -211,23 +211,22 @@ class AmxPipeline {
     amx_products(P_, m0, bp, two);
     finish_pending();
     amx_store(buf_[cur_], two);
-    pending_ = {m0, bp, rows, cur_};
+    pending_ = {m0, bp, rows};
     cur_ ^= 1;
   }
-  void finish_pending() {
-    if (pending_.rows > 0) amx_finish<kGated>(P_, buf_[pending_.buf], pending_.m0, pending_.bp, pending_.rows);
+  void finish_pending() {  // the pending pass is in the buffer `pass` stored last
+    if (pending_.rows > 0) amx_finish<kGated>(P_, buf_[cur_ ^ 1], pending_.m0, pending_.bp, pending_.rows);
     pending_.rows = 0;
   }
 
  private:
   struct Pending {
-    int64_t m0 = 0, bp = 0, rows = 0;
-    int buf = 0;
+    int64_t m0 = 0, bp = 0, rows = 0;  // rows 0: none
   };
   const Problem& P_;
   alignas(64) float buf_[2][32][32];
   Pending pending_;
-  int cur_ = 0;
+  int cur_ = 0;  // the buffer the next pass stores into
 };
 
 // Rows in blocks whose x stays in L2 (kAmxBlockBytes); per block, threads take ranges of 32-channel
