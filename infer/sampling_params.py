@@ -8,6 +8,7 @@ the engine, which then finishes the request through `Scheduler.finish_requests`.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -18,6 +19,9 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_LEN = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's and vLLM's
+MAX_LOGIT_BIAS = 100.0
+FLOAT_MAX = sys.float_info.max  # a logit_bias value lies in [-100, 100], as OpenAI's
 
 
 @dataclass
@@ -37,6 +41,16 @@ class SamplingParams:
     stop_token_ids: extra token ids that end the request (finish reason "stop"); the token is kept in
         the output ids, as EOS is, and the detokenizer decides whether to show it.
     logprobs: None = none; N >= 0 = log-probability of the sampled token plus the top-N alternatives.
+        They are the model's own (before logit_bias, penalties and temperature), as vLLM reports them.
+    logit_bias: {token id: value in [-100, 100]} added to those tokens' logits before sampling (OpenAI's).
+    presence_penalty: subtracted once from the logit of every token already generated (OpenAI's; in
+        [-2, 2], 0 = off; negative values favour repeats).
+    frequency_penalty: subtracted from a token's logit once per time it was generated (OpenAI's; in
+        [-2, 2], 0 = off).
+    repetition_penalty: every token of the prompt or the output has a positive logit divided by it and a
+        negative one multiplied (CTRL's, as vLLM's and transformers'; > 0, 1.0 = off, > 1 discourages).
+    Applied in that order (bias, then the penalties), as vLLM and transformers apply them; greedy
+    requests take the argmax of the adjusted logits.
     """
 
     temperature: float = 1.0
@@ -50,6 +64,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a single stop string is a common convenience
@@ -90,10 +108,34 @@ class SamplingParams:
             _check_int("stop_token_ids", t, "a list of token ids (ints >= 0)", 0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, "None or an int >= 0 (number of top alternatives)", 0)
+        self.logit_bias = dict(self.logit_bias or {})
+        for token_id, bias in self.logit_bias.items():  # the ranges are OpenAI's (and vLLM's)
+            _check_int("logit_bias", token_id, "a map of token ids (ints >= 0) to values", 0)
+            _check_number("logit_bias", bias, "a map of token ids to values in [-100, 100]", -100.0, 100.0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), "in [-2, 2] (0 = off)", -2.0, 2.0)
+        _check_number(
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a finite float > 0 (1.0 = off)",
+            0.0,
+            sys.float_info.max,
+        )
+        if self.repetition_penalty == 0:
+            raise ValueError("repetition_penalty must be a finite float > 0 (1.0 = off), got 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Needs the request's tokens so far (prompt and output) to sample."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalized or bool(self.logit_bias)
 
 
 def _check_int(name: str, value: object, expected: str, minimum: int | None) -> None:

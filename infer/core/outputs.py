@@ -29,6 +29,8 @@ class ScheduledRequest:
     num_prompt_tokens: so the sampler knows how many tokens were generated before the one it samples,
         start_pos + len(token_ids) - num_prompt_tokens (min_tokens masks EOS and stop_token_ids until
         then; a seed combined with this index gives the same draws before and after a preemption).
+    history: the request's whole sequence so far (prompt, then outputs), when this step samples for a
+        request with penalties (SamplingParams.penalized); None otherwise.
     """
 
     req_id: str
@@ -38,6 +40,7 @@ class ScheduledRequest:
     sample: bool
     sampling_params: SamplingParams
     num_prompt_tokens: int
+    history: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -351,15 +351,17 @@ class Scheduler:
         for req, num_new in plan.num_new_tokens.items():
             start = req.num_computed_tokens
             end = start + num_new
+            sample = end == req.num_tokens
             scheduled.append(
                 ScheduledRequest(
                     req_id=req.req_id,
                     token_ids=req.token_ids[start:end],
                     start_pos=start,
                     block_ids=kv.block_ids(req),
-                    sample=end == req.num_tokens,
+                    sample=sample,
                     sampling_params=req.sampling_params,
                     num_prompt_tokens=req.num_prompt_tokens,
+                    history=list(req.token_ids) if sample and req.sampling_params.penalized else None,
                 )
             )
             if req.num_output_tokens and start == req.num_tokens - 1:  # feeds the last sampled token

@@ -101,7 +101,8 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         self._ban_early_stops(logits, reqs)
         req_ids = [s.req_id for s in reqs]
-        result = self.sampler(logits, req_ids, [s.sampling_params for s in reqs])
+        histories = [(s.history, s.num_prompt_tokens) if s.history is not None else None for s in reqs]
+        result = self.sampler(logits, req_ids, [s.sampling_params for s in reqs], histories)
         return ModelRunnerOutput(req_ids, result.token_ids, result.logprobs)
 
     def _ban_early_stops(self, logits: torch.Tensor, reqs) -> None:

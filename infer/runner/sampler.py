@@ -2,7 +2,8 @@
 
 Each row has its own temperature, top-k, top-p, min-p and optional seed. Filters run on the whole
 [num_reqs, vocab] tensor at once; the only per-request work is drawing the noise of seeded rows from
-their own generator, which is what makes a seeded request's tokens independent of its batch.
+their own generator, which is what makes a seeded request's tokens independent of its batch, and a
+request's logit_bias and penalties (`adjusted`: a float32 copy, only in a step that has such a request).
 
 Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i,
 so greedy and random rows share one argmax and no multinomial call is needed.
@@ -18,6 +19,9 @@ from infer import kernels
 from infer.sampling_params import SamplingParams
 
 MAX_TEMPERATURE = 1e4
+# A repetition penalty near 0 divides a positive logit into float32's overflow; capped here, so that
+# dividing by the smallest temperature (1e-5) stays finite too.
+MAX_ADJUSTED_LOGIT = 1e30
 
 
 @dataclass
@@ -38,16 +42,24 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, req_ids: list[str], params: list[SamplingParams]
+        self,
+        logits: torch.Tensor,
+        req_ids: list[str],
+        params: list[SamplingParams],
+        histories: list[tuple[list[int], int] | None] | None = None,
     ) -> SampleResult:
-        # logits: [num_reqs, vocab_size], float32 or the LM head's dtype (upcast here where math needs it)
-        greedy = all(p.greedy for p in params)
-        if greedy:
+        """logits: [num_reqs, vocab_size], float32 or the LM head's dtype (upcast where math needs it).
+        histories: per row, (the request's tokens so far, its prompt's length) where its params are
+        `penalized`; None elsewhere."""
+        raw = logits
+        if any(p.adjusts_logits for p in params):
+            logits = adjusted(logits, params, histories or [None] * len(params))
+        if all(p.greedy for p in params):
             token_ids = argmax(logits)
         else:
             probs = self._filtered_probs(logits.float(), params)
             token_ids = (probs / self._noise(probs.shape, req_ids, params)).argmax(dim=-1)
-        return SampleResult(token_ids.tolist(), self._logprobs(logits, token_ids, params))
+        return SampleResult(token_ids.tolist(), self._logprobs(raw, token_ids, params))
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         # Above ~1e4 the distribution is uniform to float32 precision; the cap keeps 1e300 from becoming
@@ -104,6 +116,35 @@ class Sampler:
             top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True)) if n else []
             out.append((sampled[row], top))
         return out
+
+
+def adjusted(
+    logits: torch.Tensor, params: list[SamplingParams], histories: list[tuple[list[int], int] | None]
+) -> torch.Tensor:
+    """A float32 copy of the logits with each row's logit_bias added, then its penalties applied, in
+    vLLM's order and by its formulas (the repetition penalty is also transformers'): over the prompt and
+    the output, a positive logit / repetition_penalty and a negative one * it; over the output,
+    frequency_penalty x (times generated) + presence_penalty x (generated at all) subtracted. A banned
+    token's -inf stays -inf."""
+    out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    vocab = out.shape[1]
+    for row, p in enumerate(params):
+        x = out[row]
+        if p.logit_bias:
+            x.index_add_(0, torch.tensor(list(p.logit_bias)), torch.tensor(list(p.logit_bias.values())))
+        if not p.penalized:
+            continue
+        tokens, num_prompt = histories[row]
+        tokens = torch.tensor(tokens, dtype=torch.long)
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool)
+            seen[tokens] = True
+            scaled = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            x.copy_(torch.where(seen, scaled.clamp(max=MAX_ADJUSTED_LOGIT), x))
+        if (p.frequency_penalty or p.presence_penalty) and len(tokens) > num_prompt:
+            counts = torch.bincount(tokens[num_prompt:], minlength=vocab).float()
+            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return out
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

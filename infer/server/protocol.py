@@ -1,13 +1,13 @@
 """OpenAI wire format: request bodies (validated by pydantic), responses, and OpenAI-shaped errors.
 
 Request models keep OpenAI's field names and defaults, plus the vLLM extensions (top_k, min_p, min_tokens,
-ignore_eos, priority) and ours (ttft_slo_ms, tpot_slo_ms) that clients pass through `extra_body`.
-Unknown fields are ignored, as vLLM and OpenAI's own server do for forward compatibility. Everything a
-request can carry is bounded here, at the edge, so that no value reaches the engine that could fail a
-step shared with other requests: ints fit int64, floats are finite, and every string is valid Unicode
-(JSON may carry lone UTF-16 surrogates, which no tokenizer can encode). Responses are plain dicts built
-by the handlers: the shapes are documented here once, and the official `openai` client parses them in
-the tests.
+ignore_eos, repetition_penalty, priority) and ours (ttft_slo_ms, tpot_slo_ms) that clients pass through
+`extra_body`. Unknown fields are ignored, as vLLM and OpenAI's own server do for forward compatibility.
+Everything a request can carry is bounded here, at the edge, so that no value reaches the engine that could
+fail a step shared with other requests: ints fit int64, floats are finite, and every string is valid Unicode
+(JSON may carry lone UTF-16 surrogates, which no tokenizer can encode). Responses are plain dicts built by
+the handlers: the shapes are documented here once, and the official `openai` client parses them in the
+tests.
 """
 
 from __future__ import annotations
@@ -139,8 +139,11 @@ class _SamplingFields(_Request):
     ttft_slo_ms: Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)] | None = None
     tpot_slo_ms: Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)] | None = None
     user: str | None = None  # accepted and ignored
-    presence_penalty: float = 0.0  # accepted; only 0 is supported
-    frequency_penalty: float = 0.0
+    # OpenAI's: {token id (a string in JSON): bias}; ids checked against the vocabulary by the engine
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0  # vLLM's extension
 
 
 PromptType = str | list[int] | list[str] | list[list[int]]  # ids checked against the vocabulary

@@ -344,6 +344,9 @@ async def start_stream(request: Request, fanout: Fanout, param: str) -> bool:
     return bool(started)
 
 
+_VOCAB_CHECKED = ("stop_token_ids", "logit_bias")  # the engine checks their token ids against the vocabulary
+
+
 def engine_error(exc: Exception, param: str) -> APIError:
     """A refusal (ValueError, with the numbers) is the client's 400; a request the engine failed is our
     500, whose body names the request but no internals (the log has the exception)."""
@@ -352,7 +355,8 @@ def engine_error(exc: Exception, param: str) -> APIError:
     if isinstance(exc, ValueError):
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message or "KV" in message else None
-        return bad_request(message, param=param, code=code)
+        field = message.split(" ", 1)[0]  # the engine names a sampling field it checked first
+        return bad_request(message, param=field if field in _VOCAB_CHECKED else param, code=code)
     if isinstance(exc, RequestFailed):
         logger.error("%s: %s", exc, exc.detail)
         return APIError(500, f"internal error: {exc}; see the server log", "server_error")
@@ -362,11 +366,6 @@ def engine_error(exc: Exception, param: str) -> APIError:
 
 def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """SamplingParams from the fields shared by both endpoints; its ValueError becomes a 400."""
-    if body.presence_penalty or body.frequency_penalty:
-        raise bad_request(
-            "presence_penalty and frequency_penalty are not supported; leave them at 0",
-            param="presence_penalty",
-        )
     try:
         return SamplingParams(
             temperature=body.temperature,
@@ -380,6 +379,10 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
             stop_token_ids=list(body.stop_token_ids or []),
             logprobs=logprobs,
+            logit_bias=body.logit_bias or {},
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
         )
     except ValueError as exc:  # its messages start with the field's name
         field = str(exc).split(" ", 1)[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from infer.core.slo import Objectives
 from infer.engine.llm import LLM
@@ -76,6 +77,66 @@ def test_greedy_output_is_invariant(tiny, name):
     if name == "preemption_uncached":  # recompute with nothing to reuse: prompts and outputs run again
         assert scheduler.num_preemptions > 0
         assert sum(r.request.num_prefill_tokens_computed for r in results) > sum(map(len, prompts))
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """Presence and frequency penalties for transformers' generate (which has neither), written from
+    OpenAI's formula: a token's logit minus frequency x its count in the output, minus presence if > 0."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        output = input_ids[0, self.prompt_len :].tolist()
+        for token in set(output):
+            scores[0, token] -= self.frequency * output.count(token) + self.presence
+        return scores
+
+
+BIAS = {17: 2.0, 200: -1.5, 97: 1.0}
+PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.5)
+
+
+@pytest.fixture(scope="module")
+def penalized(tiny, tmp_path_factory):
+    """transformers' greedy outputs with BIAS (its sequence_bias), the repetition penalty (its own) and
+    OpenAIPenalties, applied in vLLM's order: bias, repetition, then frequency and presence."""
+    path, prompts, plain = tiny
+    hf_model, _ = save_tiny_model("llama", tmp_path_factory.mktemp("penalized"))
+    expected = []
+    for p in prompts:
+        out = hf_model.generate(
+            torch.tensor([p]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            sequence_bias={(t,): b for t, b in BIAS.items()},
+            repetition_penalty=PENALTIES["repetition_penalty"],
+            logits_processor=LogitsProcessorList(
+                [OpenAIPenalties(len(p), PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"])]
+            ),
+        )
+        expected.append(out[0, len(p) :].tolist())
+    assert sum(a != b for a, b in zip(expected, plain, strict=True)) >= len(plain) // 2  # they do change it
+    return path, prompts, expected, plain
+
+
+@pytest.mark.parametrize("name", ["default", "odd_chunks", "preemption_uncached", "no_kv_cache"])
+def test_logit_bias_and_penalties_match_transformers(penalized, name):
+    """Every token a penalty looks at reaches the sampler: whole and chunked prompts, recomputation after
+    preemption, no KV cache; penalized requests beside plain ones that stay plain."""
+    path, prompts, expected, unpenalized = penalized
+    llm = LLM(path, dtype="float32", **{"num_kv_blocks": 256, **CONFIGS[name]})
+    params = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias=BIAS, **PENALTIES
+    )
+    plain = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    results = llm.generate(prompts + prompts[:3], [params] * len(prompts) + [plain] * 3)
+    assert [r.token_ids for r in results[: len(prompts)]] == expected
+    assert [r.token_ids for r in results[len(prompts) :]] == unpenalized[:3]
+    llm.engine.scheduler.check_integrity()
+    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
 def test_fp8_cache_output_is_invariant(tiny, caplog):
@@ -182,6 +243,11 @@ def test_bad_requests_are_refused_and_nothing_leaks(tiny):
         engine.add_request([1, 2, 999])
     with pytest.raises(ValueError, match="empty"):
         engine.add_request([])
+    vocab = engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=rf"^logit_bias token ids must be in \[0, {vocab}\)"):
+        engine.add_request([1, 2], SamplingParams(logit_bias={vocab: 1.0}))
+    with pytest.raises(ValueError, match=rf"^stop_token_ids token ids must be in \[0, {vocab}\)"):
+        engine.add_request([1, 2], SamplingParams(stop_token_ids=[vocab + 5]))
     with pytest.raises(ValueError):  # 30 + 16 tokens can never fit a 32-token pool
         engine.add_request(prompts[5], SamplingParams(max_tokens=16))
     assert not engine.has_unfinished() and engine.requests == {}

@@ -1,12 +1,14 @@
-"""The batched sampler: filters, seeds independent of the batch, logprobs."""
+"""The batched sampler: filters, seeds independent of the batch, logprobs, logit_bias and penalties."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
-from infer.runner.sampler import Sampler
+from infer.runner.sampler import Sampler, adjusted
 from infer.sampling_params import SamplingParams
 
 
@@ -90,3 +92,92 @@ def test_logprobs_of_sampled_and_top_tokens():
     assert math.isclose(sampled, ref.max().item(), rel_tol=1e-5)
     assert [t for t, _ in top] == ref.topk(3).indices.tolist()
     assert out.logprobs[1] is None
+
+
+def openai_penalties(logits, prompt, output, presence, frequency, repetition):
+    """The formulas as OpenAI's parameter docs and vLLM write them, one token at a time."""
+    out = logits.clone()
+    for token in set(prompt) | set(output):
+        value = out[token]
+        out[token] = value / repetition if value > 0 else value * repetition
+    for token in set(output):
+        out[token] -= frequency * output.count(token) + presence
+    return out
+
+
+def test_penalties_follow_openai_and_vllm():
+    logits = logits_rows(3, vocab=40)
+    logits[1, 7] = float("-inf")  # a banned token stays banned
+    prompt, output = [3, 5, 5, 7, 9], [5, 11, 11, 11, 2]
+    params = [
+        SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3),
+        SamplingParams(temperature=0, presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.7),
+        SamplingParams(temperature=0),
+    ]
+    histories = [(prompt + output, len(prompt)), (prompt + output, len(prompt)), None]
+    got = adjusted(logits, params, histories)
+    for row, p in enumerate(params[:2]):
+        expected = openai_penalties(
+            logits[row], prompt, output, p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        )
+        torch.testing.assert_close(got[row], expected)
+    assert got[1, 7] == float("-inf")
+    assert torch.equal(got[2], logits[2])  # a row without them is untouched
+    out = Sampler()(logits, list("abc"), params, histories)
+    assert out.token_ids == got.argmax(-1).tolist()
+
+
+def test_repetition_penalty_is_transformers():
+    logits = logits_rows(2, vocab=64, seed=4)
+    sequences = [[1, 4, 4, 9, 30, 63], [2, 8, 50]]
+    for penalty in (1.2, 0.6):
+        processor = RepetitionPenaltyLogitsProcessor(penalty)
+        params = [SamplingParams(repetition_penalty=penalty)] * 2
+        got = adjusted(logits, params, [(seq, 2) for seq in sequences])
+        for row, seq in enumerate(sequences):
+            expected = processor(torch.tensor([seq]), logits[row : row + 1].clone())[0]
+            torch.testing.assert_close(got[row], expected)
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows_but_not_logprobs():
+    logits = logits_rows(2, vocab=30).bfloat16()
+    bias = {int(logits[0].argmin()): 100.0, int(logits[0].argmax()): -100.0}
+    params = [
+        SamplingParams(temperature=0, logit_bias=bias, logprobs=1),
+        SamplingParams(temperature=0.7, logit_bias={13: 100.0}),
+    ]
+    for seed in range(5):
+        out = Sampler(seed)(logits, ["a", "b"], params)
+        assert out.token_ids == [int(logits[0].argmin()), 13]
+    sampled, top = out.logprobs[0]  # the model's own distribution, as vLLM reports it
+    ref = torch.log_softmax(logits[0].float(), -1)
+    assert math.isclose(sampled, ref.min().item(), rel_tol=1e-5)
+    assert [t for t, _ in top] == [int(ref.argmax())]
+
+
+def test_a_tiny_repetition_penalty_stays_finite():
+    """A positive logit divided by 1e-30 would overflow float32 (and its sampling give NaN)."""
+    logits = logits_rows(1, vocab=20)
+    logits[0, 4] = 5.0
+    params = [SamplingParams(temperature=1e-4, repetition_penalty=1e-30, seed=1)]
+    got = adjusted(logits, params, [([4, 6], 1)])
+    assert torch.isfinite(got).all() and int(got.argmax()) == 4
+    assert Sampler()(logits, ["a"], params, [([4, 6], 1)]).token_ids == [4]
+
+
+def test_penalty_and_bias_bounds():
+    for kwargs, field in (
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"repetition_penalty": 10**400}, "repetition_penalty"),
+        ({"logit_bias": {3: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"3": 1.0}}, "logit_bias"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
+    assert not SamplingParams(logit_bias={3: -100}).penalized
+    assert SamplingParams(logit_bias={3: -100}).adjusts_logits
+    assert SamplingParams(repetition_penalty=1.1).penalized

@@ -1,15 +1,19 @@
 """The OpenAI API through the official client: completions and chat, streamed and not, exact usage, stop
-strings, seeds, n, logprobs, echo, prefix-cache usage, priority (/metrics: test_metrics.py)."""
+strings, seeds, n, logprobs, logit_bias and penalties, echo, prefix-cache usage, priority (/metrics:
+test_metrics.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import httpx
 import openai
 import pytest
 
+from infer.engine.llm import LLM
+from infer.sampling_params import SamplingParams
 from tests.server.conftest import API_KEY, metric
 
 IGNORE_EOS = {"ignore_eos": True}
@@ -188,6 +192,48 @@ def test_min_tokens(client, model):
         model=model, prompt="Hi", max_tokens=10, temperature=0, extra_body={"min_tokens": 10}
     )
     assert resp.usage.completion_tokens == 10
+
+
+def test_logit_bias_reaches_the_sampler(server, client, model):
+    """OpenAI's logit_bias (token ids as JSON strings): +100 on one token makes greedy repeat it."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        token = http.post("/tokenize", json={"prompt": " the", "add_special_tokens": False}).json()["tokens"][
+            -1
+        ]
+        expected = http.post("/detokenize", json={"tokens": [token] * 6}).json()["prompt"]
+    kwargs = dict(
+        model=model, max_tokens=6, temperature=0, logit_bias={str(token): 100}, extra_body=IGNORE_EOS
+    )
+    assert client.completions.create(prompt="Once upon a time", **kwargs).choices[0].text == expected
+    chat = client.chat.completions.create(messages=MESSAGES, **kwargs)
+    assert chat.choices[0].message.content == expected
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(prompt="Hi", **{**kwargs, "logit_bias": {"99999999": 5}})
+    assert err.value.body["param"] == "logit_bias"
+
+
+def test_penalties_match_the_engine(client, model, model_args):
+    """presence / frequency (OpenAI's) and repetition_penalty (vLLM's) through the API give the engine's
+    own output for them, streamed or not (the engine's against transformers: tests/engine)."""
+    path = model_args[model_args.index("--model") + 1] if "--model" in model_args else None
+    penalties = dict(presence_penalty=0.8, frequency_penalty=0.5, repetition_penalty=1.3)
+    prompt = "Once upon a time there was a little"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(path, dtype="float32", num_kv_blocks=64) as llm:
+        plain, expected = (r.text for r in llm.generate([prompt] * 2, [params, replace(params, **penalties)]))
+    assert expected != plain
+    kwargs = dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        presence_penalty=penalties["presence_penalty"],
+        frequency_penalty=penalties["frequency_penalty"],
+        extra_body={**IGNORE_EOS, "repetition_penalty": penalties["repetition_penalty"]},
+    )
+    assert client.completions.create(**kwargs).choices[0].text == expected
+    stream = client.completions.create(**kwargs, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
 
 
 def test_completion_logprobs(client, model):
