@@ -38,6 +38,8 @@ class SamplingParams:
     min_tokens: EOS and stop_token_ids are ignored until this many tokens were generated.
     ignore_eos: keep generating through the model's EOS token(s) (stop_token_ids still stop).
     stop: stop strings; the engine ends the request when one appears and strips it from the text.
+    include_stop_str_in_output: keep the matched stop string at the end of the text (vLLM's).
+    skip_special_tokens: leave special tokens (EOS, ...) out of the text (vLLM's; the token ids keep them).
     stop_token_ids: extra token ids that end the request (finish reason "stop"); the token is kept in
         the output ids, as EOS is, and the detokenizer decides whether to show it.
     logprobs: None = none; N >= 0 = log-probability of the sampled token plus the top-N alternatives.
@@ -68,6 +70,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a single stop string is a common convenience
@@ -91,8 +95,9 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) cannot exceed max_tokens ({self.max_tokens}); "
                 "lower min_tokens or raise max_tokens"
             )
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         for s in self.stop:

@@ -19,7 +19,8 @@ Two stages, each holding back text it cannot yet be sure of:
 
 2. Stop strings (infer.engine.stop_strings: one automaton, each character read once). Text that ends
    with the start of a stop string ("wor" for stop "world") is held back until the next text decides
-   it; when a stop string appears, the output is cut before it. The first stop string to end wins.
+   it; when a stop string appears, the output is cut before it (after it, with include_stop_str, vLLM's
+   include_stop_str_in_output). The first stop string to end wins.
 
 Contract: while no stop string matched, "".join(update(...) for each step) + flush() equals
 tokenizer.decode(output_ids, skip_special_tokens) exactly. The output is the text of the generated ids
@@ -59,6 +60,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
         stop: Iterable[str] = (),
+        include_stop_str: bool = False,
     ):
         self._tokenizer = tokenizer
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -71,6 +73,7 @@ class IncrementalDetokenizer:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         self._stops = StopStrings(self.stop) if self.stop else None
+        self.include_stop_str = include_stop_str  # the text ends with the stop string, not before it
 
         self._window: list[int] = []  # ids[prefix:], special ids dropped when they are skipped
         self._read = 0  # window index of read_offset
@@ -131,7 +134,7 @@ class IncrementalDetokenizer:
             # A stop string cannot start inside text emitted earlier: its start would have been held back.
             end, stop = match  # delta[:end] ends with stop
             self.stopped, self.stop_str, self._held = True, stop, ""
-            return text[: len(text) - len(delta) + end - len(stop)]
+            return text[: len(text) - len(delta) + end - (0 if self.include_stop_str else len(stop))]
         keep = 0 if final else self._stops.partial_len
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]

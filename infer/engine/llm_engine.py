@@ -202,7 +202,13 @@ class LLMEngine:
         )
         self.scheduler.add_request(req)
         self.requests[req.req_id] = req
-        self.detokenizers[req.req_id] = IncrementalDetokenizer(self.tokenizer, token_ids, stop=params.stop)
+        self.detokenizers[req.req_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str=params.include_stop_str_in_output,
+        )
         if self.trace is not None:
             self.trace.record_added(req.req_id, req.num_prompt_tokens, priority)
         return req

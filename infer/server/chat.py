@@ -28,6 +28,7 @@ from infer.server.serving import (
     Job,
     ServerState,
     cancel_on_disconnect,
+    check_fields,
     check_model,
     check_priority,
     choice_params,
@@ -48,6 +49,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
     check_model(state, body.model)
+    check_fields(body)
     state.check_open()
     check_priority(state, body.priority)
     if body.top_logprobs is not None and not body.logprobs:

@@ -21,6 +21,7 @@ from infer.server.serving import (
     Job,
     ServerState,
     cancel_on_disconnect,
+    check_fields,
     check_model,
     check_priority,
     choice_params,
@@ -41,6 +42,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
     check_model(state, body.model)
+    check_fields(body)
     state.check_open()
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")

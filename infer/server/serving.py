@@ -172,6 +172,41 @@ def check_model(state: ServerState, model: str | None) -> None:
         )
 
 
+# vLLM's and OpenAI's request fields that would change what is generated or returned, which this server
+# does not implement, with the value it acts on anyway: sent with another value, they are refused (400)
+# rather than ignored.
+UNSUPPORTED_FIELDS: dict[str, object] = {
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "prompt_logprobs": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "truncate_prompt_tokens": None,
+    "spaces_between_special_tokens": True,
+    "return_tokens_as_token_ids": False,
+    "logits_processors": None,
+    "structured_outputs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "continue_final_message": False,
+    "prediction": None,
+    "audio": None,
+}
+
+
+def check_fields(body) -> None:
+    """400 for an UNSUPPORTED_FIELDS field sent with another value than this server acts on; other
+    unknown fields are ignored, and logged (as vLLM does: forward compatibility)."""
+    extra = body.model_extra or {}
+    for name, value in extra.items():
+        if name in UNSUPPORTED_FIELDS and value not in (UNSUPPORTED_FIELDS[name], None, [], {}):
+            raise bad_request(f"{name} is not supported by this server; leave it out", param=name)
+    if ignored := sorted(set(extra) - UNSUPPORTED_FIELDS.keys()):
+        logger.warning("request fields ignored (unknown to this server): %s", ", ".join(ignored)[:500])
+
+
 @dataclass
 class Job:
     prompt_ids: list[int]
@@ -383,6 +418,8 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
         )
     except ValueError as exc:  # its messages start with the field's name
         field = str(exc).split(" ", 1)[0]

@@ -258,9 +258,15 @@ def test_chat_template_errors(tmp_path, tok):
 # -- incremental detokenization ---------------------------------------------------------------------
 
 
-def _stream(tokenizer, ids, chunk_sizes=None, stop=(), skip_special_tokens=True):
+def _stream(tokenizer, ids, chunk_sizes=None, stop=(), skip_special_tokens=True, include_stop_str=False):
     """Feed `ids` in chunks; return (deltas, detokenizer) with the flushed tail as the last delta."""
-    detok = IncrementalDetokenizer(tokenizer, [2, 7], skip_special_tokens=skip_special_tokens, stop=stop)
+    detok = IncrementalDetokenizer(
+        tokenizer,
+        [2, 7],
+        skip_special_tokens=skip_special_tokens,
+        stop=stop,
+        include_stop_str=include_stop_str,
+    )
     deltas, i = [], 0
     sizes = iter(chunk_sizes or [])
     while i < len(ids):
@@ -350,10 +356,10 @@ def test_work_per_update_is_bounded(tok):
 # -- stop strings --------------------------------------------------------------------------------------
 
 
-def _run_stop(t, text, stop, seed=None):
+def _run_stop(t, text, stop, seed=None, include_stop_str=False):
     ids = t.encode(text, add_special_tokens=False)
     chunks = None if seed is None else _random_chunks(random.Random(seed), len(ids))
-    deltas, detok = _stream(t, ids, chunks, stop=stop)
+    deltas, detok = _stream(t, ids, chunks, stop=stop, include_stop_str=include_stop_str)
     return "".join(deltas), detok, deltas
 
 
@@ -403,6 +409,11 @@ def test_stop_random_property(tok):
         else:
             assert out == full and not any(s in full for s in stop)
         assert not any("\ufffd" in x for x in deltas)
+        kept, k, _ = _run_stop(tok, text, stop, seed=rng.randrange(100), include_stop_str=True)
+        assert (kept, k.stop_str) == (
+            out + (d.stop_str or ""),
+            d.stop_str,
+        )  # vLLM's include_stop_str_in_output
 
 
 def test_empty_stop_string_rejected(tok):

@@ -52,6 +52,10 @@ BAD_INPUTS = [
     (CMPL, {"prompt": "hi", "stream": True, "logit_bias": {"10000000": 1}}, 400, "logit_bias"),
     (CMPL, {"prompt": "hi", "stop_token_ids": [10000000]}, 400, "stop_token_ids"),
     (CHAT, {"messages": MSG, "logit_bias": {"10000000": 1}}, 400, "logit_bias"),
+    (CMPL, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    (CMPL, {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    (CHAT, {"messages": MSG, "continue_final_message": True}, 400, "continue_final_message"),
+    (CHAT, {"messages": MSG, "stream": True, "allowed_token_ids": [5]}, 400, "allowed_token_ids"),
     (CMPL, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     (CMPL, {"prompt": "hi", "stream": True, "max_tokens": 100_000}, 400, "max_model_len"),
     (CMPL, {"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
@@ -72,6 +76,24 @@ def _assert_openai_error(resp: httpx.Response, status: int, fragment: str) -> No
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and fragment in error["message"], error
     assert isinstance(error["type"], str) and error["type"]
+
+
+def test_unknown_fields_are_ignored_and_logged(server):
+    """As vLLM: a field this server does not know is ignored (forward compatibility) and named in the log;
+    those that would change the output are refused (BAD_INPUTS), unless sent with the value it acts on."""
+    body = {
+        "prompt": "hi",
+        "max_tokens": 2,
+        "ignore_eos": True,
+        "frobnicate_xyz": 1,
+        "use_beam_search": False,
+    }
+    resp = httpx.post(server.url + CMPL, json=body, headers=AUTH, timeout=60)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
+    deadline = time.monotonic() + 10
+    while "ignored (unknown to this server): frobnicate_xyz" not in server.log_tail():
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.1)
 
 
 def test_bad_inputs_table(server):

@@ -163,6 +163,22 @@ def test_stop_strings(client, model):
         client.completions.create(**kwargs, stop=stop, stream=True, extra_body=IGNORE_EOS)
     )
     assert texts == {0: expected} and reasons == {0: "stop"}
+    kept = {**IGNORE_EOS, "include_stop_str_in_output": True}  # vLLM's: the text ends with the stop string
+    resp = client.completions.create(**kwargs, stop=[stop, "\x00never"], extra_body=kept)
+    assert resp.choices[0].text == expected + stop and resp.choices[0].finish_reason == "stop"
+    texts, _, _ = _stream_text(client.completions.create(**kwargs, stop=stop, stream=True, extra_body=kept))
+    assert texts == {0: expected + stop}
+
+
+def test_skip_special_tokens(server, client, model):
+    """vLLM's skip_special_tokens (default true): false shows special tokens' text (BOS, forced here)."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        (bos,) = http.post("/tokenize", json={"prompt": ""}).json()["tokens"]
+        shown = http.post("/detokenize", json={"tokens": [bos] * 3}).json()["prompt"]
+    kwargs = dict(model=model, prompt="Hi", max_tokens=3, temperature=0, logit_bias={str(bos): 100})
+    assert client.completions.create(**kwargs, extra_body=IGNORE_EOS).choices[0].text == ""
+    resp = client.completions.create(**kwargs, extra_body={**IGNORE_EOS, "skip_special_tokens": False})
+    assert resp.choices[0].text == shown != ""
 
 
 def test_seed_reproduces_and_n_offsets_it(client, model):
