@@ -35,7 +35,6 @@ from infer.engine.tokenizer import Tokenizer
 from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
 from infer.models.loader import load_engine_model, tokenizer_folder, weight_bytes
-from infer.runner import decode_graph
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
@@ -225,12 +224,12 @@ class LLMEngine:
         return outputs
 
     def warm_up(self) -> None:
-        """Capture the decode graphs of batch sizes 1..min(max_num_seqs, 32) now, as many as fit in
+        """Capture the decode graphs of batch sizes 1..max_num_seqs now, as many as fit in
         decode_graph.WARM_UP_SECONDS (the server does, before it reports ready); a no-op under
         enforce_eager and tensor parallelism."""
         graphs = getattr(self.runner, "graphs", None)
         if graphs is not None:
-            graphs.warm_up(range(1, min(self.scheduler_config.max_num_seqs, decode_graph.WARM_UP_MAX) + 1))
+            graphs.warm_up(range(1, self.scheduler_config.max_num_seqs + 1))
 
     def step(self) -> list[StepOutput]:
         start = time.perf_counter()

@@ -20,11 +20,12 @@ otherwise, or if the capture raises, graphs stay off for the engine (logged). Th
 they do not pay: the first capture times a replay against the eager forward (a large model's step is
 its weights' reads: Llama-3.2-1B's replayed as Python gained 2-3% and stayed eager; through
 TorchScript it gains 8-11% and keeps them). Only with a KV cache on one rank (the runner decides). A
-capture costs ~0.2 s on llama-50m, ~0.75 s on Llama-3.2-1B, once per batch size, at most MAX_GRAPHS; a
-server captures the sizes up to WARM_UP_MAX before it reports ready (`warm_up`), as many as fit in
+capture costs ~0.15 s on llama-50m, ~0.75 s on Llama-3.2-1B, once per batch size, at most MAX_GRAPHS; a
+server captures the sizes up to max_num_seqs before it reports ready (`warm_up`), as many as fit in
 WARM_UP_SECONDS, so that a capture stalls no step of its load (a larger size is captured once it has
-held, as without a warm-up). The sampler runs eagerly on the graph's logits, so every sampling feature
-is unchanged.
+held, as without a warm-up). Those stalls matter: with sizes up to 32 warmed up, 64 streams of a short
+run went slower with 128 running than with 32 (docs/benchmarks.md, session 19). The sampler runs
+eagerly on the graph's logits, so every sampling feature is unchanged.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ from infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("infer.runner")
 STEADY_STEPS = 4  # pure-decode steps of one batch size before it is captured: a passing size never is
-MAX_GRAPHS = 64
-WARM_UP_MAX = 32  # the server captures batch sizes 1..min(max_num_seqs, this) before it is ready
-WARM_UP_SECONDS = 30  # ...or as many as fit in this (Llama-3.2-1B: 32 in 24 s); the rest once they hold
+MAX_GRAPHS = 128  # the default max_num_seqs: every batch size of a default server
+WARM_UP_SECONDS = (
+    30  # the server's captures before it is ready (llama-50m: 128 in 19 s); the rest once they hold
+)
 MIN_GAIN = 0.95  # a replay must take less than this share of the eager forward's time, or graphs go off
 TABLES_MAX_BYTES = 64 * 2**20  # all graphs' block tables (n x max_blocks int64): a long context's are large
 

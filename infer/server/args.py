@@ -179,7 +179,7 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         dest="max_num_seqs",
         type=int,
         default=d["max_num_seqs"],
-        help="running requests at most",
+        help="running requests at most; default: 128 (as vLLM's CPU server), at most the token budget",
     )
     parser.add_argument(
         "--max-num-batched-tokens",

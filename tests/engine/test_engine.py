@@ -299,3 +299,16 @@ def test_default_token_budget_follows_the_cpu(monkeypatch):
     given = EngineConfig(max_num_batched_tokens=96)
     assert given.max_num_batched_tokens == 96
     assert dataclasses.replace(given, max_num_seqs=8).max_num_batched_tokens == 96
+
+
+def test_default_max_num_seqs_is_vllms_within_the_budget():
+    """No max_num_seqs given: 128, as vLLM's CPU server, or the token budget where that is smaller (so a
+    small --max-num-batched-tokens alone is no error); a given one is kept and checked."""
+    from infer.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
+
+    assert DEFAULT_MAX_NUM_SEQS == 128
+    assert EngineConfig(max_num_batched_tokens=2048).max_num_seqs == 128
+    assert EngineConfig(max_num_batched_tokens=96).max_num_seqs == 96
+    assert EngineConfig(max_num_batched_tokens=2048, max_num_seqs=8).max_num_seqs == 8
+    with pytest.raises(ValueError, match="must be >= max_num_seqs"):
+        LLM(max_num_batched_tokens=16, max_num_seqs=32)
