@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import gc
 import itertools
 import json
 import logging
@@ -72,6 +73,11 @@ class ServerState:
         def build() -> MeteredEngine:
             engine = MeteredEngine(self.args.engine, self.metrics)
             engine.warm_up()  # the decode graphs, before /health says ready (infer.runner.decode_graph)
+            # The ~300k objects alive after loading (imports, tokenizer, graphs) out of the collector's
+            # reach, as vLLM does: a full collection of them stalled every stream for ~150 ms, about once
+            # in 1,500 requests (llama-50m, docs/benchmarks.md, session 19).
+            gc.collect()
+            gc.freeze()
             return engine
 
         engine = AsyncEngine(factory=build, on_fatal=fatal)
