@@ -19,9 +19,6 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_LEN = 512
 MAX_STOP_TOKEN_IDS = 1024
-MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's and vLLM's
-MAX_LOGIT_BIAS = 100.0
-FLOAT_MAX = sys.float_info.max  # a logit_bias value lies in [-100, 100], as OpenAI's
 
 
 @dataclass
@@ -44,6 +41,7 @@ class SamplingParams:
         the output ids, as EOS is, and the detokenizer decides whether to show it.
     logprobs: None = none; N >= 0 = log-probability of the sampled token plus the top-N alternatives.
         They are the model's own (before logit_bias, penalties and temperature), as vLLM reports them.
+    allowed_token_ids: only these tokens can be sampled (vLLM's); None = every token.
     logit_bias: {token id: value in [-100, 100]} added to those tokens' logits before sampling (OpenAI's).
     presence_penalty: subtracted once from the logit of every token already generated (OpenAI's; in
         [-2, 2], 0 = off; negative values favour repeats).
@@ -51,7 +49,7 @@ class SamplingParams:
         [-2, 2], 0 = off).
     repetition_penalty: every token of the prompt or the output has a positive logit divided by it and a
         negative one multiplied (CTRL's, as vLLM's and transformers'; > 0, 1.0 = off, > 1 discourages).
-    Applied in that order (bias, then the penalties), as vLLM and transformers apply them; greedy
+    Applied in that order (allowed ids, bias, then the penalties), as vLLM applies them; greedy
     requests take the argmax of the adjusted logits.
     """
 
@@ -66,6 +64,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -113,6 +112,12 @@ class SamplingParams:
             _check_int("stop_token_ids", t, "a list of token ids (ints >= 0)", 0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, "None or an int >= 0 (number of top alternatives)", 0)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (leave it out to allow every token)")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, "a list of token ids (ints >= 0)", 0)
         self.logit_bias = dict(self.logit_bias or {})
         for token_id, bias in self.logit_bias.items():  # the ranges are OpenAI's (and vLLM's)
             _check_int("logit_bias", token_id, "a map of token ids (ints >= 0) to values", 0)
@@ -140,7 +145,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        return self.penalized or bool(self.logit_bias)
+        return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None
 
 
 def _check_int(name: str, value: object, expected: str, minimum: int | None) -> None:

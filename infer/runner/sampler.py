@@ -1,9 +1,10 @@
 """Batched sampling: one pass over the logits of every request of a step.
 
 Each row has its own temperature, top-k, top-p, min-p and optional seed. Filters run on the whole
-[num_reqs, vocab] tensor at once; the only per-request work is drawing the noise of seeded rows from
-their own generator, which is what makes a seeded request's tokens independent of its batch, and a
-request's logit_bias and penalties (`adjusted`: a float32 copy, only in a step that has such a request).
+[num_reqs, vocab] tensor at once; the only per-request work is drawing the noise of seeded rows from their
+own generator, which is what makes a seeded request's tokens independent of its batch, and a request's
+allowed ids, logit_bias and penalties (`adjusted`: a float32 copy, only in a step that has such a
+request).
 
 Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i,
 so greedy and random rows share one argmax and no multinomial call is needed.
@@ -121,8 +122,9 @@ class Sampler:
 def adjusted(
     logits: torch.Tensor, params: list[SamplingParams], histories: list[tuple[list[int], int] | None]
 ) -> torch.Tensor:
-    """A float32 copy of the logits with each row's logit_bias added, then its penalties applied, in
-    vLLM's order and by its formulas (the repetition penalty is also transformers'): over the prompt and
+    """A float32 copy of the logits with each row's tokens outside allowed_token_ids banned, its
+    logit_bias added, then its penalties applied, in vLLM's order and by its formulas (the repetition
+    penalty is also transformers'): over the prompt and
     the output, a positive logit / repetition_penalty and a negative one * it; over the output,
     frequency_penalty x (times generated) + presence_penalty x (generated at all) subtracted. A banned
     token's -inf stays -inf."""
@@ -130,8 +132,12 @@ def adjusted(
     vocab = out.shape[1]
     for row, p in enumerate(params):
         x = out[row]
+        if p.allowed_token_ids is not None:
+            allowed = torch.tensor(p.allowed_token_ids)
+            x.copy_(torch.full_like(x, float("-inf")).index_copy_(0, allowed, x[allowed]))
         if p.logit_bias:
-            x.index_add_(0, torch.tensor(list(p.logit_bias)), torch.tensor(list(p.logit_bias.values())))
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
+            x.index_add_(0, torch.tensor(list(p.logit_bias)), bias)
         if not p.penalized:
             continue
         tokens, num_prompt = histories[row]

@@ -1,15 +1,14 @@
 """OpenAI wire format: request bodies (validated by pydantic), responses, and OpenAI-shaped errors.
 
 Request models keep OpenAI's field names and defaults, plus the vLLM extensions (top_k, min_p, min_tokens,
-ignore_eos, repetition_penalty, include_stop_str_in_output, skip_special_tokens, priority) and ours
-(ttft_slo_ms, tpot_slo_ms) that clients pass through `extra_body`. Unknown fields are ignored and logged, as
-vLLM does, but for those of vLLM's and OpenAI's that would change the output (serving.check_fields: a 400).
-Everything a request can carry is bounded here, at the edge, so that no value reaches the engine that could
-fail a step shared with other requests: ints fit int64, floats are finite, and every string is valid Unicode
-(JSON may carry lone UTF-16 surrogates, which no tokenizer can encode). Responses are plain dicts built by
-the handlers: the shapes are documented here once, and the official `openai` client parses them in the
-tests.
-"""
+ignore_eos, repetition_penalty, allowed_token_ids, include_stop_str_in_output, skip_special_tokens,
+priority) and ours (ttft_slo_ms, tpot_slo_ms) that clients pass through `extra_body`. Unknown fields are
+ignored and logged, as vLLM does, but for those of vLLM's and OpenAI's that would change the output
+(serving.check_fields: a 400). Everything a request can carry is bounded here, at the edge, so that no
+value reaches the engine that could fail a step shared with other requests: ints fit int64, floats are
+finite, and every string is valid Unicode (JSON may carry lone UTF-16 surrogates, which no tokenizer can
+encode). Responses are plain dicts built by the handlers: the shapes are documented here once, and the
+official `openai` client parses them in the tests."""
 
 from __future__ import annotations
 
@@ -146,6 +145,7 @@ class _SamplingFields(_Request):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0  # vLLM's extension
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
 

@@ -185,7 +185,6 @@ UNSUPPORTED_FIELDS: dict[str, object] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "prompt_logprobs": None,
-    "allowed_token_ids": None,
     "bad_words": None,
     "truncate_prompt_tokens": None,
     "spaces_between_special_tokens": True,
@@ -385,7 +384,11 @@ async def start_stream(request: Request, fanout: Fanout, param: str) -> bool:
     return bool(started)
 
 
-_VOCAB_CHECKED = ("stop_token_ids", "logit_bias")  # the engine checks their token ids against the vocabulary
+_VOCAB_CHECKED = (
+    "stop_token_ids",
+    "logit_bias",
+    "allowed_token_ids",
+)  # the engine checks their token ids against the vocabulary
 
 
 def engine_error(exc: Exception, param: str) -> APIError:
@@ -420,6 +423,7 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
             stop_token_ids=list(body.stop_token_ids or []),
             logprobs=logprobs,
+            allowed_token_ids=body.allowed_token_ids,
             logit_bias=body.logit_bias or {},
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,

@@ -181,3 +181,21 @@ def test_penalty_and_bias_bounds():
     assert not SamplingParams(logit_bias={3: -100}).penalized
     assert SamplingParams(logit_bias={3: -100}).adjusts_logits
     assert SamplingParams(repetition_penalty=1.1).penalized
+
+
+def test_allowed_token_ids_come_before_the_bias():
+    """vLLM's allowed_token_ids: every other token is banned, whatever its logit or bias."""
+    logits = logits_rows(2, vocab=30)
+    low = int(logits[0].argmin())
+    allowed = [low, (low + 1) % 30]
+    params = [
+        SamplingParams(temperature=0, allowed_token_ids=allowed, logit_bias={int(logits[0].argmax()): 100}),
+        SamplingParams(temperature=1.0, allowed_token_ids=[3, 4]),
+    ]
+    got = adjusted(logits, params, [None, None])
+    assert torch.isinf(got[0]).sum() == 28 and got[0, low] == logits[0, low]
+    for seed in range(20):
+        first, second = Sampler(seed)(logits, ["a", "b"], params).token_ids
+        assert first == max(allowed, key=lambda t: logits[0, t]) and second in (3, 4)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])

@@ -210,8 +210,9 @@ def test_min_tokens(client, model):
     assert resp.usage.completion_tokens == 10
 
 
-def test_logit_bias_reaches_the_sampler(server, client, model):
-    """OpenAI's logit_bias (token ids as JSON strings): +100 on one token makes greedy repeat it."""
+def test_logit_bias_and_allowed_token_ids_reach_the_sampler(server, client, model):
+    """OpenAI's logit_bias (token ids as JSON strings): +100 on one token makes greedy repeat it; so does
+    vLLM's allowed_token_ids with that token alone."""
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         token = http.post("/tokenize", json={"prompt": " the", "add_special_tokens": False}).json()["tokens"][
             -1
@@ -226,6 +227,10 @@ def test_logit_bias_reaches_the_sampler(server, client, model):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(prompt="Hi", **{**kwargs, "logit_bias": {"99999999": 5}})
     assert err.value.body["param"] == "logit_bias"
+    only = dict(
+        model=model, max_tokens=6, temperature=0, extra_body={**IGNORE_EOS, "allowed_token_ids": [token]}
+    )
+    assert client.completions.create(prompt="Once upon a time", **only).choices[0].text == expected  # vLLM's
 
 
 def test_penalties_match_the_engine(client, model, model_args):
