@@ -40,7 +40,9 @@ class EngineReplica:
             import torch
 
             torch.set_num_threads(num_threads)  # on the engine thread, the one that runs torch
-            return LLMEngine(config)
+            engine = LLMEngine(config)
+            engine.warm_up()  # decode graphs and a frozen heap, before the replica reports healthy
+            return engine
 
         self.num_threads = num_threads
         self.engine = AsyncEngine(factory=build)

@@ -19,6 +19,7 @@ step fails, and log2(batch) extra forwards when one does. Detokenizing (stop str
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -190,6 +191,15 @@ class LLMEngine:
             bad = [t for t in ids if t >= vocab]
             if bad:  # a logit_bias id past the logits would fail the step of every request beside it
                 raise ValueError(f"{name} token ids must be in [0, {vocab}) (the vocabulary); got {bad[:5]}")
+        if params.allowed_token_ids is not None and params.min_tokens:
+            banned = set(params.stop_token_ids) | (
+                set() if params.ignore_eos else self.tokenizer.eos_token_ids
+            )
+            if banned.issuperset(params.allowed_token_ids):  # nothing would be left to sample
+                raise ValueError(
+                    "allowed_token_ids holds only stop tokens, which min_tokens bans until that many tokens "
+                    "exist; allow another token or drop min_tokens"
+                )
         if slo is None and self.slo_classes is not None:
             slo = self.slo_classes.objectives_for(len(token_ids), params.max_tokens)
         req = Request(
@@ -225,12 +235,17 @@ class LLMEngine:
         return outputs
 
     def warm_up(self) -> None:
-        """Capture the decode graphs of batch sizes 1..max_num_seqs now, as many as fit in
-        decode_graph.WARM_UP_SECONDS (the server does, before it reports ready); a no-op under
-        enforce_eager and tensor parallelism."""
+        """Ready a long-lived engine (a server or a replica does this before it reports ready): capture the
+        decode graphs of batch sizes 1..max_num_seqs now, as many as fit in decode_graph.WARM_UP_SECONDS
+        (none under enforce_eager and tensor parallelism), then freeze the heap, as vLLM's engine core
+        does: the ~300k objects alive after loading (imports, tokenizer, graphs) are out of the
+        collector's reach, where a full collection of them stalled every stream for ~150 ms, about once
+        in 1,500 requests (llama-50m, docs/benchmarks.md, session 19)."""
         graphs = getattr(self.runner, "graphs", None)
         if graphs is not None:
             graphs.warm_up(range(1, self.scheduler_config.max_num_seqs + 1))
+        gc.collect()
+        gc.freeze()
 
     def step(self) -> list[StepOutput]:
         start = time.perf_counter()
@@ -292,7 +307,10 @@ class LLMEngine:
 
     def _detokenize(self, out) -> StepOutput:
         detok = self.detokenizers[out.req_id]
-        text = detok.update(out.new_token_ids)
+        ids = out.new_token_ids
+        if isinstance(out.stop_reason, int) and not detok.include_stop_str:
+            ids = ids[:-1]  # the stop token (EOS, stop_token_ids) ends the text, not in it (as vLLM)
+        text = detok.update(ids)
         reason = out.finish_reason
         if detok.stopped:  # a stop string: the engine's to find, not the core's
             if not out.finished:

@@ -14,19 +14,18 @@ paid about half the Python cost it set out to remove (llama-50m decode steps, FX
 -31 to -36% at 1 stream, -15 to -23% at 32; docs/benchmarks.md, session 17). TorchScript is
 deprecated; a torch that cannot trace the graph replays the FX module.
 
-A capture is kept only if its replay gives exactly the logits the eager forward gave for the step it
-was captured on and it runs the C++ decode attention (whose Python does not look at the values);
-otherwise, or if the capture raises, graphs stay off for the engine (logged). They also go off where
-they do not pay: the first capture times a replay against the eager forward (a large model's step is
-its weights' reads: Llama-3.2-1B's replayed as Python gained 2-3% and stayed eager; through
-TorchScript it gains 8-11% and keeps them). Only with a KV cache on one rank (the runner decides). A
-capture costs ~0.15 s on llama-50m, ~0.75 s on Llama-3.2-1B, once per batch size, at most MAX_GRAPHS; a
-server captures the sizes up to max_num_seqs before it reports ready (`warm_up`), as many as fit in
-WARM_UP_SECONDS, so that a capture stalls no step of its load (a larger size is captured once it has
-held, as without a warm-up). Those stalls matter: with sizes up to 32 warmed up, 64 streams of a short
-run went slower with 128 running than with 32 (docs/benchmarks.md, session 19). The sampler runs
-eagerly on the graph's logits, so every sampling feature is unchanged.
-"""
+A capture is kept only if its replay gives exactly the logits the eager forward gave for the step it was
+captured on and it runs the C++ decode attention (whose Python does not look at the values); otherwise, or
+if the capture raises, graphs stay off for the engine (logged). They also go off where they do not pay:
+the first capture times a replay against the eager forward (a large model's step is its weights' reads:
+Llama-3.2-1B's replayed as Python gained 2-3% and stayed eager; through TorchScript it gains 8-11% and
+keeps them). Only with a KV cache on one rank (the runner decides). A capture costs ~0.15 s on llama-50m,
+~0.75 s on Llama-3.2-1B, once per batch size, at most MAX_GRAPHS; a server captures the sizes up to
+max_num_seqs before it reports ready (`warm_up`), as many as fit in WARM_UP_SECONDS, so that a capture
+stalls no step of its load (a larger size is captured once it has held, as without a warm-up, while
+MAX_GRAPHS and TABLES_MAX_BYTES allow; past them a size stays eager). Those stalls matter: with sizes up
+to 32 warmed up, 64 streams of a short run went slower with 128 running than with 32 (docs/benchmarks.md,
+session 19). The sampler runs eagerly on the graph's logits, so every sampling feature is unchanged."""
 
 from __future__ import annotations
 

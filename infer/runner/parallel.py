@@ -175,7 +175,7 @@ class ParallelRunner:
         if self.failure is not None:
             raise self.failure
         try:
-            self.ranks.broadcast(sched)
+            self.ranks.broadcast(_without_histories(sched))
             logits, reqs = self.runner.logits(sched)
         except Exception as exc:
             self.failure = self.failure or RankFailure(
@@ -223,3 +223,12 @@ def _config_from_json(text: str):
 
 if __name__ == "__main__":  # a locally started rank (start_ranks)
     sys.exit(run_worker(_config_from_json(sys.argv[1])))
+
+
+def _without_histories(sched: SchedulerOutput) -> SchedulerOutput:
+    """The step as the other ranks need it: they do not sample, so no penalized request's history."""
+    if all(s.history is None for s in sched.scheduled):
+        return sched
+    return dataclasses.replace(
+        sched, scheduled=[dataclasses.replace(s, history=None) for s in sched.scheduled]
+    )

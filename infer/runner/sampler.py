@@ -3,8 +3,8 @@
 Each row has its own temperature, top-k, top-p, min-p and optional seed. Filters run on the whole
 [num_reqs, vocab] tensor at once; the only per-request work is drawing the noise of seeded rows from their
 own generator, which is what makes a seeded request's tokens independent of its batch, and a request's
-allowed ids, logit_bias and penalties (`adjusted`: a float32 copy, only in a step that has such a
-request).
+allowed ids, logit_bias and penalties (`Adjustment`, kept per request; applied to a float32 copy of the
+logits, only in a step that has such a request).
 
 Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i,
 so greedy and random rows share one argmax and no multinomial call is needed.
@@ -36,10 +36,20 @@ class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)  # for rows without their own seed
         self.request_generators: dict[str, torch.Generator] = {}
+        self.adjustments: dict[str, Adjustment] = {}  # of requests with allowed ids, a bias or penalties
 
     def forget(self, req_ids) -> None:
         for req_id in req_ids:
             self.request_generators.pop(req_id, None)
+            self.adjustments.pop(req_id, None)
+
+    def _adjustment(self, req_id: str, p: SamplingParams, vocab: int) -> Adjustment | None:
+        if not p.adjusts_logits:
+            return None
+        state = self.adjustments.get(req_id)
+        if state is None:
+            state = self.adjustments[req_id] = Adjustment(p, vocab)
+        return state
 
     @torch.inference_mode()
     def __call__(
@@ -54,7 +64,9 @@ class Sampler:
         `penalized`; None elsewhere."""
         raw = logits
         if any(p.adjusts_logits for p in params):
-            logits = adjusted(logits, params, histories or [None] * len(params))
+            vocab = logits.shape[1]
+            states = [self._adjustment(req_id, p, vocab) for req_id, p in zip(req_ids, params, strict=True)]
+            logits = adjusted(logits, params, histories or [None] * len(params), states)
         if all(p.greedy for p in params):
             token_ids = argmax(logits)
         else:
@@ -119,37 +131,73 @@ class Sampler:
         return out
 
 
+class Adjustment:
+    """One request's allowed ids, bias and penalty state as tensors, built at its first sampled step and
+    kept (Sampler.adjustments) until it finishes: each later step folds in only the tokens its history
+    gained, O(new tokens) rather than O(history)."""
+
+    def __init__(self, p: SamplingParams, vocab: int):
+        self.params = p
+        self.allowed = None if p.allowed_token_ids is None else torch.tensor(p.allowed_token_ids)
+        self.bias_ids = torch.tensor(list(p.logit_bias)) if p.logit_bias else None
+        self.bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32) if p.logit_bias else None
+        self.seen = torch.zeros(vocab, dtype=torch.bool) if p.repetition_penalty != 1.0 else None
+        self.counts = torch.zeros(vocab) if p.presence_penalty or p.frequency_penalty else None
+        self.num_folded = 0  # tokens of the history already in seen / counts
+
+    def fold(self, history: list[int], num_prompt: int) -> None:
+        new = history[self.num_folded :]
+        if not new:
+            return
+        ids = torch.tensor(new, dtype=torch.long)
+        if self.seen is not None:
+            self.seen[ids] = True
+        if self.counts is not None:
+            outputs = ids[max(num_prompt - self.num_folded, 0) :]
+            self.counts.index_add_(0, outputs, torch.ones(len(outputs)))
+        self.num_folded = len(history)
+
+    def apply(self, x: torch.Tensor) -> None:
+        """In place on one float32 row, in vLLM's order and by its formulas (the repetition penalty is also
+        transformers'): tokens outside allowed_token_ids banned; logit_bias added; over the prompt and
+        the output, a positive logit / repetition_penalty and a negative one * it; over the output,
+        frequency_penalty x (times generated) + presence_penalty x (generated at all) subtracted. A
+        banned token's -inf stays -inf; every other value stays within +-MAX_ADJUSTED_LOGIT, so no
+        penalty can turn a row into NaN or leave it with nothing to sample."""
+        p = self.params
+        if self.allowed is not None:
+            x.copy_(torch.full_like(x, float("-inf")).index_copy_(0, self.allowed, x[self.allowed]))
+        if self.bias is not None:
+            x.index_add_(0, self.bias_ids, self.bias)
+        if self.seen is not None:
+            penalty = min(
+                p.repetition_penalty, torch.finfo(torch.float32).max
+            )  # a float32 factor: 0 * it = 0
+            scaled = torch.where(x > 0, x / penalty, x * penalty).clamp(
+                -MAX_ADJUSTED_LOGIT, MAX_ADJUSTED_LOGIT
+            )
+            x.copy_(torch.where(self.seen & (x > float("-inf")), scaled, x))
+        if self.counts is not None:
+            x -= p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0).float()
+
+
 def adjusted(
-    logits: torch.Tensor, params: list[SamplingParams], histories: list[tuple[list[int], int] | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[tuple[list[int], int] | None],
+    states: list[Adjustment | None] | None = None,
 ) -> torch.Tensor:
-    """A float32 copy of the logits with each row's tokens outside allowed_token_ids banned, its
-    logit_bias added, then its penalties applied, in vLLM's order and by its formulas (the repetition
-    penalty is also transformers'): over the prompt and
-    the output, a positive logit / repetition_penalty and a negative one * it; over the output,
-    frequency_penalty x (times generated) + presence_penalty x (generated at all) subtracted. A banned
-    token's -inf stays -inf."""
+    """A float32 copy of the logits with each row's Adjustment applied (`states`: the requests' own,
+    kept between steps; None: built here from the histories)."""
     out = logits.float() if logits.dtype != torch.float32 else logits.clone()
     vocab = out.shape[1]
     for row, p in enumerate(params):
-        x = out[row]
-        if p.allowed_token_ids is not None:
-            allowed = torch.tensor(p.allowed_token_ids)
-            x.copy_(torch.full_like(x, float("-inf")).index_copy_(0, allowed, x[allowed]))
-        if p.logit_bias:
-            bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
-            x.index_add_(0, torch.tensor(list(p.logit_bias)), bias)
-        if not p.penalized:
+        if not p.adjusts_logits:
             continue
-        tokens, num_prompt = histories[row]
-        tokens = torch.tensor(tokens, dtype=torch.long)
-        if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool)
-            seen[tokens] = True
-            scaled = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-            x.copy_(torch.where(seen, scaled.clamp(max=MAX_ADJUSTED_LOGIT), x))
-        if (p.frequency_penalty or p.presence_penalty) and len(tokens) > num_prompt:
-            counts = torch.bincount(tokens[num_prompt:], minlength=vocab).float()
-            x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        state = states[row] if states is not None else Adjustment(p, vocab)
+        if p.penalized:
+            state.fold(*histories[row])
+        state.apply(out[row])
     return out
 
 

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> token ids -> n choices.
 
-The rendered prompt already holds its special tokens (BOS), so it is encoded with add_special_tokens=False.
+The rendered prompt already holds its special tokens (BOS), so it is encoded with add_special_tokens=False
+(vLLM's default for chat; a request may set it).
 Without max_tokens / max_completion_tokens a reply may use the rest of the context, as in vLLM: the
 longest that the context, the KV pool and (without chunked prefill) the step budget accept.
 """
@@ -85,7 +86,9 @@ _OWN_ARGUMENTS = {"self", "messages", "add_generation_prompt", "tools", "max_cha
 
 def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     """The prompt's token ids (runs on a worker thread: templates and tokenizing can take a while)."""
-    prompt_ids = state.llm.tokenizer.encode(render_chat(state, body), add_special_tokens=False)
+    prompt_ids = state.llm.tokenizer.encode(
+        render_chat(state, body), add_special_tokens=body.add_special_tokens
+    )
     if not prompt_ids:
         raise bad_request("the rendered chat prompt is empty", param="messages")
     return prompt_ids

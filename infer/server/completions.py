@@ -59,7 +59,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     check_priority(state, body.priority)
     state.check_admissible(_num_prompts(body.prompt) * body.n)  # before tokenizing a huge batch
     # tokenizing (and decoding for echo) is CPU work: off the event loop
-    prompts = await asyncio.to_thread(_prompt_ids, state, body.prompt)
+    prompts = await asyncio.to_thread(_prompt_ids, state, body.prompt, body.add_special_tokens)
     echo_text = await asyncio.to_thread(_echo_text, state, prompts) if body.echo else [""] * len(prompts)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
     slo = objectives(state, body)
@@ -87,7 +87,7 @@ def _num_prompts(prompt) -> int:
     return 1 if _is_single(prompt) else len(prompt)
 
 
-def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
+def _prompt_ids(state: ServerState, prompt, special: bool = True) -> list[list[int]]:
     """The batch of prompts as token id lists (text is encoded here, with the tokenizer's BOS)."""
     if _is_single(prompt):
         prompt = [prompt]
@@ -96,7 +96,9 @@ def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
             "prompt is empty: send a string, a list of token ids, or a batch of either", param="prompt"
         )
     tokenizer = state.llm.tokenizer
-    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    prompts = [
+        tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p) for p in prompt
+    ]
     if any(not p for p in prompts):
         raise bad_request("a prompt is empty: each prompt needs at least one token", param="prompt")
     vocab = state.llm.model_config.vocab_size

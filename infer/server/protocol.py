@@ -21,6 +21,9 @@ from infer.sampling_params import INT64_MAX, INT64_MIN, MAX_STOP_STRINGS, MAX_ST
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
 MAX_N = 128
+MAX_TOKEN_ID_LIST = (
+    2**18
+)  # logit_bias / allowed_token_ids entries: more than the largest vocabularies (262,144)
 # `lt=INT64_END` rather than `le=INT64_MAX`: /openapi.json writes bounds as floats, and 2**63 - 1 would
 # round up to 2**63, which a client reading the schema would then send and see refused.
 INT64_END = INT64_MAX + 1
@@ -141,11 +144,17 @@ class _SamplingFields(_Request):
     tpot_slo_ms: Annotated[float, Field(gt=0.0, le=1e9, allow_inf_nan=False)] | None = None
     user: str | None = None  # accepted and ignored
     # OpenAI's: {token id (a string in JSON): bias}; ids checked against the vocabulary by the engine
-    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0  # vLLM's extension
-    allowed_token_ids: list[TokenId] | None = None  # vLLM's
+    logit_bias: (
+        Annotated[
+            dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_TOKEN_ID_LIST)
+        ]
+        | None
+    ) = None
+    # null = the default, as OpenAI and vLLM take it
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None  # vLLM's extension
+    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_ID_LIST)] | None = None  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
 
@@ -155,6 +164,7 @@ PromptType = str | list[int] | list[str] | list[list[int]]  # ids checked agains
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
     max_tokens: Annotated[int, Field(ge=1, lt=INT64_END)] | None = 16  # OpenAI's default for completions
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
@@ -176,6 +186,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True  # vLLM extension
+    add_special_tokens: bool = False  # vLLM's: the template writes BOS; true adds the tokenizer's too
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": False}
     chat_template: str | None = None  # vLLM extension; only with --trust-request-chat-template
     response_format: dict[str, Any] | None = None

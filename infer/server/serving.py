@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import gc
 import itertools
 import json
 import logging
@@ -72,12 +71,7 @@ class ServerState:
 
         def build() -> MeteredEngine:
             engine = MeteredEngine(self.args.engine, self.metrics)
-            engine.warm_up()  # the decode graphs, before /health says ready (infer.runner.decode_graph)
-            # The ~300k objects alive after loading (imports, tokenizer, graphs) out of the collector's
-            # reach, as vLLM does: a full collection of them stalled every stream for ~150 ms, about once
-            # in 1,500 requests (llama-50m, docs/benchmarks.md, session 19).
-            gc.collect()
-            gc.freeze()
+            engine.warm_up()  # decode graphs and a frozen heap, before /health says ready
             return engine
 
         engine = AsyncEngine(factory=build, on_fatal=fatal)
@@ -198,18 +192,27 @@ UNSUPPORTED_FIELDS: dict[str, object] = {
     "continue_final_message": False,
     "prediction": None,
     "audio": None,
+    "return_token_ids": False,
+    "response_format": {"type": "text"},  # declared by chat (which checks it); completions has none
+    "echo": False,  # declared by completions; vLLM's chat echo is not implemented
+    "continuous_usage_stats": False,  # in stream_options
 }
 
 
 def check_fields(body) -> None:
     """400 for an UNSUPPORTED_FIELDS field sent with another value than this server acts on; other
     unknown fields are ignored, and logged (as vLLM does: forward compatibility)."""
-    extra = body.model_extra or {}
+    extra = {**(body.model_extra or {})}
+    if body.stream_options is not None:
+        extra.update({f"stream_options.{k}": v for k, v in (body.stream_options.model_extra or {}).items()})
     for name, value in extra.items():
-        if name in UNSUPPORTED_FIELDS and value not in (UNSUPPORTED_FIELDS[name], None, [], {}):
+        field = name.removeprefix("stream_options.")
+        if field in UNSUPPORTED_FIELDS and value not in (UNSUPPORTED_FIELDS[field], None, [], {}):
             raise bad_request(f"{name} is not supported by this server; leave it out", param=name)
-    if ignored := sorted(set(extra) - UNSUPPORTED_FIELDS.keys()):
-        logger.warning("request fields ignored (unknown to this server): %s", ", ".join(ignored)[:500])
+    if ignored := sorted(
+        name for name in extra if name.removeprefix("stream_options.") not in UNSUPPORTED_FIELDS
+    ):
+        logger.warning("request fields ignored (unknown to this server): %r", ignored[:20])
 
 
 @dataclass
@@ -425,9 +428,9 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             logprobs=logprobs,
             allowed_token_ids=body.allowed_token_ids,
             logit_bias=body.logit_bias or {},
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
         )

@@ -135,6 +135,8 @@ def test_logit_bias_and_penalties_match_transformers(penalized, name):
     results = llm.generate(prompts + prompts[:3], [params] * len(prompts) + [plain] * 3)
     assert [r.token_ids for r in results[: len(prompts)]] == expected
     assert [r.token_ids for r in results[len(prompts) :]] == unpenalized[:3]
+    if name == "preemption_uncached":  # the histories came back through recomputation
+        assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.scheduler.check_integrity()
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
@@ -190,6 +192,15 @@ def test_stop_token_ids_and_min_tokens(tiny):
         prompts[4], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_at])
     )
     assert r.finish_reason == "stop" and r.token_ids == expected[4][: first + 1]
+    decode = llm.engine.tokenizer.decode
+    assert r.text == decode(expected[4][:first])  # the stop token ends the text, not in it (as vLLM)
+    (kept,) = llm.generate(
+        prompts[4],
+        SamplingParams(
+            temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop_at], include_stop_str_in_output=True
+        ),
+    )
+    assert kept.text == decode(expected[4][: first + 1])
     # min_tokens bans the stop token until that many tokens exist: the output must avoid it early on
     banned = expected[4][0]
     params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, stop_token_ids=[banned])
@@ -248,6 +259,8 @@ def test_bad_requests_are_refused_and_nothing_leaks(tiny):
         engine.add_request([1, 2], SamplingParams(logit_bias={vocab: 1.0}))
     with pytest.raises(ValueError, match=rf"^stop_token_ids token ids must be in \[0, {vocab}\)"):
         engine.add_request([1, 2], SamplingParams(stop_token_ids=[vocab + 5]))
+    with pytest.raises(ValueError, match="^allowed_token_ids holds only stop tokens"):
+        engine.add_request([1, 2], SamplingParams(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2))
     with pytest.raises(ValueError):  # 30 + 16 tokens can never fit a 32-token pool
         engine.add_request(prompts[5], SamplingParams(max_tokens=16))
     assert not engine.has_unfinished() and engine.requests == {}

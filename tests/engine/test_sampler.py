@@ -199,3 +199,31 @@ def test_allowed_token_ids_come_before_the_bias():
         assert first == max(allowed, key=lambda t: logits[0, t]) and second in (3, 4)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+
+
+def test_overflowing_penalties_leave_no_nan_and_something_to_sample():
+    """A repetition penalty past float32's range: no 0 * inf (NaN), no row of -inf, bans kept."""
+    logits = torch.tensor([[0.0, 1.0, -1.0, 2.0, -3.0, float("-inf")]])
+    for penalty in (1e39, 1e-39):
+        params = [SamplingParams(temperature=0, repetition_penalty=penalty, allowed_token_ids=[2, 4, 5])]
+        got = adjusted(logits, params, [([0, 1, 2, 3, 4, 5], 0)])
+        assert (
+            not torch.isnan(got).any() and torch.isfinite(got[0, [2, 4]]).all() and got[0, 5] == float("-inf")
+        )
+        assert Sampler()(logits, ["a"], params, [([0, 1, 2, 3, 4, 5], 0)]).token_ids[0] in (2, 4)
+
+
+def test_a_requests_state_folds_in_only_new_tokens():
+    """The Sampler keeps each penalized request's counts between steps: the same logits as built from the
+    whole history each time, and gone once the request is forgotten."""
+    logits = logits_rows(1, vocab=40, seed=9)
+    p = SamplingParams(temperature=0, presence_penalty=0.4, frequency_penalty=0.7, repetition_penalty=1.2)
+    sampler, history = Sampler(), [3, 5, 5, 9]
+    for step in range(6):
+        state = sampler._adjustment("r", p, 40)
+        got = adjusted(logits, [p], [(history, 4)], [state])
+        torch.testing.assert_close(got, adjusted(logits, [p], [(history, 4)]))
+        history.append([5, 11, 11, 2, 39, 5][step])
+    assert state.num_folded == 9 and "r" in sampler.adjustments
+    sampler.forget(["r"])
+    assert "r" not in sampler.adjustments

@@ -50,6 +50,19 @@ def test_completion_usage_is_exact(client, model):
     assert resp.usage.prompt_tokens_details.cached_tokens >= 0
 
 
+def test_add_special_tokens_and_null_penalties(client, model):
+    """vLLM's add_special_tokens: a text prompt gets the tokenizer's BOS unless false; a chat prompt (whose
+    template writes it) only if true. Penalties sent as null are their defaults, as OpenAI takes them."""
+    kwargs = dict(model=model, max_tokens=1)
+    usage = lambda **kw: client.completions.create(prompt="Hello there", **kwargs, **kw).usage.prompt_tokens
+    assert usage() == usage(extra_body={"add_special_tokens": False}) + 1
+    chat = lambda **kw: client.chat.completions.create(messages=MESSAGES, **kwargs, **kw).usage.prompt_tokens
+    assert chat(extra_body={"add_special_tokens": True}) == chat() + 1
+    nulls = {**IGNORE_EOS, "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None}
+    resp = client.completions.create(prompt="Hi", model=model, max_tokens=2, extra_body=nulls)
+    assert resp.usage.completion_tokens == 2
+
+
 def test_completion_default_max_tokens_is_16(client, model):
     resp = client.completions.create(model=model, prompt="Once upon a time", extra_body=IGNORE_EOS)
     assert resp.usage.completion_tokens == 16
