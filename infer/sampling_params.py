@@ -35,10 +35,11 @@ class SamplingParams:
     min_tokens: EOS and stop_token_ids are ignored until this many tokens were generated.
     ignore_eos: keep generating through the model's EOS token(s) (stop_token_ids still stop).
     stop: stop strings; the engine ends the request when one appears and strips it from the text.
-    include_stop_str_in_output: keep the matched stop string at the end of the text (vLLM's).
+    include_stop_str_in_output: keep the matched stop string, or the text of the stop token, at the end
+        of the text (vLLM's).
     skip_special_tokens: leave special tokens (EOS, ...) out of the text (vLLM's; the token ids keep them).
     stop_token_ids: extra token ids that end the request (finish reason "stop"); the token is kept in
-        the output ids, as EOS is, and the detokenizer decides whether to show it.
+        the output ids, as EOS is, and left out of the text unless include_stop_str_in_output (as vLLM).
     logprobs: None = none; N >= 0 = log-probability of the sampled token plus the top-N alternatives.
         They are the model's own (before logit_bias, penalties and temperature), as vLLM reports them.
     allowed_token_ids: only these tokens can be sampled (vLLM's); None = every token.
