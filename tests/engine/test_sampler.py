@@ -220,7 +220,7 @@ def test_a_requests_state_folds_in_only_new_tokens():
     p = SamplingParams(temperature=0, presence_penalty=0.4, frequency_penalty=0.7, repetition_penalty=1.2)
     sampler, history = Sampler(), [3, 5, 5, 9]
     for step in range(6):
-        state = sampler._adjustment("r", p, 40)
+        state = sampler._adjustment("r", p)
         got = adjusted(logits, [p], [(history, 4)], [state])
         torch.testing.assert_close(got, adjusted(logits, [p], [(history, 4)]))
         history.append([5, 11, 11, 2, 39, 5][step])
