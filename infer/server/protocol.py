@@ -123,7 +123,18 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. A field sent as null takes its default, as
+    OpenAI's API reads null for its optional fields (`"temperature": null` is 1.0, not a 400)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None
+        }
 
     model: str | None = None
     temperature: Annotated[float, Field(ge=0.0)] = 1.0
@@ -150,10 +161,9 @@ class _SamplingFields(_Request):
         ]
         | None
     ) = None
-    # null = the default, as OpenAI and vLLM take it
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None  # vLLM's extension
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0  # vLLM's extension
     allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_ID_LIST)] | None = None  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's

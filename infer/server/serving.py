@@ -428,9 +428,9 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             logprobs=logprobs,
             allowed_token_ids=body.allowed_token_ids,
             logit_bias=body.logit_bias or {},
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=body.repetition_penalty or 1.0,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
         )

@@ -52,15 +52,20 @@ def test_completion_usage_is_exact(client, model):
 
 def test_add_special_tokens_and_null_penalties(client, model):
     """vLLM's add_special_tokens: a text prompt gets the tokenizer's BOS unless false; a chat prompt (whose
-    template writes it) only if true. Penalties sent as null are their defaults, as OpenAI takes them."""
+    template writes it) only if true. Fields sent as null take their defaults, as OpenAI reads them."""
     kwargs = dict(model=model, max_tokens=1)
     usage = lambda **kw: client.completions.create(prompt="Hello there", **kwargs, **kw).usage.prompt_tokens
     assert usage() == usage(extra_body={"add_special_tokens": False}) + 1
     chat = lambda **kw: client.chat.completions.create(messages=MESSAGES, **kwargs, **kw).usage.prompt_tokens
     assert chat(extra_body={"add_special_tokens": True}) == chat() + 1
-    nulls = {**IGNORE_EOS, "presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None}
-    resp = client.completions.create(prompt="Hi", model=model, max_tokens=2, extra_body=nulls)
-    assert resp.usage.completion_tokens == 2
+    nulls = {"presence_penalty": None, "frequency_penalty": None, "repetition_penalty": None, "n": None}
+    nulls |= {"temperature": None, "top_p": None, "stream": None, "logprobs": None, "max_tokens": None}
+    resp = client.completions.create(prompt="Hi", model=model, extra_body=nulls)  # every default
+    assert resp.usage.completion_tokens <= 16 and len(resp.choices) == 1 and resp.choices[0].logprobs is None
+    chat = client.chat.completions.create(
+        messages=MESSAGES, model=model, extra_body={**nulls, "max_tokens": 3}
+    )
+    assert chat.usage.completion_tokens <= 3
 
 
 def test_completion_default_max_tokens_is_16(client, model):
