@@ -186,9 +186,8 @@ class LLMEngine:
         bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
-        checked = ("stop_token_ids", "logit_bias", "allowed_token_ids")
-        for name, ids in ((name, getattr(params, name) or ()) for name in checked):
-            bad = [t for t in ids if t >= vocab]
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= vocab]
             if bad:  # a logit_bias id past the logits would fail the step of every request beside it
                 raise ValueError(f"{name} token ids must be in [0, {vocab}) (the vocabulary); got {bad[:5]}")
         if params.allowed_token_ids is not None and params.min_tokens:

@@ -45,9 +45,8 @@ from infer.sampling_params import SamplingParams
 logger = logging.getLogger("infer.runner")
 STEADY_STEPS = 4  # pure-decode steps of one batch size before it is captured: a passing size never is
 MAX_GRAPHS = 128  # the default max_num_seqs: every batch size of a default server
-WARM_UP_SECONDS = (
-    30  # the server's captures before it is ready (llama-50m: 128 in 19 s); the rest once they hold
-)
+# the server's captures before it is ready (llama-50m: 128 in 19 s); the rest once they hold
+WARM_UP_SECONDS = 30
 MIN_GAIN = 0.95  # a replay must take less than this share of the eager forward's time, or graphs go off
 TABLES_MAX_BYTES = 64 * 2**20  # all graphs' block tables (n x max_blocks int64): a long context's are large
 

@@ -221,10 +221,6 @@ def _config_from_json(text: str):
     return EngineConfig(**json.loads(text))
 
 
-if __name__ == "__main__":  # a locally started rank (start_ranks)
-    sys.exit(run_worker(_config_from_json(sys.argv[1])))
-
-
 def _without_histories(sched: SchedulerOutput) -> SchedulerOutput:
     """The step as the other ranks need it: they do not sample, so no penalized request's history."""
     if all(s.history is None for s in sched.scheduled):
@@ -232,3 +228,7 @@ def _without_histories(sched: SchedulerOutput) -> SchedulerOutput:
     return dataclasses.replace(
         sched, scheduled=[dataclasses.replace(s, history=None) for s in sched.scheduled]
     )
+
+
+if __name__ == "__main__":  # a locally started rank (start_ranks)
+    sys.exit(run_worker(_config_from_json(sys.argv[1])))

@@ -144,15 +144,15 @@ class Adjustment:
         self.allowed = None if p.allowed_token_ids is None else torch.tensor(p.allowed_token_ids)
         self.bias_ids = torch.tensor(list(p.logit_bias)) if p.logit_bias else None
         self.bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32) if p.logit_bias else None
-        self.seen: dict[int, None] | None = {} if p.repetition_penalty != 1.0 else None  # ordered set
-        self.seen_ids: torch.Tensor | None = None  # its keys as a tensor, in the same order
+        self.seen: set[int] | None = set() if p.repetition_penalty != 1.0 else None
+        self.seen_ids: torch.Tensor | None = None  # the same ids as a tensor
         self.counts: dict[int, int] | None = {} if p.presence_penalty or p.frequency_penalty else None
         self.num_folded = 0  # tokens of the history already in seen / counts
 
     def fold(self, history: list[int], num_prompt: int) -> None:
         new = history[self.num_folded :]
         if self.seen is not None and (fresh := [t for t in dict.fromkeys(new) if t not in self.seen]):
-            self.seen.update(dict.fromkeys(fresh))
+            self.seen.update(fresh)
             fresh_ids = torch.tensor(fresh)
             self.seen_ids = fresh_ids if self.seen_ids is None else torch.cat([self.seen_ids, fresh_ids])
         if self.counts is not None:

@@ -21,9 +21,8 @@ from infer.sampling_params import INT64_MAX, INT64_MIN, MAX_STOP_STRINGS, MAX_ST
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
 MAX_N = 128
-MAX_TOKEN_ID_LIST = (
-    2**18
-)  # logit_bias / allowed_token_ids entries: more than the largest vocabularies (262,144)
+# logit_bias / allowed_token_ids entries at most: as many as the largest vocabularies (262,144)
+MAX_TOKEN_ID_LIST = 2**18
 # `lt=INT64_END` rather than `le=INT64_MAX`: /openapi.json writes bounds as floats, and 2**63 - 1 would
 # round up to 2**63, which a client reading the schema would then send and see refused.
 INT64_END = INT64_MAX + 1

@@ -202,17 +202,18 @@ UNSUPPORTED_FIELDS: dict[str, object] = {
 def check_fields(body) -> None:
     """400 for an UNSUPPORTED_FIELDS field sent with another value than this server acts on; other
     unknown fields are ignored, and logged (as vLLM does: forward compatibility)."""
-    extra = {**(body.model_extra or {})}
+    extra = [(name, name, value) for name, value in (body.model_extra or {}).items()]
     if body.stream_options is not None:
-        extra.update({f"stream_options.{k}": v for k, v in (body.stream_options.model_extra or {}).items()})
-    for name, value in extra.items():
-        field = name.removeprefix("stream_options.")
-        if field in UNSUPPORTED_FIELDS and value not in (UNSUPPORTED_FIELDS[field], None, [], {}):
-            raise bad_request(f"{name} is not supported by this server; leave it out", param=name)
-    if ignored := sorted(
-        name for name in extra if name.removeprefix("stream_options.") not in UNSUPPORTED_FIELDS
-    ):
-        logger.warning("request fields ignored (unknown to this server): %r", ignored[:20])
+        nested = body.stream_options.model_extra or {}
+        extra += [(f"stream_options.{name}", name, value) for name, value in nested.items()]
+    ignored = []
+    for shown, name, value in extra:
+        if name not in UNSUPPORTED_FIELDS:
+            ignored.append(shown)
+        elif value not in (UNSUPPORTED_FIELDS[name], None, [], {}):
+            raise bad_request(f"{shown} is not supported by this server; leave it out", param=shown)
+    if ignored:
+        logger.warning("request fields ignored (unknown to this server): %r", sorted(ignored)[:20])
 
 
 @dataclass
@@ -387,11 +388,8 @@ async def start_stream(request: Request, fanout: Fanout, param: str) -> bool:
     return bool(started)
 
 
-_VOCAB_CHECKED = (
-    "stop_token_ids",
-    "logit_bias",
-    "allowed_token_ids",
-)  # the engine checks their token ids against the vocabulary
+# the engine checks their token ids against the vocabulary
+_VOCAB_CHECKED = ("stop_token_ids", "logit_bias", "allowed_token_ids")
 
 
 def engine_error(exc: Exception, param: str) -> APIError:
