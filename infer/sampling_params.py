@@ -7,6 +7,7 @@ the engine, which then finishes the request through `Scheduler.finish_requests`.
 
 from __future__ import annotations
 
+import json as _json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -19,6 +20,78 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_LEN = 512
 MAX_STOP_TOKEN_IDS = 1024
+# A grammar's text at most (a JSON schema serialized, a regex, a grammar, the choices together): the
+# compiler's time and memory grow with it, and it runs beside other requests' steps.
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the generated text, vLLM's `structured_outputs` (its StructuredOutputsParams):
+    exactly one of
+
+    json: a JSON schema (a dict, or its JSON text): the output is a JSON value that matches it.
+    json_object: True: the output is any JSON object (OpenAI's response_format {"type": "json_object"}).
+    regex: the output matches this regular expression (Rust regex syntax, anchored at both ends).
+    choice: the output is one of these strings.
+    grammar: the output is a sentence of this context-free grammar, in Lark or GBNF (llama.cpp's) syntax.
+
+    disable_any_whitespace: JSON without whitespace between its tokens (default: any JSON whitespace).
+    disable_additional_properties: a JSON schema's objects get no properties beyond those it lists
+        (JSON Schema allows them unless `additionalProperties` says otherwise).
+
+    Pure data (requests cross to tensor-parallel ranks pickled); infer.runner.grammar compiles it."""
+
+    json: str | dict | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [
+            k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) is not None
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice and grammar; "
+                f"got {kinds or 'none'}"
+            )
+        kind = kinds[0]
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, str | dict):
+            raise ValueError(
+                f"structured_outputs json must be a JSON schema (an object or its text), got {value!r}"
+            )
+        if kind == "json_object" and value is not True:
+            raise ValueError("structured_outputs json_object must be true (leave it out otherwise)")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"structured_outputs {kind} must be a non-empty string")
+        if kind == "choice" and (not value or not all(isinstance(c, str) and c for c in value)):
+            raise ValueError("structured_outputs choice must be a list of non-empty strings")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs {name} must be a bool, got {getattr(self, name)!r}")
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs {kind} must be at most {MAX_GRAMMAR_CHARS} characters")
+
+    @property
+    def kind(self) -> str:
+        return next(
+            k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) is not None
+        )
+
+    @property
+    def text(self) -> str:
+        """The constraint as one string (a compiled grammar's cache key, with the options)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, dict) or self.kind == "choice":
+            return _json.dumps(list(value) if self.kind == "choice" else value, sort_keys=True)
+        return str(value)
 
 
 @dataclass
@@ -50,7 +123,9 @@ class SamplingParams:
         [-2, 2], 0 = off).
     repetition_penalty: every token of the prompt or the output has a positive logit divided by it and a
         negative one multiplied (CTRL's, as vLLM's and transformers'; > 0, 1.0 = off, > 1 discourages).
-    Applied in that order (allowed ids, bias, then the penalties), as vLLM applies them; greedy
+    structured_outputs: a grammar the output must follow (JSON schema, regex, choice, ...): tokens that
+        would break it are banned at each step; once it is complete only EOS is left. None = free text.
+    Applied in that order (grammar, allowed ids, bias, then the penalties), as vLLM applies them; greedy
     requests take the argmax of the adjusted logits.
     """
 
@@ -72,6 +147,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a single stop string is a common convenience
@@ -134,6 +210,10 @@ class SamplingParams:
         )
         if self.repetition_penalty == 0:
             raise ValueError("repetition_penalty must be a finite float > 0 (1.0 = off), got 0")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputs, got {self.structured_outputs!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -145,8 +225,18 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
     @property
+    def needs_history(self) -> bool:
+        """Sampling reads the request's tokens so far: penalties count them, a grammar consumes them."""
+        return self.penalized or self.structured_outputs is not None
+
+    @property
     def adjusts_logits(self) -> bool:
-        return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None
+        return (
+            self.penalized
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or self.structured_outputs is not None
+        )
 
 
 def _check_int(name: str, value: object, expected: str, minimum: int | None) -> None:

@@ -30,8 +30,9 @@ class ScheduledRequest:
         start_pos + len(token_ids) - num_prompt_tokens (min_tokens masks EOS and stop_token_ids until
         then; a seed combined with this index gives the same draws before and after a preemption).
     history: the request's whole sequence so far (prompt, then outputs), when this step samples for a
-        request with penalties (SamplingParams.penalized); None otherwise. The request's own list, not a
-        copy: read it within the step (the sampler folds in only what it gained since its last step).
+        request with penalties or a grammar (SamplingParams.needs_history); None otherwise. The request's
+        own list, not a copy: read it within the step (the sampler takes in only what it gained since its
+        last step).
     """
 
     req_id: str

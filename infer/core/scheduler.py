@@ -361,7 +361,7 @@ class Scheduler:
                     sample=sample,
                     sampling_params=req.sampling_params,
                     num_prompt_tokens=req.num_prompt_tokens,
-                    history=req.token_ids if sample and req.sampling_params.penalized else None,
+                    history=req.token_ids if sample and req.sampling_params.needs_history else None,
                 )
             )
             if req.num_output_tokens and start == req.num_tokens - 1:  # feeds the last sampled token

@@ -40,6 +40,7 @@ from infer.engine.async_engine import RequestFailed
 from infer.engine.llm_engine import StepOutput
 from infer.engine.tokenizer import Tokenizer
 from infer.models.loader import resolve_model_path, tokenizer_folder
+from infer.runner.grammar import GrammarCompiler
 from infer.sampling_params import SamplingParams
 from infer.server.args import ServerArgs
 from infer.server.metrics import PREFIX, Metrics
@@ -72,6 +73,8 @@ class EngineView:
         self.trace = None  # refused at start with --replicas (infer.deploy.args)
         path = resolve_model_path(self.config.model, self.config.load_format)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder(path))  # as LLMEngine finds it
+        vocab_size = max(self.model_config.vocab_size, self.tokenizer.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), vocab_size, self.tokenizer.eos_token_ids)
 
 
 @dataclasses.dataclass

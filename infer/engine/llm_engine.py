@@ -36,6 +36,7 @@ from infer.engine.tokenizer import Tokenizer
 from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
 from infer.models.loader import load_engine_model, tokenizer_folder, weight_bytes
+from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
@@ -97,6 +98,11 @@ class LLMEngine:
         tp = ranks.tp if ranks else SINGLE
         model, self.model_config, path = load_engine_model(config, tp)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder(path))
+        self.grammars = GrammarCompiler(
+            self.tokenizer.to_json(),
+            max(self.model_config.vocab_size, self.tokenizer.vocab_size),
+            self.tokenizer.eos_token_ids,
+        )
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
         model_dtype = next(model.parameters()).dtype
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)
@@ -134,6 +140,7 @@ class LLMEngine:
             tp,
             self.kv_cache_dtype,
             None if config.enforce_eager else self.max_model_len,
+            self.grammars,
         )
         if ranks is not None:
             ranks.broadcast(num_blocks)
@@ -199,6 +206,8 @@ class LLMEngine:
                     "allowed_token_ids holds only stop tokens, which min_tokens bans until that many tokens "
                     "exist; allow another token or drop min_tokens"
                 )
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)  # compiled once, by the server's check
         if slo is None and self.slo_classes is not None:
             slo = self.slo_classes.objectives_for(len(token_ids), params.max_tokens)
         req = Request(

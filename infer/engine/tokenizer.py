@@ -20,6 +20,7 @@ byte-identical to `apply_chat_template(..., tokenize=False)`.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -148,6 +149,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (the size of the embedding the ids index)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text, added tokens included, without padding or truncation (what
+        llguidance reads to map its grammars onto tokens: infer.runner.grammar)."""
+        backend = copy.copy(self._backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return backend.to_str()
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)

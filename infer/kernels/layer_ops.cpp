@@ -257,20 +257,22 @@ int64_t argmax_row(const T* x, int64_t n) {
   const int64_t vec_end = n / kBlock * kBlock;
   float best = -INFINITY;
   int64_t best_block = -1;
-  VecF poison = vzero();  // x * 0 is NaN for a NaN or an infinity: such rows take the exact scalar path
+  // NaN once a NaN was seen: such rows take the exact scalar path. Infinities stay on the vector path
+  // (-inf is what every ban writes: a grammar's mask bans most of the vocabulary).
+  VecF poison = vzero();
   for (int64_t b = 0; b < vec_end; b += kBlock) {
     VecF m = vset1(-INFINITY);
     for (int64_t i = 0; i < kBlock; i += kLanes) {
       const VecF v = vload(x + b + i);
       m = vmax(m, v);
-      poison = vfma(v, vzero(), poison);
+      poison = vadd(poison, vnan_only(v));
     }
     const float block_max = vhmax(m);
     if (block_max > best) best = block_max, best_block = b;
   }
   const float sum = vsum(poison);
   int64_t begin = 0, end = n;
-  if (sum == sum) {  // every value finite: the first maximum is in best_block, or in the tail
+  if (sum == sum) {  // no NaN: the first maximum is in best_block, or in the tail
     int64_t found = -1;
     if (best_block >= 0)
       for (int64_t i = best_block; i < best_block + kBlock; ++i)

@@ -47,6 +47,7 @@ inline VecF vscale2(VecF x, VecF n) { return _mm512_scalef_ps(x, n); }  // x * 2
 inline VecF vzero_below(VecF y, VecF x, float lo) {  // y where x >= lo, else 0
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(lo), _CMP_GE_OQ), y);
 }
+inline VecF vnan_only(VecF x) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); }
 
 // lane i of the result = the sum of a[i]'s 16 lanes: a transpose-and-add tree, ~3 instructions per sum
 // where a reduction of each vector on its own takes ~9
@@ -94,6 +95,7 @@ inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
 inline VecF vdiv(VecF a, VecF b) { return _mm256_div_ps(a, b); }
 inline VecF vmax(VecF a, VecF b) { return _mm256_max_ps(a, b); }
 inline VecF vmin(VecF a, VecF b) { return _mm256_min_ps(a, b); }
+inline VecF vnan_only(VecF x) { return _mm256_and_ps(x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
 inline VecF vfma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(VecF x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -154,6 +156,9 @@ inline VecF vmul(VecF a, VecF b) { return velementwise(a, b, [](float x, float y
 inline VecF vdiv(VecF a, VecF b) { return velementwise(a, b, [](float x, float y) { return x / y; }); }
 inline VecF vmax(VecF a, VecF b) {
   return velementwise(a, b, [](float x, float y) { return std::max(x, y); });
+}
+inline VecF vnan_only(VecF a) {  // a's NaN lanes, 0 elsewhere
+  return velementwise(a, a, [](float x, float) { return x != x ? x : 0.f; });
 }
 inline VecF vfma(VecF a, VecF b, VecF c) {
   for (int i = 0; i < 8; ++i) c.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);

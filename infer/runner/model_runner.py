@@ -18,6 +18,7 @@ from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
 from infer.layers.attention import AttentionMetadata
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.runner.decode_graph import DecodeGraphs
+from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import allocate_kv_cache
 from infer.runner.sampler import Sampler
 
@@ -42,6 +43,7 @@ class ModelRunner:
         tp: TensorParallel = SINGLE,
         kv_cache_dtype: torch.dtype | None = None,
         decode_graphs_max_len: int | None = None,
+        grammars: GrammarCompiler | None = None,
     ):
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
@@ -53,7 +55,7 @@ class ModelRunner:
             if use_kv_cache
             else None
         )
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, grammars)
         built = kernels.load() is not None  # now, not in the first step that needs it (a first build: ~10 s)
         # decode steps replayed from graphs (infer.runner.decode_graph): given the longest sequence, with a
         # KV cache, on one rank, and the C++ kernels to run

@@ -222,7 +222,7 @@ def _config_from_json(text: str):
 
 
 def _without_histories(sched: SchedulerOutput) -> SchedulerOutput:
-    """The step as the other ranks need it: they do not sample, so no penalized request's history."""
+    """The step as the other ranks need it: they do not sample, so no request's history."""
     if all(s.history is None for s in sched.scheduled):
         return sched
     return dataclasses.replace(

@@ -2,9 +2,10 @@
 
 Each row has its own temperature, top-k, top-p, min-p and optional seed. Filters run on the whole
 [num_reqs, vocab] tensor at once; the only per-request work is drawing the noise of seeded rows from their
-own generator, which is what makes a seeded request's tokens independent of its batch, and a request's
-allowed ids, logit_bias and penalties (`Adjustment`, kept per request; applied to a float32 copy of the
-logits, only in a step that has such a request).
+own generator, which is what makes a seeded request's tokens independent of its batch, a request's
+grammar (structured outputs: infer.runner.grammar) and its allowed ids, logit_bias and penalties
+(`Adjustment`); both kept per request and applied to a float32 copy of the logits, only in a step that
+has such a request.
 
 Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i,
 so greedy and random rows share one argmax and no multinomial call is needed.
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from infer import kernels
+from infer.config import usable_cores
+from infer.runner.grammar import Grammar, GrammarCompiler, banned
 from infer.sampling_params import SamplingParams
 
 MAX_TEMPERATURE = 1e4
@@ -34,18 +37,22 @@ class SampleResult:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, grammars: GrammarCompiler | None = None):
         self.generator = torch.Generator().manual_seed(seed)  # for rows without their own seed
         self.request_generators: dict[str, torch.Generator] = {}
         self.adjustments: dict[str, Adjustment] = {}  # of requests with allowed ids, a bias or penalties
+        self.compiler = grammars  # None: structured outputs are refused before they get here
+        self.grammars: dict[str, Grammar] = {}  # of requests with structured outputs
+        self._executor = None  # llguidance's threads, for the masks of several grammars in one step
 
     def forget(self, req_ids) -> None:
         for req_id in req_ids:
             self.request_generators.pop(req_id, None)
             self.adjustments.pop(req_id, None)
+            self.grammars.pop(req_id, None)
 
     def _adjustment(self, req_id: str, p: SamplingParams) -> Adjustment | None:
-        if not p.adjusts_logits:
+        if not _has_adjustment(p):
             return None
         state = self.adjustments.get(req_id)
         if state is None:
@@ -61,18 +68,41 @@ class Sampler:
         histories: list[tuple[list[int], int] | None] | None = None,
     ) -> SampleResult:
         """logits: [num_reqs, vocab_size], float32 or the LM head's dtype (upcast where math needs it).
-        histories: per row, (the request's tokens so far, its prompt's length) where its params are
-        `penalized`; None elsewhere."""
+        histories: per row, (the request's tokens so far, its prompt's length) where its params
+        `needs_history`; None elsewhere."""
         raw = logits
         if any(p.adjusts_logits for p in params):
+            histories = histories or [None] * len(params)
             states = [self._adjustment(req_id, p) for req_id, p in zip(req_ids, params, strict=True)]
-            logits = adjusted(logits, params, histories or [None] * len(params), states)
+            bans = self._grammar_bans(req_ids, params, histories, logits.shape[1])
+            logits = adjusted(logits, params, histories, states, bans)
         if all(p.greedy for p in params):
             token_ids = argmax(logits)
         else:
             probs = self._filtered_probs(logits.float(), params)
             token_ids = (probs / self._noise(probs.shape, req_ids, params)).argmax(dim=-1)
         return SampleResult(token_ids.tolist(), self._logprobs(raw, token_ids, params))
+
+    def _grammar_bans(self, req_ids, params, histories, num_logits: int):
+        """(rows, bool [len(rows), num_logits]) of the rows with a grammar: what each bans next."""
+        rows = [row for row, p in enumerate(params) if p.structured_outputs is not None]
+        if not rows:
+            return None
+        grammars = []
+        for row in rows:
+            grammar = self.grammars.get(req_ids[row])
+            if grammar is None:
+                grammar = self.grammars[req_ids[row]] = Grammar(
+                    self.compiler.matcher(params[row].structured_outputs)
+                )
+            history, num_prompt = histories[row]
+            grammar.advance(history[num_prompt:])
+            grammars.append(grammar)
+        if len(grammars) > 1 and self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor(num_threads=usable_cores())
+        return rows, banned(grammars, self.compiler.vocab_size, num_logits, self._executor)
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         # Above ~1e4 the distribution is uniform to float32 precision; the cap keeps 1e300 from becoming
@@ -129,6 +159,10 @@ class Sampler:
             top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True)) if n else []
             out.append((sampled[row], top))
         return out
+
+
+def _has_adjustment(p: SamplingParams) -> bool:
+    return p.penalized or bool(p.logit_bias) or p.allowed_token_ids is not None
 
 
 class Adjustment:
@@ -190,17 +224,32 @@ def adjusted(
     params: list[SamplingParams],
     histories: list[tuple[list[int], int] | None],
     states: list[Adjustment | None] | None = None,
+    bans: tuple[list[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """A float32 copy of the logits with each row's Adjustment applied (`states`: the requests' own,
-    kept between steps; None: built here from the histories)."""
+    """A float32 copy of the logits with each row's grammar bans (`bans`: rows, bool [rows, vocab]) and
+    Adjustment applied (`states`: the requests' own, kept between steps; None: built here from the
+    histories). A grammar is never broken: where the other bans (allowed ids, min_tokens) leave a row
+    nothing, it samples among the grammar's tokens alone."""
     out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    if bans is not None:
+        rows, banned_ids = bans
+        if len(rows) == len(params):  # every row (one pass, no gather and scatter)
+            out.masked_fill_(banned_ids, float("-inf"))
+        else:
+            out[rows] = out[rows].masked_fill_(banned_ids, float("-inf"))
     for row, p in enumerate(params):
-        if not p.adjusts_logits:
+        if not _has_adjustment(p):
             continue
         state = states[row] if states is not None else Adjustment(p)
         if p.penalized:
             state.fold(*histories[row])
         state.apply(out[row])
+    if bans is not None:
+        for i, row in enumerate(rows):
+            p = params[row]
+            # only these can ban what a grammar allows (a logit_bias or a penalty stays finite)
+            if (p.min_tokens or p.allowed_token_ids is not None) and out[row].max() == float("-inf"):
+                out[row] = torch.zeros(out.shape[1]).masked_fill_(banned_ids[i], float("-inf"))
     return out
 
 

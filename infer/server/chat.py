@@ -30,6 +30,7 @@ from infer.server.serving import (
     ServerState,
     cancel_on_disconnect,
     check_fields,
+    check_grammar,
     check_model,
     check_priority,
     choice_params,
@@ -55,14 +56,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     check_priority(state, body.priority)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
     prompt_ids = await asyncio.to_thread(_prompt_ids, state, body)  # CPU work off the event loop
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(1, state.max_request_len - len(prompt_ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs)
+    await check_grammar(state, body, params)
     slo = objectives(state, body)
     jobs = [Job(prompt_ids, choice_params(params, j), body.priority, slo) for j in range(body.n)]
     state.admit(len(jobs), fits=state.fits(len(prompt_ids), max_tokens))

@@ -22,6 +22,7 @@ from infer.server.serving import (
     ServerState,
     cancel_on_disconnect,
     check_fields,
+    check_grammar,
     check_model,
     check_priority,
     choice_params,
@@ -62,6 +63,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     prompts = await asyncio.to_thread(_prompt_ids, state, body.prompt, body.add_special_tokens)
     echo_text = await asyncio.to_thread(_echo_text, state, prompts) if body.echo else [""] * len(prompts)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+    await check_grammar(state, body, params)
     slo = objectives(state, body)
     jobs = [Job(ids, choice_params(params, j), body.priority, slo) for ids in prompts for j in range(body.n)]
     state.admit(len(jobs), fits=all(state.fits(len(ids), params.max_tokens) for ids in prompts))

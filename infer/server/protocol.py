@@ -2,8 +2,9 @@
 
 Request models keep OpenAI's field names and defaults, plus the vLLM extensions (top_k, min_p, min_tokens,
 ignore_eos, repetition_penalty, allowed_token_ids, include_stop_str_in_output, skip_special_tokens,
-priority) and ours (ttft_slo_ms, tpot_slo_ms) that clients pass through `extra_body`. Unknown fields are
-ignored and logged, as vLLM does, but for those of vLLM's and OpenAI's that would change the output
+structured_outputs, priority) and ours (ttft_slo_ms, tpot_slo_ms) that clients pass through
+`extra_body`. Unknown fields are ignored and logged, as vLLM does, but for those of vLLM's and OpenAI's
+that would change the output
 (serving.check_fields: a 400). Everything a request can carry is bounded here, at the edge, so that no
 value reaches the engine that could fail a step shared with other requests: ints fit int64, floats are
 finite, and every string is valid Unicode (JSON may carry lone UTF-16 surrogates, which no tokenizer can
@@ -121,6 +122,40 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class StructuredOutputsBody(_Request):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams): exactly one constraint. `json` is a JSON
+    schema (an object, or its text). Its other options (whitespace_pattern, structural_tag) are refused."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")  # `json` would shadow BaseModel's
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's response_format.json_schema: `schema` is the JSON schema; name, description and strict are
+    accepted (the output follows the schema strictly either way)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: free text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions. A field sent as null takes its default, as
     OpenAI's API reads null for its optional fields (`"temperature": null` is 1.0, not a 400)."""
@@ -166,6 +201,8 @@ class _SamplingFields(_Request):
     allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_ID_LIST)] | None = None  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
+    response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too
+    structured_outputs: StructuredOutputsBody | None = None  # vLLM's
 
 
 PromptType = str | list[int] | list[str] | list[list[int]]  # ids checked against the vocabulary
@@ -198,7 +235,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # vLLM's: the template writes BOS; true adds the tokenizer's too
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": False}
     chat_template: str | None = None  # vLLM extension; only with --trust-request-chat-template
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
 

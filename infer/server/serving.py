@@ -36,7 +36,7 @@ from fastapi.responses import StreamingResponse
 from infer.core.slo import LateRequest, Objectives
 from infer.engine.async_engine import AsyncEngine, RequestFailed
 from infer.engine.llm_engine import StepOutput
-from infer.sampling_params import INT64_MIN, SamplingParams
+from infer.sampling_params import INT64_MIN, SamplingParams, StructuredOutputs
 from infer.server.args import ServerArgs
 from infer.server.metrics import MeteredEngine, Metrics
 from infer.server.protocol import APIError, bad_request
@@ -184,16 +184,10 @@ UNSUPPORTED_FIELDS: dict[str, object] = {
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
     "logits_processors": None,
-    "structured_outputs": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
     "continue_final_message": False,
     "prediction": None,
     "audio": None,
     "return_token_ids": False,
-    "response_format": {"type": "text"},  # declared by chat (which checks it); completions has none
     "echo": False,  # declared by completions; vLLM's chat echo is not implemented
     "continuous_usage_stats": False,  # in stream_options
 }
@@ -431,10 +425,91 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             repetition_penalty=body.repetition_penalty,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
+            structured_outputs=structured_outputs(body),
         )
     except ValueError as exc:  # its messages start with the field's name
-        field = str(exc).split(" ", 1)[0]
-        raise bad_request(str(exc), param=field if field in type(body).model_fields else None) from exc
+        field = str(exc).split(" ", 1)[0].rstrip(":")
+        known = field in type(body).model_fields or field in GUIDED_FIELDS
+        raise bad_request(str(exc), param=field if known else None) from exc
+
+
+# vLLM's request fields before `structured_outputs` replaced them (vLLM 0.11), still sent by older clients
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
+
+
+def _constraints(body) -> tuple[list[tuple[str, dict]], dict]:
+    """(field, StructuredOutputs arguments) of each field of the body that constrains the output, and
+    structured_outputs' options, which apply to a response_format's constraint too (as in vLLM)."""
+    found = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema (a JSON schema)")
+        found.append(("response_format", {"json": rf.json_schema.schema_}))
+    so, options = body.structured_outputs, {}
+    if so is not None:
+        if so.model_extra:
+            name = sorted(so.model_extra)[0]
+            raise ValueError(f"structured_outputs {name!r} is not supported by this server; leave it out")
+        fields = so.model_dump(exclude_none=True)
+        options = {name: fields.pop(name) for name in OPTIONS}
+        if "json_schema" in fields:
+            fields["json"] = fields.pop("json_schema")
+        if fields:
+            found.append(("structured_outputs", fields))
+    extra = body.model_extra or {}
+    found += [
+        (name, {kind: extra[name]}) for name, kind in GUIDED_FIELDS.items() if extra.get(name) is not None
+    ]
+    return found, options
+
+
+def structured_outputs(body) -> StructuredOutputs | None:
+    """The request's output constraint: from response_format, structured_outputs or a guided_* field, at
+    most one of them (ValueError, its message starting with the field, otherwise)."""
+    found, options = _constraints(body)
+    if len(found) > 1:
+        raise ValueError(f"{found[0][0]} and {found[1][0]} both constrain the output; send one of them")
+    if not found:
+        if body.structured_outputs is None:
+            return None
+        found = [("structured_outputs", {})]  # options alone: StructuredOutputs names what is missing
+    name, fields = found[0]
+    try:
+        return StructuredOutputs(**fields, **options)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(_named(name, str(exc))) from None
+
+
+def _named(field: str, message: str) -> str:
+    """A StructuredOutputs message ("structured_outputs regex ...") as the request field's."""
+    return (
+        message
+        if field == "structured_outputs"
+        else f"{field}: {message.removeprefix('structured_outputs ')}"
+    )
+
+
+async def check_grammar(state: ServerState, body, params: SamplingParams) -> None:
+    """Compile the request's grammar on a worker thread (400 if it does not compile), so that the engine's
+    own check finds it compiled and its steps do not wait for it."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await asyncio.to_thread(state.llm.grammars.check, params.structured_outputs)
+    except ValueError as exc:
+        field = _constraints(body)[0][0][0]
+        raise bad_request(_named(field, str(exc)), param=field) from exc
 
 
 def objectives(state: ServerState, body) -> Objectives | None:

@@ -143,6 +143,16 @@ def test_chat_streamed_and_not(client):
     assert text == reply.choices[0].message.content
 
 
+def test_structured_outputs_reach_the_replicas(client):
+    """The ingress compiles the grammar (a bad one is its 400) and a replica's sampler follows it."""
+    colors = ["red", "green", "blue"]
+    kwargs = {"model": "embedded", "prompt": "The color is", "max_tokens": 8, "temperature": 1.0}
+    resp = client.completions.create(**kwargs, n=4, extra_body={"structured_outputs": {"choice": colors}})
+    assert all(c.text in colors and c.finish_reason == "stop" for c in resp.choices)
+    with pytest.raises(openai.BadRequestError, match="unclosed group"):
+        client.completions.create(**kwargs, extra_body={"structured_outputs": {"regex": "(ab"}})
+
+
 def test_errors_are_openai_shaped(server, client):
     resp = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": -1}, timeout=30)
     assert resp.status_code == 400

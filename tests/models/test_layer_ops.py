@@ -171,7 +171,7 @@ def check_layer_ops(ops) -> None:
 
 def check_argmax(ops, dtype) -> None:
     """argmax_rows is torch.argmax exactly: widths below, at and between its blocks, equal maxima (the
-    first wins), a NaN (it wins), infinities, rows of -inf alone."""
+    first wins), a NaN (it wins), infinities, rows mostly -inf (a grammar's bans), rows of -inf alone."""
     gen = torch.Generator().manual_seed(0)
     for rows, width in [(1, 7), (3, 256), (5, 300), (4, 4099), (2, 32000)]:
         x = torch.randn(rows, width, generator=gen).to(dtype)
@@ -181,7 +181,12 @@ def check_argmax(ops, dtype) -> None:
         special[0, -1] = float("inf")
         special[-1, width // 2] = float("nan")
         special[-1, 0] = float("-inf")
-        for case in (x, tied, special, torch.full((rows, width), float("-inf"), dtype=dtype)):
+        masked = x.masked_fill(torch.rand(rows, width, generator=gen) > 0.01, float("-inf"))  # a grammar's
+        infinite = masked.clone()
+        infinite[:, [width // 2, width // 3]] = float("inf")  # equal infinities: the first wins
+        infinite[0, -1] = float("nan")  # after them: the NaN wins
+        every = (x, tied, special, masked, infinite, torch.full((rows, width), float("-inf"), dtype=dtype))
+        for case in every:
             assert torch.equal(ops.argmax_rows(case), case.argmax(-1)), (rows, width, case)
 
 

@@ -1,11 +1,13 @@
 """The OpenAI API through the official client: completions and chat, streamed and not, exact usage, stop
-strings, seeds, n, logprobs, logit_bias and penalties, echo, prefix-cache usage, priority (/metrics:
-test_metrics.py)."""
+strings, seeds, n, logprobs, logit_bias and penalties, structured outputs, echo, prefix-cache usage,
+priority (/metrics: test_metrics.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import re
 from dataclasses import replace
 
 import httpx
@@ -13,7 +15,7 @@ import openai
 import pytest
 
 from infer.engine.llm import LLM
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import SamplingParams, StructuredOutputs
 from tests.server.conftest import API_KEY, metric
 
 IGNORE_EOS = {"ignore_eos": True}
@@ -368,3 +370,86 @@ def test_priority_serves_urgent_request_first(server, aclient, model):
 
     assert asyncio.run(main()) < 8
     assert len(finished) == 17
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "maximum": 120}},
+    "required": ["name", "age"],
+}
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True, "disable_additional_properties": True}}
+
+
+def test_structured_outputs_through_the_client(client, model):
+    """OpenAI's response_format (json_schema, json_object) with vLLM's structured_outputs options, vLLM's
+    structured_outputs (choice, regex, grammar) and its older guided_* fields, streamed and not: each
+    output follows its constraint and ends with it (finish_reason "stop"), equal to the engine's."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kwargs = dict(model=model, max_tokens=60, temperature=0)
+    chat = client.chat.completions.create(
+        messages=MESSAGES, response_format=fmt, extra_body=COMPACT, **kwargs
+    )
+    person = json.loads(chat.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int) and person["age"] <= 120
+    assert chat.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        messages=MESSAGES, response_format=fmt, extra_body=COMPACT, stream=True, **kwargs
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        == chat.choices[0].message.content
+    )
+    anything = client.chat.completions.create(
+        messages=MESSAGES, response_format={"type": "json_object"}, extra_body=COMPACT, **kwargs
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    colors = ["red", "green", "blue"]
+    for extra in ({"structured_outputs": {"choice": colors}}, {"guided_choice": colors}):
+        resp = client.completions.create(
+            prompt="The color is", extra_body=extra, n=3, **{**kwargs, "temperature": 1}
+        )
+        assert all(c.text in colors and c.finish_reason == "stop" for c in resp.choices)
+    digits = client.completions.create(prompt="Count:", extra_body={"guided_regex": "[0-9]{3}"}, **kwargs)
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].text)
+    grammar = 'root ::= "say " [a-z]+ "!"'
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            prompt="Now", extra_body={"structured_outputs": {"grammar": grammar}}, stream=True, **kwargs
+        )
+    )
+    with LLM(dtype="float32", num_kv_blocks=64) as llm:
+        spec = StructuredOutputs(grammar=grammar)
+        [expected] = llm.generate(
+            ["Now"], SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec)
+        )
+    assert text == expected.text and re.fullmatch("say [a-z]+!", text)
+
+
+def test_a_bad_grammar_is_a_400_naming_its_field(client, model):
+    cases = [
+        ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "unclosed group"),
+        ({"guided_json": {"type": "foo"}}, "guided_json", "does not compile"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+            "response_format",
+            "does not compile",
+        ),
+        (
+            {"structured_outputs": {"choice": ["a"], "whitespace_pattern": " "}},
+            "structured_outputs",
+            "whitespace_pattern",
+        ),
+        (
+            {"structured_outputs": {"regex": "a"}, "guided_choice": ["b"]},
+            "structured_outputs",
+            "both constrain",
+        ),
+    ]
+    for extra, param, fragment in cases:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(
+                    model=model, prompt="hi", max_tokens=3, stream=stream, extra_body=extra
+                )
+            assert err.value.body["param"] == param and fragment in err.value.body["message"], err.value.body

@@ -1,10 +1,12 @@
-"""`--tensor-parallel-size 2` through the real server: the same tokens as one rank, a rank that dies
-stops the server with an error (never a hang), a clean stop leaves no process; and the launcher's way
+"""`--tensor-parallel-size 2` through the real server: the same tokens as one rank (structured outputs
+too: rank 0 samples under the grammar), a rank that dies stops the server with an error (never a hang),
+a clean stop leaves no process; and the launcher's way
 (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, as torchrun sets them), each rank its own command."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import openai
 import pytest
 
 from infer.engine.llm import LLM
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import SamplingParams, StructuredOutputs
 from tests.server.conftest import REPO, ServerProcess, free_port
 
 PROMPT = "In the beginning"
@@ -42,6 +44,9 @@ def model_flags(model_args: list[str]) -> tuple[str | None, list[str]]:
     return model, [*model_args, "--max-batch-size", "4"]
 
 
+REGEX = "[a-z]{2,8}( [a-z]{2,8}){2}"  # structured outputs: rank 0 samples under the grammar
+
+
 @pytest.fixture(scope="module")
 def expected(model_args) -> str:
     model, _ = model_flags(model_args)
@@ -50,25 +55,40 @@ def expected(model_args) -> str:
         return llm.generate(PROMPT, params)[0].text
 
 
-def complete(url: str) -> str:
+@pytest.fixture(scope="module")
+def expected_structured(model_args) -> str:
+    model, _ = model_flags(model_args)
+    with LLM(model, dtype="float32", num_kv_blocks=512) as llm:
+        spec = StructuredOutputs(regex=REGEX)
+        text = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=16, structured_outputs=spec))[
+            0
+        ].text
+    assert re.fullmatch(REGEX, text)
+    return text
+
+
+def complete(url: str, extra: dict | None = None) -> str:
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
     out = client.completions.create(
         model="embedded",
         prompt=PROMPT,
         max_tokens=16,
         temperature=0,
-        extra_body={"ignore_eos": True},
+        extra_body=extra or {"ignore_eos": True},
     )
     return out.choices[0].text
 
 
-def test_two_ranks_serve_one_ranks_tokens_and_stop_cleanly(model_args, expected, tmp_path):
+def test_two_ranks_serve_one_ranks_tokens_and_stop_cleanly(
+    model_args, expected, expected_structured, tmp_path
+):
     _, flags = model_flags(model_args)
     server = ServerProcess([*flags, "--tensor-parallel-size", "2"], tmp_path / "server.log").start()
     try:
         workers = children(server.proc.pid)
         assert len(workers) == 1, server.log_tail()
         assert complete(server.url) == expected
+        assert complete(server.url, {"structured_outputs": {"regex": REGEX}}) == expected_structured
         server.signal(signal.SIGTERM)
         assert server.wait(30) == 0, server.log_tail()
         deadline = time.monotonic() + 15

@@ -1,0 +1,218 @@
+"""Structured outputs: greedy constrained outputs equal transformers' greedy generate under the same
+grammar (llguidance's matcher driven by a LogitsProcessor, a path apart from the engine's), in engine
+configurations that split, recompute or batch the requests; the text follows the grammar; a grammar's
+tokens are exactly those its language allows; bad grammars are refused before anything runs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import llguidance
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+from infer.engine.llm import LLM
+from infer.models.loader import EMBEDDED_MODEL
+from infer.runner.grammar import Grammar, GrammarCompiler, _grammar, banned
+from infer.sampling_params import SamplingParams, StructuredOutputs
+from tests.engine.test_engine import CONFIGS
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "ok", "n"],
+}
+SPECS = {
+    "json": StructuredOutputs(json=SCHEMA, disable_any_whitespace=True, disable_additional_properties=True),
+    "regex": StructuredOutputs(regex=r"[A-Z][a-z]{2,8}( [a-z]{1,8}){1,3}\."),
+    "choice": StructuredOutputs(choice=["alpha", "beta gamma", "delta"]),
+    "gbnf": StructuredOutputs(grammar='root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'),
+    "lark": StructuredOutputs(grammar='start: "say " WORD "!"\nWORD: /[a-z]{1,12}/'),
+}
+PROMPTS = ["The answer is", "In the beginning God created", "And he said unto them,"]
+MAX_TOKENS = 40
+
+
+def follows(kind: str, text: str) -> bool:
+    if kind == "json":
+        value = json.loads(text)
+        return (
+            set(value) == {"name", "ok", "n"}
+            and isinstance(value["name"], str)
+            and len(value["name"]) <= 10
+            and isinstance(value["ok"], bool)
+            and 0 <= value["n"] <= 99
+        )
+    if kind == "regex":
+        return re.fullmatch(SPECS["regex"].regex, text) is not None
+    if kind == "choice":
+        return text in SPECS["choice"].choice
+    if kind == "gbnf":
+        return re.fullmatch(r"\([0-9]+(\+[0-9]+)*\)", text) is not None
+    return re.fullmatch(r"say [a-z]{1,12}!", text) is not None
+
+
+class GrammarProcessor(LogitsProcessor):
+    """transformers' side: llguidance's matcher fed the generated tokens; its bitmask bans the rest."""
+
+    def __init__(self, compiler: GrammarCompiler, spec: StructuredOutputs, prompt_len: int):
+        self.matcher = llguidance.LLMatcher(compiler.tokenizer, _grammar(spec))
+        self.prompt_len, self.num_fed = prompt_len, 0
+
+    def __call__(self, input_ids, scores):
+        output = input_ids[0, self.prompt_len :].tolist()
+        assert self.matcher.consume_tokens(output[self.num_fed :])
+        self.num_fed = len(output)
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), np.uint8), bitorder="little")
+        allowed = torch.from_numpy(bits[: scores.shape[1]].astype(bool))
+        return scores.masked_fill(~allowed, float("-inf"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Per spec, per prompt: transformers' greedy tokens under the grammar (EOS ends them, as ours)."""
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    tokenizer, compiler = llm.engine.tokenizer, llm.engine.grammars
+    hf = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32)
+    eos = sorted(tokenizer.eos_token_ids)
+    expected = {}
+    for kind, spec in SPECS.items():
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt)
+            out = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+                logits_processor=LogitsProcessorList([GrammarProcessor(compiler, spec, len(ids))]),
+            )
+            expected[kind, prompt] = out[0, len(ids) :].tolist()
+    return expected
+
+
+@pytest.mark.parametrize("name", ["default", "odd_chunks", "preemption_uncached", "no_kv_cache"])
+def test_greedy_constrained_outputs_match_transformers(reference, name):
+    """Every spec beside every other and beside unconstrained requests, whose outputs stay their own."""
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32", **{"num_kv_blocks": 256, **CONFIGS[name]})
+    requests = [(kind, prompt) for kind in SPECS for prompt in PROMPTS]
+    plain = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=SPECS[k]) for k, _ in requests
+    ]
+    alone = [r.token_ids for r in LLM(str(EMBEDDED_MODEL), dtype="float32").generate(PROMPTS, plain)]
+    results = llm.generate([p for _, p in requests] + PROMPTS, params + [plain] * len(PROMPTS))
+    for (kind, prompt), result in zip(requests, results, strict=False):
+        assert result.token_ids == reference[kind, prompt], (kind, prompt)
+        if result.finish_reason == "stop":  # the grammar completed: the text is a sentence of it
+            assert follows(kind, result.text), (kind, result.text)
+    assert [r.token_ids for r in results[len(requests) :]] == alone
+    completed = sum(r.finish_reason == "stop" for r in results[: len(requests)])
+    assert completed >= len(requests) - len(PROMPTS)  # most end with their grammar, not at max_tokens
+    if name == "preemption_uncached":
+        assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.scheduler.check_integrity()
+    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+    llm.engine.step()  # the step after a request ends tells the runner
+    assert not llm.engine.runner.sampler.grammars  # forgotten with their requests
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_sampled_outputs_follow_the_grammar(kind):
+    """Random sampling at a high temperature picks tokens the model would rarely choose: every completed
+    output is still a sentence of the grammar, and seeds reproduce it."""
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    params = [
+        SamplingParams(temperature=1.5, seed=s, max_tokens=120, structured_outputs=SPECS[kind])
+        for s in range(6)
+    ]
+    results = llm.generate(["Once upon a time"] * 6, params)
+    assert all(follows(kind, r.text) for r in results if r.finish_reason == "stop"), [r.text for r in results]
+    assert sum(r.finish_reason == "stop" for r in results) >= 3
+    again = llm.generate(["Once upon a time"] * 6, params)
+    assert [r.token_ids for r in again] == [r.token_ids for r in results]
+
+
+def test_masks_allow_exactly_the_grammars_tokens():
+    """The bitmask's bit order: after "(", a GBNF of digits allows exactly the tokens made of digits (a
+    digit run may continue), "+" and ")" joined to digits, and nothing else of the vocabulary."""
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    tokenizer, compiler = llm.engine.tokenizer, llm.engine.grammars
+    spec = StructuredOutputs(regex=r"[0-9]+")
+    grammar = Grammar(compiler.matcher(spec))
+    allowed = ~banned([grammar], compiler.vocab_size, llm.engine.model_config.vocab_size)[0]
+    texts = {i: tokenizer.decode([i], skip_special_tokens=False) for i in range(tokenizer.vocab_size)}
+    digits = {i for i, t in texts.items() if t and t.isascii() and t.isdigit()}
+    assert digits and set(allowed.nonzero().flatten().tolist()) == digits
+    first = min(digits)
+    grammar.advance([first])  # a digit: now the grammar may also end
+    allowed = ~banned([grammar], compiler.vocab_size, llm.engine.model_config.vocab_size)[0]
+    assert set(allowed.nonzero().flatten().tolist()) == digits | tokenizer.eos_token_ids
+
+
+def test_the_grammar_wins_where_other_bans_leave_nothing():
+    """min_tokens bans EOS, which is all a completed grammar allows: the output is still the choice (EOS
+    tokens, not stops yet, until min_tokens), never a token outside the grammar."""
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    spec = StructuredOutputs(choice=["yes"])
+    [result] = llm.generate(
+        ["Is it?"], SamplingParams(temperature=0, max_tokens=20, min_tokens=6, structured_outputs=spec)
+    )
+    assert result.text == "yes" and result.finish_reason == "stop"
+    assert len(result.token_ids) == 6 and set(result.token_ids[-2:]) <= llm.engine.tokenizer.eos_token_ids
+
+
+BAD = [
+    (StructuredOutputs(regex="(ab"), "unclosed group"),
+    (StructuredOutputs(json={"type": "foo"}), "does not compile"),
+    (StructuredOutputs(json="{not json"), "JSON"),
+    (StructuredOutputs(grammar="nonsense ::: ="), "grammar"),
+]
+
+
+def test_bad_grammars_are_refused_at_add_request():
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    for spec, fragment in BAD:
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            llm.engine.add_request("hi", SamplingParams(structured_outputs=spec))
+    assert not llm.engine.has_unfinished()
+    for fields, fragment in [
+        ({}, "exactly one"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one"),
+        ({"choice": []}, "choice"),
+        ({"json_object": False}, "json_object"),
+    ]:
+        with pytest.raises(ValueError, match=fragment):
+            StructuredOutputs(**fields)
+
+
+def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher():
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    compiler = llm.engine.grammars
+    spec = StructuredOutputs(json=SCHEMA)
+    same = StructuredOutputs(json=json.dumps(SCHEMA, sort_keys=True))  # the same schema as text
+    first, second = compiler.matcher(spec), compiler.matcher(same)
+    assert len(compiler._cache) == 1 and first is not second
+    assert first.consume_token(compiler.tokenizer.tokenize_str("{")[0])
+    assert second.validate_tokens(compiler.tokenizer.tokenize_str('"')) == 0  # untouched by the first
+
+
+def test_a_model_without_eos_refuses_structured_outputs(tmp_path):
+    from tests.models.tiny_models import save_byte_tokenizer, save_tiny_model
+
+    _, path = save_tiny_model("llama", tmp_path)
+    save_byte_tokenizer(path)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((path / name).read_text())
+        config.pop("eos_token_id", None)
+        (path / name).write_text(json.dumps(config))
+    llm = LLM(str(path), dtype="float32")
+    with pytest.raises(ValueError, match="EOS"):
+        llm.engine.add_request("hi", SamplingParams(structured_outputs=StructuredOutputs(regex="a+")))
