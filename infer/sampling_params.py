@@ -20,6 +20,7 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_LEN = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128  # as vLLM's VLLM_MAX_NUM_BAD_WORDS (it counts their token sequences)
 # A grammar's text at most (a JSON schema serialized, a regex, a grammar, the choices together): the
 # compiler's time and memory grow with it, and it runs beside other requests' steps.
 MAX_GRAMMAR_CHARS = 1 << 20
@@ -123,10 +124,13 @@ class SamplingParams:
         [-2, 2], 0 = off).
     repetition_penalty: every token of the prompt or the output has a positive logit divided by it and a
         negative one multiplied (CTRL's, as vLLM's and transformers'; > 0, 1.0 = off, > 1 discourages).
+    bad_words: words the output must not contain (vLLM's): each word's last token is banned where the
+        output ends with the tokens before it. Tokenized by the engine, as written and after a space
+        (`bad_words_token_ids`, which it fills: leave that None).
     structured_outputs: a grammar the output must follow (JSON schema, regex, choice, ...): tokens that
         would break it are banned at each step; once it is complete only EOS is left. None = free text.
-    Applied in that order (grammar, allowed ids, bias, then the penalties), as vLLM applies them; greedy
-    requests take the argmax of the adjusted logits.
+    Applied in that order (grammar, allowed ids, bad words, bias, then the penalties), as vLLM applies
+    them; greedy requests take the argmax of the adjusted logits.
     """
 
     temperature: float = 1.0
@@ -148,6 +152,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a single stop string is a common convenience
@@ -210,6 +216,17 @@ class SamplingParams:
         )
         if self.repetition_penalty == 0:
             raise ValueError("repetition_penalty must be a finite float > 0 (1.0 = off), got 0")
+        self.bad_words = list(dict.fromkeys(self.bad_words or []))  # vLLM drops repeats too
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip() or len(word) > MAX_STOP_STRING_LEN:
+                raise ValueError(
+                    f"bad_words must be a list of words (non-blank strings of at most {MAX_STOP_STRING_LEN} "
+                    "characters)"
+                )
+        if self.bad_words_token_ids is not None and not self.bad_words:
+            raise ValueError("bad_words_token_ids are the engine's, made from bad_words: set bad_words")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError(
                 f"structured_outputs must be a StructuredOutputs, got {self.structured_outputs!r}"
@@ -226,8 +243,9 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Sampling reads the request's tokens so far: penalties count them, a grammar consumes them."""
-        return self.penalized or self.structured_outputs is not None
+        """Sampling reads the request's tokens so far: penalties count them, a grammar consumes them, bad
+        words look at the last of them."""
+        return self.penalized or self.structured_outputs is not None or bool(self.bad_words)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -236,6 +254,7 @@ class SamplingParams:
             or bool(self.logit_bias)
             or self.allowed_token_ids is not None
             or self.structured_outputs is not None
+            or bool(self.bad_words)
         )
 
 

@@ -19,6 +19,7 @@ class GenerationResult:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     request: Request | None = None  # the finished request: timestamps, preemptions, prefill computed
+    error: str | None = None  # with finish_reason "error": what failed
 
 
 class LLM:
@@ -62,4 +63,5 @@ class LLM:
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     result.request = out.request
+                    result.error = out.error
         return list(results.values())

@@ -40,7 +40,7 @@ from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import MAX_BAD_WORDS, SamplingParams
 
 logger = logging.getLogger("infer.engine")
 
@@ -193,8 +193,18 @@ class LLMEngine:
         bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
-        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
-            bad = [t for t in getattr(params, name) or () if t >= vocab]
+        if params.bad_words:
+            params = dataclasses.replace(
+                params, bad_words_token_ids=self._bad_words_token_ids(params.bad_words)
+            )
+        bad_word_ids = [t for ids in params.bad_words_token_ids or () for t in ids]
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+            ("allowed_token_ids", params.allowed_token_ids),
+            ("bad_words", bad_word_ids),
+        ):
+            bad = [t for t in ids or () if t >= vocab]
             if bad:  # a logit_bias id past the logits would fail the step of every request beside it
                 raise ValueError(f"{name} token ids must be in [0, {vocab}) (the vocabulary); got {bad[:5]}")
         if params.allowed_token_ids is not None and params.min_tokens:
@@ -230,6 +240,22 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.record_added(req.req_id, req.num_prompt_tokens, priority)
         return req
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as vLLM bans them: as written (at the start of the output), and after a
+        space where that makes a word of as many tokens (in the middle of a sentence)."""
+        sequences = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words {word!r} is no token of this tokenizer")
+            sequences.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        if len(sequences) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words make {len(sequences)} token sequences, more than {MAX_BAD_WORDS}")
+        return sequences
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

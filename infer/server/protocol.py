@@ -1,15 +1,14 @@
 """OpenAI wire format: request bodies (validated by pydantic), responses, and OpenAI-shaped errors.
 
 Request models keep OpenAI's field names and defaults, plus the vLLM extensions (top_k, min_p, min_tokens,
-ignore_eos, repetition_penalty, allowed_token_ids, include_stop_str_in_output, skip_special_tokens,
-structured_outputs, priority) and ours (ttft_slo_ms, tpot_slo_ms) that clients pass through
-`extra_body`. Unknown fields are ignored and logged, as vLLM does, but for those of vLLM's and OpenAI's
-that would change the output
-(serving.check_fields: a 400). Everything a request can carry is bounded here, at the edge, so that no
-value reaches the engine that could fail a step shared with other requests: ints fit int64, floats are
-finite, and every string is valid Unicode (JSON may carry lone UTF-16 surrogates, which no tokenizer can
-encode). Responses are plain dicts built by the handlers: the shapes are documented here once, and the
-official `openai` client parses them in the tests."""
+ignore_eos, repetition_penalty, allowed_token_ids, bad_words, include_stop_str_in_output,
+skip_special_tokens, structured_outputs, priority) and ours (ttft_slo_ms, tpot_slo_ms) that clients pass
+through `extra_body`. Unknown fields are ignored and logged, as vLLM does, but for those of vLLM's and
+OpenAI's that would change the output (serving.check_fields: a 400). Everything a request can carry is
+bounded here, at the edge, so that no value reaches the engine that could fail a step shared with other
+requests: ints fit int64, floats are finite, and every string is valid Unicode (JSON may carry lone
+UTF-16 surrogates, which no tokenizer can encode). Responses are plain dicts built by the handlers: the
+shapes are documented here once, and the official `openai` client parses them in the tests."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from infer.sampling_params import INT64_MAX, INT64_MIN, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from infer.sampling_params import INT64_MAX, INT64_MIN, MAX_BAD_WORDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
 MAX_N = 128
@@ -201,6 +200,7 @@ class _SamplingFields(_Request):
     allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_ID_LIST)] | None = None  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
+    bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
     response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too
     structured_outputs: StructuredOutputsBody | None = None  # vLLM's
 

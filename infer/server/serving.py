@@ -179,7 +179,6 @@ UNSUPPORTED_FIELDS: dict[str, object] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
     "prompt_logprobs": None,
-    "bad_words": None,
     "truncate_prompt_tokens": None,
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
@@ -382,8 +381,8 @@ async def start_stream(request: Request, fanout: Fanout, param: str) -> bool:
     return bool(started)
 
 
-# the engine checks their token ids against the vocabulary
-_VOCAB_CHECKED = ("stop_token_ids", "logit_bias", "allowed_token_ids")
+# the engine checks their token ids against the vocabulary (bad_words: that they tokenize)
+_VOCAB_CHECKED = ("stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")
 
 
 def engine_error(exc: Exception, param: str) -> APIError:
@@ -426,6 +425,7 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             structured_outputs=structured_outputs(body),
+            bad_words=body.bad_words or [],
         )
     except ValueError as exc:  # its messages start with the field's name
         field = str(exc).split(" ", 1)[0].rstrip(":")

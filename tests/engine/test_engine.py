@@ -141,6 +141,20 @@ def test_logit_bias_and_penalties_match_transformers(penalized, name):
     assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
 
 
+def test_bans_that_leave_nothing_end_that_request_alone(tiny):
+    """allowed_token_ids whose one token is a bad word: that request ends with "error" and a reason,
+    the request beside it completes as if alone."""
+    path, prompts, plain = tiny
+    llm = LLM(path, dtype="float32", num_kv_blocks=256)
+    token = next(t for out in plain for t in out if llm.engine.tokenizer.decode([t]).isalpha())
+    word = llm.engine.tokenizer.decode([token])
+    stuck = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[token], bad_words=[word])
+    fine = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    results = llm.generate(prompts[:2], [stuck, fine])
+    assert results[0].finish_reason == "error" and "leave no token" in results[0].error
+    assert results[1].token_ids == plain[1]
+
+
 def test_fp8_cache_output_is_invariant(tiny, caplog):
     """An fp8 KV cache on a float32 model of head_dim 16 (the Python path, with a warning that says so):
     chunked or whole prompts, prefix hits, preemption and recompute all attend over the same rounded keys

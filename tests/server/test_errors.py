@@ -64,7 +64,9 @@ BAD_INPUTS = [
     (CHAT, {"messages": MSG, "response_format": {"type": "structural_tag"}}, 400, "response_format"),
     (CHAT, {"messages": MSG, "stream": True, "structured_outputs": {"regex": "(ab"}}, 400, "regex"),
     (CHAT, {"messages": MSG, "continue_final_message": True}, 400, "continue_final_message"),
-    (CHAT, {"messages": MSG, "stream": True, "bad_words": ["no"]}, 400, "bad_words"),
+    (CHAT, {"messages": MSG, "stream": True, "bad_words": [" "]}, 400, "bad_words"),
+    (CMPL, {"prompt": "hi", "bad_words": ["x"] * 129}, 400, "bad_words"),
+    (CMPL, {"prompt": "hi", "bad_words": [f"w{i}" for i in range(100)]}, 400, "token sequences"),
     (CMPL, {"prompt": "hi", "allowed_token_ids": [10000000]}, 400, "allowed_token_ids"),
     (CMPL, {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     (

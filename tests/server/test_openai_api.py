@@ -453,3 +453,23 @@ def test_a_bad_grammar_is_a_400_naming_its_field(client, model):
                     model=model, prompt="hi", max_tokens=3, stream=stream, extra_body=extra
                 )
             assert err.value.body["param"] == param and fragment in err.value.body["message"], err.value.body
+
+
+def test_bad_words_match_the_engine(client, model):
+    """vLLM's bad_words through the API, streamed and not: the engine's own output for them."""
+    prompt, words = "And he said unto them,", ["unto", "and"]
+    with LLM(dtype="float32", num_kv_blocks=64) as llm:
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        plain, expected = (
+            r.text for r in llm.generate([prompt] * 2, [params, replace(params, bad_words=words)])
+        )
+    assert " and" in plain and " and" not in expected and " unto" not in expected
+    kwargs = dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        extra_body={**IGNORE_EOS, "bad_words": words},
+    )
+    assert client.completions.create(**kwargs).choices[0].text == expected
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)) == expected
