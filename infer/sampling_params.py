@@ -24,6 +24,7 @@ MAX_BAD_WORDS = 128  # as vLLM's VLLM_MAX_NUM_BAD_WORDS (it counts their token s
 # A grammar's text at most (a JSON schema serialized, a regex, a grammar, the choices together): the
 # compiler's time and memory grow with it, and it runs beside other requests' steps.
 MAX_GRAMMAR_CHARS = 1 << 20
+MAX_CHOICES = 1024  # llguidance's parser fails at 2,000 alternatives of one rule (max_items_in_row)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ class StructuredOutputs:
 
     def __post_init__(self) -> None:
         if self.choice is not None:
+            if not isinstance(self.choice, list | tuple):
+                raise ValueError(
+                    f"structured_outputs choice must be a list of strings, got {self.choice!r:.80}"
+                )
+            if len(self.choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs choice must hold at most {MAX_CHOICES} strings")
             object.__setattr__(self, "choice", tuple(self.choice))
         kinds = [
             k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) is not None
@@ -77,7 +84,11 @@ class StructuredOutputs:
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs {name} must be a bool, got {getattr(self, name)!r}")
-        if len(self.text) > MAX_GRAMMAR_CHARS:
+        try:
+            text = self.text
+        except (RecursionError, ValueError):  # json.dumps of a cyclic or too deeply nested schema
+            raise ValueError("structured_outputs json is nested too deeply, or is not JSON") from None
+        if len(text) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"structured_outputs {kind} must be at most {MAX_GRAMMAR_CHARS} characters")
 
     @property

@@ -104,6 +104,8 @@ class AsyncEngine:
         aborts the request; so does a cancellation while waiting for the engine's answer. A request the
         engine fails alone (finish_reason "error") raises RequestFailed from the iterator."""
         await self.ready()  # a model that failed to load fails the request here, instead of a hang
+        if params is not None and params.structured_outputs is not None:  # compiled here, not in a step
+            await asyncio.to_thread(self.engine.grammars.check, params.structured_outputs)
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         stream: asyncio.Queue = asyncio.Queue()
         added = self._loop.create_future()

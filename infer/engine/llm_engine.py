@@ -216,8 +216,8 @@ class LLMEngine:
                     "allowed_token_ids holds only stop tokens, which min_tokens bans until that many tokens "
                     "exist; allow another token or drop min_tokens"
                 )
-        if params.structured_outputs is not None:
-            self.grammars.check(params.structured_outputs)  # compiled once, by the server's check
+        if params.structured_outputs is not None:  # compiled already by AsyncEngine.add or the server
+            self.grammars.check(params.structured_outputs)
         if slo is None and self.slo_classes is not None:
             slo = self.slo_classes.objectives_for(len(token_ids), params.max_tokens)
         req = Request(
@@ -228,6 +228,8 @@ class LLMEngine:
             eos_token_ids=self.tokenizer.eos_token_ids,
             slo=slo,
         )
+        if params.structured_outputs is not None:
+            self.grammars.reserve(req.req_id, params.structured_outputs)
         self.scheduler.add_request(req)
         self.requests[req.req_id] = req
         self.detokenizers[req.req_id] = IncrementalDetokenizer(

@@ -3,9 +3,10 @@
 The grammars are llguidance's (guidance-ai; one of vLLM's structured-output backends, `guidance`): a
 JSON schema, a regex, a list of choices or a Lark / GBNF grammar compiles to a matcher that, given the
 tokens generated so far, computes the set of tokens that may come next as a bitmask over the vocabulary,
-lazily and in Rust (~0.2 ms a step for a JSON schema over a 32,000-token vocabulary). Once the grammar is
-complete, the mask holds only EOS, so a request ends where its grammar does (or at max_tokens, cut short,
-as in vLLM).
+lazily and in Rust (~0.2 ms a step for a JSON schema over a 32,000-token vocabulary; llguidance's parser
+limits bound a step). Once the grammar is complete, the mask holds only EOS, so a request ends where its
+grammar does (or at max_tokens, cut short; under ignore_eos it goes on unconstrained after that EOS, as
+in vLLM). A matcher that fails (a parser limit met) fails its request alone, with the reason.
 
     compiler = GrammarCompiler(tokenizer.to_json(), vocab_size, eos_token_ids)
     compiler.check(spec)              # ValueError for a grammar that does not compile (the engine's 400)
@@ -14,14 +15,14 @@ as in vLLM).
     bans = banned([grammar, ...], compiler.vocab_size, num_logits)   # bool [rows, num_logits]
 
 Compiled matchers are cached by their grammar's text (a server sees the same schema in many requests), and
-each request gets a copy, so compiling happens once: in the server's worker thread when it checks a
-request, not in the engine's step.
+each request gets a copy (`reserve` at add_request, `take` at its first sampled step), so compiling
+happens once, on a worker thread when the server (or AsyncEngine.add) checks the request, never in the
+engine's step.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 import threading
 from collections import OrderedDict
 
@@ -30,9 +31,10 @@ import torch
 
 from infer.sampling_params import StructuredOutputs
 
-logger = logging.getLogger("infer.engine")
-
 CACHED_GRAMMARS = 256  # compiled matchers kept (LRU); a copy per request
+# llguidance converts GBNF to Lark in Python, holding the GIL, in time quadratic in the rules: 8 KiB
+# (~300 rules) take ~0.1 s, 16 KiB ~0.3 s, 1 MiB would take hours. Lark grammars compile in Rust.
+MAX_GBNF_CHARS = 8192
 
 
 class GrammarCompiler:
@@ -46,6 +48,7 @@ class GrammarCompiler:
         self._tokenizer = None  # llguidance's, built at the first grammar (~0.1 s for 32,000 tokens)
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()
+        self._reserved: dict[str, object] = {}  # req_id -> its matcher, until its first sampled step
 
     @property
     def tokenizer(self):
@@ -54,9 +57,14 @@ class GrammarCompiler:
                 import llguidance
 
                 # a padded embedding's ids past the tokenizer's stay banned
-                self._tokenizer = llguidance.LLTokenizer(
+                tokenizer = llguidance.LLTokenizer(
                     self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
                 )
+                # The first mask over a tokenizer builds its tables (~1.7 s for 8,192 tokens): here, on
+                # the thread that compiles (the server's worker), not in an engine step.
+                matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_regex("[a-z]+"))
+                banned([Grammar(matcher)], self.vocab_size, self.vocab_size)
+                self._tokenizer = tokenizer
             return self._tokenizer
 
     def check(self, spec: StructuredOutputs) -> None:
@@ -72,6 +80,19 @@ class GrammarCompiler:
         """A fresh matcher for one request (a copy of the cached compiled one)."""
         return self._template(spec).deep_copy()
 
+    def reserve(self, req_id: str, spec: StructuredOutputs) -> None:
+        """Copy a request's matcher now (the engine's add_request, right after the server's check: the
+        cache has it), so that its first sampled step never compiles, whatever the cache evicted since."""
+        self._reserved[req_id] = self.matcher(spec)
+
+    def take(self, req_id: str, spec: StructuredOutputs):
+        """The request's reserved matcher (or a fresh one, for a request added another way)."""
+        matcher = self._reserved.pop(req_id, None)
+        return matcher if matcher is not None else self.matcher(spec)
+
+    def release(self, req_id: str) -> None:
+        self._reserved.pop(req_id, None)  # a request that ended before its first sampled step
+
     def _template(self, spec: StructuredOutputs):
         key = (spec.kind, spec.text, spec.disable_any_whitespace, spec.disable_additional_properties)
         with self._lock:
@@ -82,7 +103,10 @@ class GrammarCompiler:
         import llguidance
 
         tokenizer = self.tokenizer
-        template = llguidance.LLMatcher(tokenizer, _grammar(spec), log_level=0)  # compiles without the GIL
+        grammar = _grammar(spec)
+        # compiles without the GIL; errors without the grammar's text (a grammar can be 1 MiB)
+        limits = llguidance.LLParserLimits(verbose_errors=False)
+        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         if template.is_error():
             raise ValueError(f"structured_outputs {spec.kind} does not compile: {template.get_error()}")
         with self._lock:
@@ -110,33 +134,53 @@ def _grammar(spec: StructuredOutputs) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.kind == "choice":
         return llguidance.grammar_from("choice", list(spec.choice))
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
+
+    if is_lark_syntax(spec.grammar):
+        return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+    if len(spec.grammar) > MAX_GBNF_CHARS:  # converted in Python, in time quadratic in its rules
+        raise ValueError(
+            f"structured_outputs grammar: a GBNF grammar must be at most {MAX_GBNF_CHARS} characters "
+            f"(got {len(spec.grammar)}); write a longer one in Lark syntax"
+        )
     try:
-        return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to it
-    except ValueError as exc:
-        raise ValueError(f"structured_outputs grammar: {exc}") from None
+        return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.grammar))
+    except Exception as exc:  # the converter raises what its parser meets
+        raise ValueError(f"structured_outputs grammar is neither Lark nor GBNF: {exc}") from None
+
+
+# where a JSON schema holds subschemas (the rest of its values are data: const, enum, default, examples)
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_KEYWORDS = (
+    "additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
+    "unevaluatedItems", "not", "if", "then", "else", "items", "prefixItems", "allOf", "anyOf", "oneOf",
+)  # fmt: skip
 
 
 def _closed(schema: str | dict) -> dict:
-    """The schema with `additionalProperties: false` on every object that lists its properties and does
-    not say (vLLM's disable_additional_properties)."""
+    """The schema with `additionalProperties: false` on every object schema that lists properties and
+    does not say (vLLM's disable_additional_properties), walking subschemas only, without recursion."""
     import json
 
     try:
         schema = json.loads(schema) if isinstance(schema, str) else copy.deepcopy(schema)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"structured_outputs json is not JSON: {exc}") from None
-
-    def walk(node) -> None:
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"structured_outputs json is not JSON, or nested too deeply: {exc}") from None
+    pending = [schema]
+    while pending:
+        node = pending.pop()
         if isinstance(node, list):
-            for item in node:
-                walk(item)
-        elif isinstance(node, dict):
-            for value in node.values():
-                walk(value)
-            if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
-                node["additionalProperties"] = False
-
-    walk(schema)
+            pending += node
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key in SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                pending += node[key].values()
+        pending += [node[key] for key in SCHEMA_KEYWORDS if isinstance(node.get(key), dict | list)]
+        props = node.get("properties"), node.get("patternProperties")
+        if any(isinstance(p, dict) for p in props) and "additionalProperties" not in node:
+            node["additionalProperties"] = False
     return schema
 
 
@@ -144,36 +188,44 @@ class Grammar:
     """One request's matcher and how many of its output tokens it consumed. Kept by the sampler from the
     request's first sampled step to its end, so preemption (recomputing the same tokens) changes nothing."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, ignore_eos: bool = False):
         self.matcher = matcher
+        self.ignore_eos = ignore_eos
         self.num_consumed = 0
+        self.terminated = False  # EOS came after the grammar completed, and did not stop the request
 
     def advance(self, output_token_ids: list[int]) -> None:
-        """Feed the tokens sampled since the last call. After the grammar completes, tokens that follow
-        (EOS under ignore_eos) are not fed: the mask then stays EOS alone, as in vLLM."""
+        """Feed the tokens sampled since the last call. Under ignore_eos, the EOS after the grammar
+        completed ends the constraint: the output goes on free, as in vLLM. Otherwise only EOS follows
+        (min_tokens may make several), and is not fed."""
         for token_id in output_token_ids[self.num_consumed :]:
             if self.matcher.is_stopped():
+                self.terminated = self.ignore_eos
                 break
-            if not self.matcher.consume_token(token_id):
-                # not expected (the sampler keeps to the grammar's tokens); the mask is EOS alone now
-                logger.warning("a structured output left its grammar: %s", self.matcher.get_error())
+            self.matcher.consume_token(token_id)  # an error shows in `error` (the mask allows EOS alone)
         self.num_consumed = len(output_token_ids)
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher failed (a parser limit met at this output: a grammar too wide for llguidance's
+        limits, say), or None. Its mask then holds EOS alone, which would end the output as if complete."""
+        return self.matcher.get_error() if self.matcher.is_error() else None
 
 
 def banned(grammars: list[Grammar], vocab_size: int, num_logits: int, executor=None) -> torch.Tensor:
     """bool [len(grammars), num_logits]: True where a grammar bans the token next (vocab_size: the
-    compiler's, >= num_logits). With an llguidance LLExecutor, the rows' masks are computed on its
-    threads, the GIL released."""
+    compiler's, >= num_logits; a terminated grammar bans nothing). With an llguidance LLExecutor, the
+    rows' masks are computed on its threads, the GIL released."""
     import llguidance.torch as llg_torch
 
     width = -(-vocab_size // 32)
     bitmask = torch.full((len(grammars), width), -1, dtype=torch.int32)
-    if executor is not None and len(grammars) > 1:
-        pairs = [(g.matcher, i) for i, g in enumerate(grammars)]
-        llg_torch.fill_next_token_bitmask_par(executor, pairs, bitmask)
+    live = [(g.matcher, i) for i, g in enumerate(grammars) if not g.terminated]
+    if executor is not None and len(live) > 1:
+        llg_torch.fill_next_token_bitmask_par(executor, live, bitmask)
     else:
-        for i, grammar in enumerate(grammars):
-            llg_torch.fill_next_token_bitmask(grammar.matcher, bitmask, i)
+        for matcher, i in live:
+            llg_torch.fill_next_token_bitmask(matcher, bitmask, i)
     # a set bit allows its token: the complement's bits are the bans, one pass over the words
     bits = np.unpackbits((~bitmask).numpy().view(np.uint8), axis=1, bitorder="little")[:, :num_logits]
     return torch.from_numpy(bits).view(torch.bool)

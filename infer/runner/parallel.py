@@ -33,6 +33,7 @@ request's (LLMEngine's halving retry): the workers finished that step already.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import json
@@ -222,12 +223,19 @@ def _config_from_json(text: str):
 
 
 def _without_histories(sched: SchedulerOutput) -> SchedulerOutput:
-    """The step as the other ranks need it: they do not sample, so no request's history."""
-    if all(s.history is None for s in sched.scheduled):
+    """The step as the other ranks need it: they do not sample, so no request's history, nor its grammar
+    (up to a MiB of text, pickled to every rank every step otherwise)."""
+    if all(s.history is None and s.sampling_params.structured_outputs is None for s in sched.scheduled):
         return sched
-    return dataclasses.replace(
-        sched, scheduled=[dataclasses.replace(s, history=None) for s in sched.scheduled]
-    )
+    return dataclasses.replace(sched, scheduled=[_for_other_ranks(s) for s in sched.scheduled])
+
+
+def _for_other_ranks(s):
+    if s.sampling_params.structured_outputs is None:
+        return dataclasses.replace(s, history=None)
+    params = copy.copy(s.sampling_params)  # not dataclasses.replace: no second validation a step
+    params.structured_outputs = None
+    return dataclasses.replace(s, history=None, sampling_params=params)
 
 
 if __name__ == "__main__":  # a locally started rank (start_ranks)

@@ -50,6 +50,8 @@ class Sampler:
             self.request_generators.pop(req_id, None)
             self.adjustments.pop(req_id, None)
             self.grammars.pop(req_id, None)
+            if self.compiler is not None:
+                self.compiler.release(req_id)
 
     def _adjustment(self, req_id: str, p: SamplingParams) -> Adjustment | None:
         if not _has_adjustment(p):
@@ -90,11 +92,12 @@ class Sampler:
             return None
         grammars = []
         for row in rows:
-            grammar = self.grammars.get(req_ids[row])
+            req_id = req_ids[row]
+            grammar = self.grammars.get(req_id)
             if grammar is None:
-                grammar = self.grammars[req_ids[row]] = Grammar(
-                    self.compiler.matcher(params[row].structured_outputs)
-                )
+                spec = params[row].structured_outputs
+                matcher = self.compiler.take(req_id, spec)
+                grammar = self.grammars[req_id] = Grammar(matcher, params[row].ignore_eos)
             history, num_prompt = histories[row]
             grammar.advance(history[num_prompt:])
             grammars.append(grammar)
@@ -102,7 +105,11 @@ class Sampler:
             import llguidance
 
             self._executor = llguidance.LLExecutor(num_threads=usable_cores())
-        return rows, banned(grammars, self.compiler.vocab_size, num_logits, self._executor)
+        bans = banned(grammars, self.compiler.vocab_size, num_logits, self._executor)
+        for grammar in grammars:
+            if grammar.error is not None:  # fails this request alone (the engine splits the step)
+                raise ValueError(f"structured_outputs: the grammar's parser failed: {grammar.error}")
+        return rows, bans
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         # Above ~1e4 the distribution is uniform to float32 precision; the cap keeps 1e300 from becoming
@@ -272,7 +279,10 @@ def adjusted(
                 "allowed_token_ids, bad_words and min_tokens together leave no token to sample; "
                 "allow more tokens"
             )
-        out[row] = torch.zeros(out.shape[1]).masked_fill_(bans[1][grammar_rows[row]], float("-inf"))
+        grammar_bans = bans[1][grammar_rows[row]]
+        out[row] = logits[row].float().masked_fill(grammar_bans, float("-inf"))  # the model's, in the grammar
+        if out[row].max() == float("-inf"):  # min_tokens banned them there too (EOS): equal odds
+            out[row] = torch.zeros(out.shape[1]).masked_fill_(grammar_bans, float("-inf"))
     return out
 
 

@@ -19,6 +19,7 @@ Only this module touches `num_in_flight`, so the drain on SIGTERM can wait for i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import itertools
@@ -500,13 +501,19 @@ def _named(field: str, message: str) -> str:
     )
 
 
+# One thread compiles grammars: a slow one (GBNF is converted in Python) waits behind its own kind, not in
+# front of the tokenizing of every other request (asyncio's default executor).
+_GRAMMARS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+
+
 async def check_grammar(state: ServerState, body, params: SamplingParams) -> None:
     """Compile the request's grammar on a worker thread (400 if it does not compile), so that the engine's
     own check finds it compiled and its steps do not wait for it."""
     if params.structured_outputs is None:
         return
     try:
-        await asyncio.to_thread(state.llm.grammars.check, params.structured_outputs)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(_GRAMMARS, state.llm.grammars.check, params.structured_outputs)
     except ValueError as exc:
         field = _constraints(body)[0][0][0]
         raise bad_request(_named(field, str(exc)), param=field) from exc

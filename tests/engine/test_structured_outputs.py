@@ -216,3 +216,119 @@ def test_a_model_without_eos_refuses_structured_outputs(tmp_path):
     llm = LLM(str(path), dtype="float32")
     with pytest.raises(ValueError, match="EOS"):
         llm.engine.add_request("hi", SamplingParams(structured_outputs=StructuredOutputs(regex="a+")))
+
+
+def test_a_grammar_whose_parser_fails_ends_its_request_alone():
+    """A grammar that compiles but meets llguidance's limits while generating (3,000 alternatives in one
+    rule: its max_items_in_row is 2,000) ends with finish_reason "error" and the reason, not as a
+    complete "stop"; the request beside it completes as if alone."""
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    wide = "start: " + " | ".join(f'"option {i}"' for i in range(3000))
+    stuck = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputs(grammar=wide))
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    [alone] = llm.generate(PROMPTS[:1], plain)
+    failed, beside = llm.generate(PROMPTS[:1] * 2, [stuck, plain])
+    assert failed.finish_reason == "error" and "parser failed" in failed.error
+    assert len(failed.error) < 2000  # llguidance's verbose errors would hold the whole grammar
+    assert beside.token_ids == alone.token_ids
+
+
+def test_matchers_are_copied_at_add_request_and_forgotten_with_their_requests():
+    """The sampler never compiles: each request's matcher is copied when it is added (the cache may
+    evict the grammar before its first step); a request aborted before it ran leaves nothing behind."""
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    compiler = llm.engine.grammars
+    spec = StructuredOutputs(regex="[a-z]{3,6}")
+    kept = llm.engine.add_request("Say", SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec))
+    aborted = llm.engine.add_request("Say", SamplingParams(max_tokens=8, structured_outputs=spec))
+    assert set(compiler._reserved) == {kept.req_id, aborted.req_id}
+    compiler._cache.clear()
+    compiler._template = None  # any compile from here on would raise
+    llm.engine.abort(aborted.req_id)
+    text = ""
+    while llm.engine.has_unfinished():
+        text += "".join(out.text for out in llm.engine.step())
+    llm.engine.step()
+    assert re.fullmatch("[a-z]{3,6}", text)
+    assert not compiler._reserved and not llm.engine.runner.sampler.grammars
+
+
+def test_the_grammar_keeps_the_models_preference_where_allowed_ids_conflict():
+    """allowed_token_ids that hold none of the grammar's tokens: the row samples the grammar's tokens
+    by the model's own logits, so greedy gives what it gives without allowed_token_ids."""
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    spec = StructuredOutputs(choice=["alpha", "beta gamma", "delta"])
+    free = SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec)
+    boxed = SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec, allowed_token_ids=[7])
+    results = llm.generate(PROMPTS * 2, [free] * 3 + [boxed] * 3)
+    assert [r.text for r in results[3:]] == [r.text for r in results[:3]]
+
+
+def test_under_ignore_eos_the_output_goes_on_free_after_the_grammar_ends():
+    """As vLLM: EOS after the complete grammar does not stop an ignore_eos request, and from there on
+    nothing is banned."""
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    spec = StructuredOutputs(choice=["yes"])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, structured_outputs=spec)
+    [result] = llm.generate(["Is it?"], params)
+    eos = llm.engine.tokenizer.eos_token_ids
+    yes = llm.engine.tokenizer.encode("yes", add_special_tokens=False)
+    assert result.token_ids[: len(yes)] == yes and result.token_ids[len(yes)] in eos
+    assert len(result.token_ids) == 12 and not set(result.token_ids[len(yes) + 1 :]) <= eos
+
+
+def test_disable_additional_properties_closes_schemas_not_data():
+    from infer.runner.grammar import _closed
+
+    schema = {
+        "type": "object",
+        "properties": {"x": {"const": {"properties": {"a": 1}}}, "y": {"type": "object", "properties": {}}},
+        "patternProperties": {"^z": {"type": "object", "properties": {"b": {"type": "integer"}}}},
+        "$defs": {"d": {"anyOf": [{"type": "object", "properties": {"c": {}}}]}},
+    }
+    closed = _closed(schema)
+    assert closed["additionalProperties"] is False and "additionalProperties" not in schema  # a copy
+    assert closed["properties"]["x"]["const"] == {"properties": {"a": 1}}  # data, untouched
+    assert closed["properties"]["y"]["additionalProperties"] is False
+    assert closed["patternProperties"]["^z"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
+    deep = {"type": "string"}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(ValueError, match="nested too deeply"):
+        StructuredOutputs(json=deep)
+
+
+def test_grammar_sizes_and_kinds_are_bounded():
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    rules = "\n".join(f'r{i} ::= "w{i}" [a-z]* r{i + 1}?' for i in range(400))
+    with pytest.raises(ValueError, match="GBNF grammar must be at most"):
+        llm.engine.grammars.check(StructuredOutputs(grammar=f'root ::= r0\n{rules}\nr400 ::= "end"'))
+    lark = "start: r0\n" + "\n".join(f'r{i}: "w{i}" r{i + 1}?' for i in range(400)) + '\nr400: "end"'
+    llm.engine.grammars.check(StructuredOutputs(grammar=lark))  # Lark compiles in Rust: no such bound
+    for bad in ("yes", {"a": 1}, ["x"] * 1025):
+        with pytest.raises(ValueError, match="choice"):
+            StructuredOutputs(choice=bad)
+
+
+def test_other_tensor_parallel_ranks_get_neither_histories_nor_grammars():
+    """They do not sample: what rank 0 broadcasts each step leaves out a grammar (up to a MiB of text)
+    and a history, without touching rank 0's own step."""
+    from infer.core.outputs import ScheduledRequest, SchedulerOutput
+    from infer.runner.parallel import _without_histories
+
+    spec = StructuredOutputs(json=SCHEMA)
+    params = SamplingParams(temperature=0, structured_outputs=spec, presence_penalty=0.5)
+    history = [1, 2, 3]
+    constrained = ScheduledRequest("a", [3], 2, [0], True, params, 2, history)
+    plain = ScheduledRequest("b", [4], 0, [1], True, SamplingParams(), 1)
+    sched = SchedulerOutput(scheduled=[constrained, plain])
+    sent = _without_histories(sched)
+    assert [s.history for s in sent.scheduled] == [None, None]
+    assert sent.scheduled[0].sampling_params.structured_outputs is None
+    assert sent.scheduled[0].sampling_params.presence_penalty == 0.5  # the rest as it was
+    assert (
+        sched.scheduled[0].sampling_params.structured_outputs is spec
+        and sched.scheduled[0].history is history
+    )
+    assert _without_histories(SchedulerOutput(scheduled=[plain])).scheduled[0] is plain

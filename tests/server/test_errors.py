@@ -58,6 +58,7 @@ BAD_INPUTS = [
     (CMPL, {"prompt": "hi", "structured_outputs": {}}, 400, "exactly one"),
     (CMPL, {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, "exactly one"),
     (CMPL, {"prompt": "hi", "structured_outputs": {"choice": []}}, 400, "choice"),
+    (CMPL, {"prompt": "hi", "guided_choice": "yes"}, 400, "choice"),
     (CMPL, {"prompt": "hi", "structured_outputs": {"json": 5}}, 400, "json"),
     (CMPL, {"prompt": "hi", "structured_outputs": {"grammar": "x ::: ="}}, 400, "grammar"),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "json_schema.schema"),
