@@ -127,6 +127,9 @@ class SamplingParams:
         the output ids, as EOS is, and left out of the text unless include_stop_str_in_output (as vLLM).
     logprobs: None = none; N >= 0 = log-probability of the sampled token plus the top-N alternatives.
         They are the model's own (before logit_bias, penalties and temperature), as vLLM reports them.
+    prompt_logprobs: None = none; N >= 0 = each prompt token's log-probability given the tokens before
+        it (None for the first), with its rank and the top-N alternatives (vLLM's). A request that asks
+        for them computes its whole prompt (no prefix-cache hit), as in vLLM.
     allowed_token_ids: only these tokens can be sampled (vLLM's); None = every token.
     logit_bias: {token id: value in [-100, 100]} added to those tokens' logits before sampling (OpenAI's).
     presence_penalty: subtracted once from the logit of every token already generated (OpenAI's; in
@@ -155,6 +158,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     presence_penalty: float = 0.0
@@ -206,6 +210,8 @@ class SamplingParams:
             _check_int("stop_token_ids", t, "a list of token ids (ints >= 0)", 0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, "None or an int >= 0 (number of top alternatives)", 0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, "None or an int >= 0 (top alternatives)", 0)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
             if not self.allowed_token_ids:

@@ -85,6 +85,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
+        if req.sampling_params.prompt_logprobs is not None and not req.output_token_ids:
+            return [], 0  # every prompt position must be computed for its logprob (as vLLM)
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = hash_blocks(req.token_ids, self.block_size, req.block_hashes, max_blocks)
         hits = []

@@ -96,6 +96,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[Any] | None = None
+    # req_id -> (position p, entries for the prompt tokens at p + 1, p + 2, ...): see ModelRunner
+    prompt_logprobs: dict[str, tuple[int, list[Any]]] | None = None
 
 
 @dataclass

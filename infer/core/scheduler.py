@@ -361,7 +361,7 @@ class Scheduler:
                     sample=sample,
                     sampling_params=req.sampling_params,
                     num_prompt_tokens=req.num_prompt_tokens,
-                    history=req.token_ids if sample and req.sampling_params.needs_history else None,
+                    history=req.token_ids if _needs_history(req, start, sample) else None,
                 )
             )
             if req.num_output_tokens and start == req.num_tokens - 1:  # feeds the last sampled token
@@ -481,3 +481,12 @@ class Scheduler:
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (req.req_id, req.status)
             assert not kv.holds(req) and req.num_computed_tokens == 0, req.req_id
+
+
+def _needs_history(req: Request, start: int, sample: bool) -> bool:
+    """The sampler reads it (penalties, a grammar, bad words), or the runner does: the prompt tokens past
+    a chunk that it computes prompt logprobs for."""
+    params = req.sampling_params
+    if sample and params.needs_history:
+        return True
+    return params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1

@@ -20,6 +20,7 @@ class GenerationResult:
     num_cached_tokens: int = 0
     request: Request | None = None  # the finished request: timestamps, preemptions, prefill computed
     error: str | None = None  # with finish_reason "error": what failed
+    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: see StepOutput
 
 
 class LLM:
@@ -60,6 +61,8 @@ class LLM:
                 result.text += out.text
                 result.token_ids += out.token_ids
                 result.num_cached_tokens = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     result.request = out.request

@@ -58,6 +58,9 @@ class StepOutput:
     num_output_tokens: int  # so far, counting the token that completed a stop string
     num_cached_tokens: int
     logprobs: Any = None  # (sampled token's logprob, [(token_id, logprob)] top-N) when asked for
+    # with the request's first tokens (or its end), when asked for: per prompt token, None for the first,
+    # then (token id, logprob, rank, [(token id, logprob)] top-N)
+    prompt_logprobs: list | None = None
     # the finished Request (timestamps, preemptions, prefill tokens computed), on the last output only
     request: Request | None = None
     error: str | None = None  # with finish_reason "error": what failed (for logs, not for clients)
@@ -148,6 +151,7 @@ class LLMEngine:
         self.quantization = {**model.quantization, "weight_mib": round(weight_bytes(model) / 2**20, 1)}
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.prompt_logprobs: dict[str, dict[int, tuple]] = {}  # req_id -> prompt position -> entry
         self.last_stats = StepStats()
         self.last_timing = StepTiming()
         self._ids = itertools.count()
@@ -216,6 +220,8 @@ class LLMEngine:
                     "allowed_token_ids holds only stop tokens, which min_tokens bans until that many tokens "
                     "exist; allow another token or drop min_tokens"
                 )
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs are not served under tensor parallelism; leave them out")
         if params.structured_outputs is not None:  # compiled already by AsyncEngine.add or the server
             self.grammars.check(params.structured_outputs)
         if slo is None and self.slo_classes is not None:
@@ -230,6 +236,8 @@ class LLMEngine:
         )
         if params.structured_outputs is not None:
             self.grammars.reserve(req.req_id, params.structured_outputs)
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs[req.req_id] = {}
         self.scheduler.add_request(req)
         self.requests[req.req_id] = req
         self.detokenizers[req.req_id] = IncrementalDetokenizer(
@@ -290,6 +298,11 @@ class LLMEngine:
         scheduled = time.perf_counter()
         runner_out, failures = self._execute(sched)
         executed = time.perf_counter()
+        for req_id, (first, entries) in (runner_out.prompt_logprobs or {}).items():
+            found = self.prompt_logprobs.get(req_id)
+            for offset, entry in enumerate(entries, start=first + 1):  # recomputed ones: the first kept
+                if found is not None:
+                    found.setdefault(offset, entry)
         outputs = [self._fail(req_id, exc) for req_id, exc in failures.items()]
         updates = self.scheduler.update(sched, runner_out)
         updated = time.perf_counter()
@@ -317,12 +330,13 @@ class LLMEngine:
             if len(sched.scheduled) == 1:
                 return ModelRunnerOutput([], []), {sched.scheduled[0].req_id: exc}
         mid = len(sched.scheduled) // 2
-        merged, failures = ModelRunnerOutput([], [], []), {}
+        merged, failures = ModelRunnerOutput([], [], [], {}), {}
         for part in (sched.scheduled[:mid], sched.scheduled[mid:]):
             out, failed = self._execute(dataclasses.replace(sched, scheduled=part, finished_req_ids=[]))
             merged.req_ids += out.req_ids
             merged.sampled_token_ids += out.sampled_token_ids
             merged.logprobs += out.logprobs or [None] * len(out.req_ids)
+            merged.prompt_logprobs.update(out.prompt_logprobs or {})
             failures.update(failed)
         return merged, failures
 
@@ -360,6 +374,10 @@ class LLMEngine:
         self, req_id: str, text: str, token_ids: list[int], reason: str | None, logprobs, error=None
     ) -> StepOutput:
         req = self.requests[req_id]
+        prompt_logprobs = None
+        if req_id in self.prompt_logprobs and (token_ids or reason is not None):  # once, when complete
+            found = self.prompt_logprobs.pop(req_id)
+            prompt_logprobs = [None] + [found.get(p) for p in range(1, req.num_prompt_tokens)]
         if reason is not None:
             del self.requests[req_id], self.detokenizers[req_id]
         return StepOutput(
@@ -372,6 +390,7 @@ class LLMEngine:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             request=req if reason is not None else None,
             error=error,
         )

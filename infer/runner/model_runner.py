@@ -22,6 +22,8 @@ from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import allocate_kv_cache
 from infer.runner.sampler import Sampler
 
+PROMPT_LOGPROBS_ROWS = 256  # [256, vocab] float32 logits at a time: 33 MB at 32,000 tokens
+
 
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler.
@@ -64,6 +66,7 @@ class ModelRunner:
             max_blocks = -(-decode_graphs_max_len // block_size)
             self.graphs = DecodeGraphs(model, self.kv_caches, block_size, max_blocks, self.dtype)
         self.last_prepare_s = 0.0
+        self.last_prompt_logprobs: dict | None = None  # of the last `logits` call
         self.history: dict[str, list[int]] = {}  # no-cache mode only: each request's tokens so far
 
     @property
@@ -75,11 +78,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list]:
-        """The forward of one step: logits of the requests that sample this step, and those requests."""
+        """The forward of one step: logits of the requests that sample this step, and those requests (and
+        `last_prompt_logprobs`, for `sample`)."""
         self.sampler.forget(sched.finished_req_ids)
         for req_id in sched.finished_req_ids:
             self.history.pop(req_id, None)
         self.last_prepare_s = 0.0
+        self.last_prompt_logprobs = None
         if sched.is_empty:
             return None, []
         if self.graphs is not None and (logits := self.graphs.logits(sched.scheduled)) is not None:
@@ -88,6 +93,8 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(sched)
         self.last_prepare_s = time.perf_counter() - start
         hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
+        if any(s.sampling_params.prompt_logprobs is not None for s in sched.scheduled):
+            self.last_prompt_logprobs = self._prompt_logprobs(sched.scheduled, hidden, meta.query_lens)
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sample]
         if not sampled:
             return None, []
@@ -100,12 +107,42 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor | None, reqs: list) -> ModelRunnerOutput:
         if logits is None:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], prompt_logprobs=self.last_prompt_logprobs)
         self._ban_early_stops(logits, reqs)
         req_ids = [s.req_id for s in reqs]
         histories = [(s.history, s.num_prompt_tokens) if s.history is not None else None for s in reqs]
         result = self.sampler(logits, req_ids, [s.sampling_params for s in reqs], histories)
-        return ModelRunnerOutput(req_ids, result.token_ids, result.logprobs)
+        return ModelRunnerOutput(req_ids, result.token_ids, result.logprobs, self.last_prompt_logprobs)
+
+    def _prompt_logprobs(self, reqs, hidden: torch.Tensor, query_lens: list[int]) -> dict:
+        """req_id -> (p, entries): the rows this step computed at prompt positions p, p + 1, ... predict
+        the prompt tokens at p + 1, ...; each entry is (token id, its logprob, its rank in the row (1 =
+        the likeliest), [(token id, logprob)] the top-N). Logits are computed PROMPT_LOGPROBS_ROWS rows at
+        a time, not [prompt, vocab] at once."""
+        found, end = {}, 0
+        for s, num_rows in zip(reqs, query_lens, strict=True):
+            row0, end = end, end + num_rows
+            top_n = s.sampling_params.prompt_logprobs
+            pos0 = s.start_pos if self.kv_caches is not None else 0  # no-cache mode recomputes from 0
+            first, last = s.start_pos, min(pos0 + num_rows, s.num_prompt_tokens - 1)
+            if top_n is None or last <= first:
+                continue
+            rows = hidden[row0 + first - pos0 : row0 + last - pos0]
+            targets = torch.tensor(s.history[first + 1 : last + 1])
+            entries = []
+            for i in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+                part = targets[i : i + PROMPT_LOGPROBS_ROWS]
+                logprobs = torch.log_softmax(
+                    self.model.compute_logits(rows[i : i + len(part)]).float(), dim=-1
+                )
+                chosen = logprobs.gather(1, part.unsqueeze(1))  # [rows, 1]
+                ranks = (logprobs > chosen).sum(dim=-1) + 1
+                top_values, top_ids = logprobs.topk(top_n, dim=-1)
+                for j, token_id in enumerate(part.tolist()):
+                    top = list(zip(top_ids[j].tolist(), top_values[j].tolist(), strict=True))
+                    entries.append((token_id, float(chosen[j, 0]), int(ranks[j]), top))
+            found[s.req_id] = (first, entries)
+        return found
 
     def _ban_early_stops(self, logits: torch.Tensor, reqs) -> None:
         """Before min_tokens outputs exist, EOS and stop token ids cannot be sampled (as in vLLM)."""

@@ -33,10 +33,12 @@ from infer.server.serving import (
     check_grammar,
     check_model,
     check_priority,
+    check_prompt_logprobs,
     choice_params,
     engine_error,
     floor_logprob,
     objectives,
+    prompt_logprobs_json,
     sampling_params,
     sse,
     start_stream,
@@ -61,7 +63,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if max_tokens is None:
         max_tokens = max(1, state.max_request_len - len(prompt_ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, logprobs)
+    check_prompt_logprobs(state, body)
+    params = sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     jobs = [Job(prompt_ids, choice_params(params, j), body.priority, slo) for j in range(body.n)]
@@ -184,7 +187,11 @@ class _Chat:
             for index, outs in outputs.items()
         ]
         last = {index: outs[-1] for index, outs in outputs.items()}
-        return {**self._head("chat.completion"), "choices": choices, "usage": self._usage(last)}
+        response = {**self._head("chat.completion"), "choices": choices, "usage": self._usage(last)}
+        entries = next((o.prompt_logprobs for o in outputs[0] if o.prompt_logprobs is not None), None)
+        if entries is not None:  # vLLM's: once for the prompt, beside the choices
+            response["prompt_logprobs"] = prompt_logprobs_json(self.state, entries)
+        return response
 
     async def stream(self, fanout: Fanout) -> AsyncIterator[str]:
         opts = self.body.stream_options

@@ -25,10 +25,12 @@ from infer.server.serving import (
     check_grammar,
     check_model,
     check_priority,
+    check_prompt_logprobs,
     choice_params,
     engine_error,
     floor_logprob,
     objectives,
+    prompt_logprobs_json,
     sampling_params,
     sse,
     start_stream,
@@ -51,18 +53,22 @@ async def create_completion(body: CompletionRequest, request: Request):
         raise bad_request(
             "best_of must equal n (or be omitted): best-of selection is not supported", param="best_of"
         )
-    if body.echo and body.logprobs is not None:
+    if body.max_tokens == 0 and not body.echo:
         raise bad_request(
-            "echo with logprobs would need prompt logprobs, which this server does not compute; "
-            "drop one of them",
-            param="echo",
+            "max_tokens must be at least 1 (0 only with echo: the prompt alone)", param="max_tokens"
         )
+    check_prompt_logprobs(state, body)
     check_priority(state, body.priority)
     state.check_admissible(_num_prompts(body.prompt) * body.n)  # before tokenizing a huge batch
     # tokenizing (and decoding for echo) is CPU work: off the event loop
     prompts = await asyncio.to_thread(_prompt_ids, state, body.prompt, body.add_special_tokens)
     echo_text = await asyncio.to_thread(_echo_text, state, prompts) if body.echo else [""] * len(prompts)
-    params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+    # echo with logprobs: the prompt's logprobs too, as vLLM and OpenAI's legacy API give them
+    prompt_logprobs = body.prompt_logprobs
+    if prompt_logprobs is None and body.echo and body.logprobs is not None:
+        prompt_logprobs = body.logprobs
+    max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)  # echo of 0: one, not shown
+    params = sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     jobs = [Job(ids, choice_params(params, j), body.priority, slo) for ids in prompts for j in range(body.n)]
@@ -127,13 +133,15 @@ class _Completion:
         self.created = int(time.time())
         self.n = body.n
         self.echo_text = echo_text
+        self.echo_only = body.echo and body.max_tokens == 0  # the one token generated is not shown
 
     def _usage(self, last: dict) -> dict:
         num_prompt = sum(len(p) for p in self.prompts)
         num_cached = sum(
             last[i * self.n].num_cached_tokens for i in range(len(self.prompts)) if i * self.n in last
         )
-        return usage(num_prompt, sum(o.num_output_tokens for o in last.values()), num_cached)
+        num_output = 0 if self.echo_only else sum(o.num_output_tokens for o in last.values())
+        return usage(num_prompt, num_output, num_cached)
 
     def _logprobs(self, outs, offset: int) -> dict | None:
         """OpenAI's legacy shape: tokens, token_logprobs, top_logprobs, text_offset."""
@@ -154,6 +162,38 @@ class _Completion:
             offset += len(text)
         return lp
 
+    def _echoed_logprobs(self, index: int, outs) -> dict | None:
+        """The legacy logprobs of an echoed prompt (the first token's None), then of the output."""
+        entries = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+        generated = self._logprobs([] if self.echo_only else outs, len(self.echo_text[index // self.n]))
+        if generated is None or entries is None:
+            return generated
+        lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for token_id, entry in zip(self.prompts[index // self.n], entries, strict=True):
+            text = token_text(self.state, token_id)
+            lp["tokens"].append(text)
+            lp["text_offset"].append(offset)
+            offset += len(text)
+            lp["token_logprobs"].append(None if entry is None else floor_logprob(entry[1]))
+            top = None if entry is None else entry[3][: self.body.logprobs]
+            lp["top_logprobs"].append(
+                None if top is None else {token_text(self.state, t): floor_logprob(v) for t, v in top}
+            )
+        return {key: lp[key] + generated[key] for key in lp}
+
+    def _choice(self, index: int, text: str, outs, finish_reason) -> dict:
+        choice = {"index": index, "text": text}
+        if self.body.echo:
+            choice["logprobs"] = self._echoed_logprobs(index, outs)
+        else:
+            choice["logprobs"] = self._logprobs(outs, 0)
+        choice["finish_reason"] = "length" if self.echo_only and finish_reason else finish_reason
+        entries = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+        if entries is not None:  # vLLM's field, beside OpenAI's legacy logprobs
+            choice["prompt_logprobs"] = prompt_logprobs_json(self.state, entries)
+        return choice
+
     def _head(self) -> dict:
         return {
             "id": self.id,
@@ -172,15 +212,8 @@ class _Completion:
         choices, last = [], {}
         for index, outs in outputs.items():
             last[index] = outs[-1]
-            echo = self.echo_text[index // self.n]
-            choices.append(
-                {
-                    "index": index,
-                    "text": echo + "".join(o.text for o in outs),
-                    "logprobs": self._logprobs(outs, len(echo)),
-                    "finish_reason": outs[-1].finish_reason,
-                }
-            )
+            text = self.echo_text[index // self.n] + ("" if self.echo_only else "".join(o.text for o in outs))
+            choices.append(self._choice(index, text, outs, outs[-1].finish_reason))
         return {**self._head(), "choices": choices, "usage": self._usage(last)}
 
     async def stream(self, fanout: Fanout) -> AsyncIterator[str]:
@@ -191,18 +224,22 @@ class _Completion:
         try:
             async for index, out in fanout.outputs():
                 last[index] = out
-                text = out.text
-                if index not in echoed:
+                text = "" if self.echo_only else out.text
+                first = index not in echoed
+                if first:
                     echoed.add(index)
                     text = self.echo_text[index // self.n] + text
                 if not (text or out.finished or (self.body.logprobs is not None and out.token_ids)):
                     continue  # text held back (it may begin a stop string): nothing to send yet
-                choice = {
-                    "index": index,
-                    "text": text,
-                    "logprobs": self._logprobs([out], offsets[index]),
-                    "finish_reason": out.finish_reason,
-                }
+                if first and self.body.echo:
+                    choice = self._choice(index, text, [out], out.finish_reason)
+                else:
+                    choice = {
+                        "index": index,
+                        "text": text,
+                        "logprobs": None if self.echo_only else self._logprobs([out], offsets[index]),
+                        "finish_reason": "length" if self.echo_only and out.finished else out.finish_reason,
+                    }
                 offsets[index] += len(text)
                 chunk = {**self._head(), "choices": [choice]}
                 if include_usage:

@@ -201,6 +201,8 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
+    # vLLM's: each prompt token's logprob, rank and top-N (not streamed, as in vLLM)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too
     structured_outputs: StructuredOutputsBody | None = None  # vLLM's
 
@@ -211,7 +213,8 @@ PromptType = str | list[int] | list[str] | list[list[int]]  # ids checked agains
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
-    max_tokens: Annotated[int, Field(ge=1, lt=INT64_END)] | None = 16  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (the prompt and its logprobs alone, as vLLM)
+    max_tokens: Annotated[int, Field(ge=0, lt=INT64_END)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None

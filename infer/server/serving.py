@@ -179,7 +179,6 @@ def check_model(state: ServerState, model: str | None) -> None:
 UNSUPPORTED_FIELDS: dict[str, object] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "prompt_logprobs": None,
     "truncate_prompt_tokens": None,
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
@@ -403,7 +402,9 @@ def engine_error(exc: Exception, param: str) -> APIError:
     return APIError(500, "internal error; see the server log", "server_error")
 
 
-def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     """SamplingParams from the fields shared by both endpoints; its ValueError becomes a 400."""
     try:
         return SamplingParams(
@@ -418,6 +419,7 @@ def sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPara
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
             stop_token_ids=list(body.stop_token_ids or []),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             allowed_token_ids=body.allowed_token_ids,
             logit_bias=body.logit_bias or {},
             presence_penalty=body.presence_penalty,
@@ -540,6 +542,37 @@ def check_priority(state: ServerState, priority: int) -> None:
             f"{state.llm.scheduler_config.policy!r}); send priority 0",
             param="priority",
         )
+
+
+def check_prompt_logprobs(state: ServerState, body) -> None:
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request(
+            "prompt_logprobs are not streamed (as in vLLM): send stream false", param="prompt_logprobs"
+        )
+    if body.prompt_logprobs is not None and state.llm.config.tensor_parallel_size > 1:
+        raise bad_request("prompt_logprobs are not served under tensor parallelism", param="prompt_logprobs")
+
+
+def prompt_logprobs_json(state: ServerState, entries: list | None) -> list | None:
+    """vLLM's shape: per prompt token, None for the first, then {token id: {logprob, rank,
+    decoded_token}} for the token itself and the top-N (rank: 1 is the likeliest)."""
+    if entries is None:
+        return None
+    out: list = [None]
+    for entry in entries[1:]:
+        if entry is None:  # a request aborted before its prompt was computed
+            out.append(None)
+            continue
+        token_id, logprob, rank, top = entry
+        row = {str(token_id): _logprob(state, token_id, logprob, rank)}
+        for i, (alt, value) in enumerate(top, start=1):
+            row.setdefault(str(alt), _logprob(state, alt, value, i))
+        out.append(row)
+    return out
+
+
+def _logprob(state: ServerState, token_id: int, logprob: float, rank: int) -> dict:
+    return {"logprob": floor_logprob(logprob), "rank": rank, "decoded_token": token_text(state, token_id)}
 
 
 def floor_logprob(value: float) -> float:

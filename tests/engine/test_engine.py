@@ -10,7 +10,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from infer.core.slo import Objectives
 from infer.engine.llm import LLM
 from infer.sampling_params import SamplingParams
-from tests.models.tiny_models import save_byte_tokenizer, save_tiny_model
+from tests.models.tiny_models import save_tiny_model
 
 MAX_TOKENS = 12
 
@@ -21,20 +21,6 @@ def make_prompts() -> list[list[int]]:
     prompts = [shared + torch.randint(2, 256, (n,), generator=gen).tolist() for n in (3, 9, 1)]
     prompts += [torch.randint(2, 256, (n,), generator=gen).tolist() for n in (1, 6, 30, 17, 44)]
     return prompts
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    hf_model, path = save_tiny_model("llama", tmp_path_factory.mktemp("engine"))
-    save_byte_tokenizer(path)
-    prompts = make_prompts()
-    expected = []
-    for p in prompts:
-        out = hf_model.generate(
-            torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        expected.append(out[0, len(p) :].tolist())
-    return str(path), prompts, expected
 
 
 CONFIGS = {

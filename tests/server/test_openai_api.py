@@ -473,3 +473,45 @@ def test_bad_words_match_the_engine(client, model):
     )
     assert client.completions.create(**kwargs).choices[0].text == expected
     assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)) == expected
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(server, client, model):
+    """vLLM's prompt_logprobs (completions and chat), and OpenAI's echo with logprobs (the prompt's
+    tokens first, the first one's logprob null), also with max_tokens 0 (the prompt alone: how
+    evaluation harnesses score a text): the engine's own prompt logprobs."""
+    prompt = "In the beginning God created the heaven"
+    with LLM(dtype="float32", num_kv_blocks=64) as llm:
+        ids = llm.engine.tokenizer.encode(prompt)
+        [ref] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))
+    expected = [None] + [round(e[1], 4) for e in ref.prompt_logprobs[1:]]
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    choice = http.post("/v1/completions", json={**body, "prompt_logprobs": 2}).json()["choices"][0]
+    rows = choice["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == len(ids)
+    assert [round(row[str(t)]["logprob"], 4) for row, t in zip(rows[1:], ids[1:], strict=True)] == expected[
+        1:
+    ]
+    assert all(row[str(t)]["rank"] >= 1 and len(row) <= 3 for row, t in zip(rows[1:], ids[1:], strict=True))
+    scored = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert scored["text"].startswith(prompt) and len(scored["logprobs"]["tokens"]) == len(ids) + 1
+    got = [None if v is None else round(v, 4) for v in scored["logprobs"]["token_logprobs"][: len(ids)]]
+    assert got == expected and scored["logprobs"]["top_logprobs"][0] is None
+    only = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 0, "max_tokens": 0}).json()
+    assert only["choices"][0]["text"] == prompt and only["usage"]["completion_tokens"] == 0
+    assert len(only["choices"][0]["logprobs"]["tokens"]) == len(ids)
+    assert only["choices"][0]["finish_reason"] == "length"
+    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == prompt
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"model": model, "messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0},
+    ).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(r) == 1 for r in chat["prompt_logprobs"][1:])
+    for bad, param in [
+        ({**body, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({**body, "max_tokens": 0}, "max_tokens"),
+        ({**body, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ]:
+        resp = http.post("/v1/completions", json=bad)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text

@@ -1,0 +1,24 @@
+"""The tiny model the engine tests share, with its greedy outputs from transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.test_engine import MAX_TOKENS, make_prompts
+from tests.models.tiny_models import save_byte_tokenizer, save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model folder, prompts, transformers' greedy outputs of MAX_TOKENS tokens for each)."""
+    hf_model, path = save_tiny_model("llama", tmp_path_factory.mktemp("engine"))
+    save_byte_tokenizer(path)
+    prompts = make_prompts()
+    expected = []
+    for p in prompts:
+        out = hf_model.generate(
+            torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        expected.append(out[0, len(p) :].tolist())
+    return str(path), prompts, expected

@@ -1,0 +1,87 @@
+"""vLLM's prompt_logprobs: each prompt token's log-probability given the tokens before it, its rank and the
+top-N, equal to transformers' forward over the prompt, whatever the engine does to the prompt (chunks,
+recomputation after preemption, no KV cache, a prefix another request cached)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.engine.llm import LLM
+from infer.sampling_params import SamplingParams
+from tests.engine.test_engine import CONFIGS
+from tests.models.tiny_models import save_tiny_model
+
+TOP_N = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny, tmp_path_factory):
+    """Per prompt: [None] + (token, logprob, rank, top-N ids) of every later token, from transformers."""
+    path, prompts, _ = tiny
+    hf, _ = save_tiny_model("llama", tmp_path_factory.mktemp("prompt_logprobs"))  # the same weights
+    expected = []
+    for p in prompts:
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), dim=-1)
+        rows = [None]
+        for pos in range(1, len(p)):
+            row = logprobs[pos - 1]
+            rows.append(
+                (
+                    p[pos],
+                    float(row[p[pos]]),
+                    int((row > row[p[pos]]).sum()) + 1,
+                    row.topk(TOP_N).indices.tolist(),
+                )
+            )
+        expected.append(rows)
+    return expected
+
+
+def check(got, expected, top_n: int = TOP_N) -> None:
+    assert len(got) == len(expected) and got[0] is None
+    for entry, want in zip(got[1:], expected[1:], strict=True):
+        token_id, logprob, rank, top = entry
+        assert (token_id, rank, [t for t, _ in top]) == (want[0], want[2], want[3][:top_n])
+        assert logprob == pytest.approx(want[1], abs=1e-4)
+        assert all(value >= logprob for _, value in top[: rank - 1])
+
+
+@pytest.mark.parametrize(
+    "name", ["default", "odd_chunks", "preemption_uncached", "no_kv_cache", "preemption"]
+)
+def test_prompt_logprobs_match_transformers(tiny, tiny_reference, name):
+    path, prompts, plain = tiny
+    llm = LLM(path, dtype="float32", **{"num_kv_blocks": 256, **CONFIGS[name]})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=TOP_N)
+    results = llm.generate(prompts, params)
+    for result, expected in zip(results, tiny_reference, strict=True):
+        check(result.prompt_logprobs, expected)
+    assert [r.token_ids for r in results] == plain  # the outputs stay the same
+    if name.startswith("preemption"):
+        assert llm.engine.scheduler.num_preemptions > 0
+    llm.engine.scheduler.check_integrity()
+    assert not llm.engine.prompt_logprobs
+
+
+def test_a_cached_prefix_is_computed_again_for_prompt_logprobs(tiny, tiny_reference):
+    """The first three prompts share 21 tokens: with prefix caching the later ones would skip them."""
+    path, prompts, _ = tiny
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, block_size=4)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # caches the shared prefix
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
+    results = llm.generate(prompts[1:3], params)
+    for result, expected in zip(results, tiny_reference[1:3], strict=True):
+        assert result.request.num_cached_tokens == 0
+        check(result.prompt_logprobs, expected, top_n=0)
+    later = llm.generate(prompts[1:2], SamplingParams(max_tokens=2))[0]  # without them: the cache serves
+    assert later.request.num_cached_tokens > 0
+
+
+def test_one_token_prompts_and_requests_without_them():
+    llm = LLM(dtype="float32")
+    with_, without = llm.generate(
+        [[0], [0]], [SamplingParams(max_tokens=2, prompt_logprobs=1), SamplingParams(max_tokens=2)]
+    )
+    assert with_.prompt_logprobs == [None] and without.prompt_logprobs is None
