@@ -43,6 +43,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     num_prompt_tokens: int
     history: list[int] | None = None
+    prompt_logprobs: bool = False  # the runner computes the logprobs of this chunk's prompt tokens
 
     @property
     def num_tokens(self) -> int:

@@ -362,6 +362,7 @@ class Scheduler:
                     sampling_params=req.sampling_params,
                     num_prompt_tokens=req.num_prompt_tokens,
                     history=req.token_ids if _needs_history(req, start, sample) else None,
+                    prompt_logprobs=_wants_prompt_logprobs(req, start),
                 )
             )
             if req.num_output_tokens and start == req.num_tokens - 1:  # feeds the last sampled token
@@ -483,10 +484,16 @@ class Scheduler:
             assert not kv.holds(req) and req.num_computed_tokens == 0, req.req_id
 
 
+def _wants_prompt_logprobs(req: Request, start: int) -> bool:
+    """The chunk holds prompt positions whose logprobs do not exist yet (after the first output they all
+    do: a recomputation after preemption does not compute them again)."""
+    params = req.sampling_params
+    return (
+        params.prompt_logprobs is not None and not req.output_token_ids and start < req.num_prompt_tokens - 1
+    )
+
+
 def _needs_history(req: Request, start: int, sample: bool) -> bool:
     """The sampler reads it (penalties, a grammar, bad words), or the runner does: the prompt tokens past
     a chunk that it computes prompt logprobs for."""
-    params = req.sampling_params
-    if sample and params.needs_history:
-        return True
-    return params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1
+    return (sample and req.sampling_params.needs_history) or _wants_prompt_logprobs(req, start)

@@ -211,14 +211,16 @@ class LLMEngine:
             bad = [t for t in ids or () if t >= vocab]
             if bad:  # a logit_bias id past the logits would fail the step of every request beside it
                 raise ValueError(f"{name} token ids must be in [0, {vocab}) (the vocabulary); got {bad[:5]}")
-        if params.allowed_token_ids is not None and params.min_tokens:
-            banned = set(params.stop_token_ids) | (
-                set() if params.ignore_eos else self.tokenizer.eos_token_ids
-            )
-            if banned.issuperset(params.allowed_token_ids):  # nothing would be left to sample
+        if params.allowed_token_ids is not None:  # bans that would leave nothing to sample, known now
+            banned = {ids[0] for ids in params.bad_words_token_ids or () if len(ids) == 1}
+            if params.min_tokens:
+                banned |= set(params.stop_token_ids) | (
+                    set() if params.ignore_eos else self.tokenizer.eos_token_ids
+                )
+            if banned.issuperset(params.allowed_token_ids):
                 raise ValueError(
-                    "allowed_token_ids holds only stop tokens, which min_tokens bans until that many tokens "
-                    "exist; allow another token or drop min_tokens"
+                    "allowed_token_ids holds only tokens that bad_words ban, or stop tokens, which "
+                    "min_tokens bans until that many tokens exist; allow another token"
                 )
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs are not served under tensor parallelism; leave them out")
@@ -234,11 +236,11 @@ class LLMEngine:
             eos_token_ids=self.tokenizer.eos_token_ids,
             slo=slo,
         )
+        self.scheduler.add_request(req)  # may refuse it (too long, late, an id in use): nothing kept yet
         if params.structured_outputs is not None:
             self.grammars.reserve(req.req_id, params.structured_outputs)
         if params.prompt_logprobs is not None:
             self.prompt_logprobs[req.req_id] = {}
-        self.scheduler.add_request(req)
         self.requests[req.req_id] = req
         self.detokenizers[req.req_id] = IncrementalDetokenizer(
             self.tokenizer,

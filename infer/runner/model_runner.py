@@ -93,7 +93,7 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(sched)
         self.last_prepare_s = time.perf_counter() - start
         hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
-        if any(s.sampling_params.prompt_logprobs is not None for s in sched.scheduled):
+        if any(s.prompt_logprobs for s in sched.scheduled):
             self.last_prompt_logprobs = self._prompt_logprobs(sched.scheduled, hidden, meta.query_lens)
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sample]
         if not sampled:
@@ -122,7 +122,7 @@ class ModelRunner:
         found, end = {}, 0
         for s, num_rows in zip(reqs, query_lens, strict=True):
             row0, end = end, end + num_rows
-            top_n = s.sampling_params.prompt_logprobs
+            top_n = s.sampling_params.prompt_logprobs if s.prompt_logprobs else None
             pos0 = s.start_pos if self.kv_caches is not None else 0  # no-cache mode recomputes from 0
             first, last = s.start_pos, min(pos0 + num_rows, s.num_prompt_tokens - 1)
             if top_n is None or last <= first:

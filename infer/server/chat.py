@@ -189,8 +189,8 @@ class _Chat:
         last = {index: outs[-1] for index, outs in outputs.items()}
         response = {**self._head("chat.completion"), "choices": choices, "usage": self._usage(last)}
         entries = next((o.prompt_logprobs for o in outputs[0] if o.prompt_logprobs is not None), None)
-        if entries is not None:  # vLLM's: once for the prompt, beside the choices
-            response["prompt_logprobs"] = prompt_logprobs_json(self.state, entries)
+        if entries is not None:  # vLLM's: once for the prompt, beside the choices (decoded off the loop)
+            response["prompt_logprobs"] = await asyncio.to_thread(prompt_logprobs_json, self.state, entries)
         return response
 
     async def stream(self, fanout: Fanout) -> AsyncIterator[str]:

@@ -128,16 +128,20 @@ def test_logit_bias_and_penalties_match_transformers(penalized, name):
 
 
 def test_bans_that_leave_nothing_end_that_request_alone(tiny):
-    """allowed_token_ids whose one token is a bad word: that request ends with "error" and a reason,
-    the request beside it completes as if alone."""
+    """allowed_token_ids whose one token is a bad word is refused when added; where only the output can
+    show it (the word is that token twice), that request ends with "error" and a reason at its second
+    token, and the request beside it completes as if alone."""
     path, prompts, plain = tiny
     llm = LLM(path, dtype="float32", num_kv_blocks=256)
     token = next(t for out in plain for t in out if llm.engine.tokenizer.decode([t]).isalpha())
     word = llm.engine.tokenizer.decode([token])
-    stuck = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[token], bad_words=[word])
+    with pytest.raises(ValueError, match="bad_words ban"):
+        llm.engine.add_request(prompts[0], SamplingParams(allowed_token_ids=[token], bad_words=[word]))
+    stuck = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[token], bad_words=[word * 2])
     fine = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     results = llm.generate(prompts[:2], [stuck, fine])
     assert results[0].finish_reason == "error" and "leave no token" in results[0].error
+    assert results[0].token_ids == [token]
     assert results[1].token_ids == plain[1]
 
 
@@ -259,7 +263,7 @@ def test_bad_requests_are_refused_and_nothing_leaks(tiny):
         engine.add_request([1, 2], SamplingParams(logit_bias={vocab: 1.0}))
     with pytest.raises(ValueError, match=rf"^stop_token_ids token ids must be in \[0, {vocab}\)"):
         engine.add_request([1, 2], SamplingParams(stop_token_ids=[vocab + 5]))
-    with pytest.raises(ValueError, match="^allowed_token_ids holds only stop tokens"):
+    with pytest.raises(ValueError, match="^allowed_token_ids holds only tokens that bad_words ban, or stop"):
         engine.add_request([1, 2], SamplingParams(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2))
     with pytest.raises(ValueError):  # 30 + 16 tokens can never fit a 32-token pool
         engine.add_request(prompts[5], SamplingParams(max_tokens=16))

@@ -85,3 +85,31 @@ def test_one_token_prompts_and_requests_without_them():
         [[0], [0]], [SamplingParams(max_tokens=2, prompt_logprobs=1), SamplingParams(max_tokens=2)]
     )
     assert with_.prompt_logprobs == [None] and without.prompt_logprobs is None
+
+
+def test_nothing_is_kept_for_a_refused_request_nor_computed_twice(tiny):
+    """A request the scheduler refuses leaves no prompt-logprob or grammar state; after a request's first
+    output its prompt logprobs exist, so a recomputation after preemption does not compute them again."""
+    from infer.sampling_params import StructuredOutputs
+
+    path, prompts, plain = tiny
+    llm = LLM(path, dtype="float32", **{"num_kv_blocks": 256, **CONFIGS["preemption_uncached"]})
+    spec = StructuredOutputs(regex="[a-z]+")
+    with pytest.raises(ValueError):
+        llm.engine.add_request([5] * 5000, SamplingParams(prompt_logprobs=1, structured_outputs=spec))
+    assert not llm.engine.prompt_logprobs and not llm.engine.grammars._reserved
+    computed = []
+    runner = llm.engine.runner
+    original = runner._prompt_logprobs
+
+    def spy(reqs, hidden, query_lens):
+        found = original(reqs, hidden, query_lens)
+        computed.extend((req_id, req_id in llm.engine.prompt_logprobs) for req_id in found)
+        return found
+
+    runner._prompt_logprobs = spy
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+    results = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0 and computed
+    assert all(pending for _, pending in computed)  # never for a request that had its logprobs
+    assert [r.token_ids for r in results] == plain

@@ -497,6 +497,10 @@ def test_prompt_logprobs_and_echo_with_logprobs(server, client, model):
     assert scored["text"].startswith(prompt) and len(scored["logprobs"]["tokens"]) == len(ids) + 1
     got = [None if v is None else round(v, 4) for v in scored["logprobs"]["token_logprobs"][: len(ids)]]
     assert got == expected and scored["logprobs"]["top_logprobs"][0] is None
+    offsets = scored["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and offsets[len(ids)] == len(prompt)  # special tokens take no text
+    tops = scored["logprobs"]["top_logprobs"][1 : len(ids)]
+    assert all(tok in top for tok, top in zip(scored["logprobs"]["tokens"][1:], tops, strict=False))
     only = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 0, "max_tokens": 0}).json()
     assert only["choices"][0]["text"] == prompt and only["usage"]["completion_tokens"] == 0
     assert len(only["choices"][0]["logprobs"]["tokens"]) == len(ids)
