@@ -132,15 +132,16 @@ class ModelRunner:
             entries = []
             for i in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
                 part = targets[i : i + PROMPT_LOGPROBS_ROWS]
-                logprobs = torch.log_softmax(
-                    self.model.compute_logits(rows[i : i + len(part)]).float(), dim=-1
-                )
-                chosen = logprobs.gather(1, part.unsqueeze(1))  # [rows, 1]
-                ranks = (logprobs > chosen).sum(dim=-1) + 1
-                top_values, top_ids = logprobs.topk(top_n, dim=-1)
+                logits = self.model.compute_logits(rows[i : i + len(part)])  # float32 [rows, vocab]
+                # logprob = logit - logsumexp: one pass, where log_softmax writes a second [rows, vocab]
+                norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [rows, 1]
+                chosen = logits.gather(1, part.unsqueeze(1))  # [rows, 1]
+                ranks = (logits > chosen).sum(dim=-1, dtype=torch.int32) + 1  # an int32 sum: 4x a bool's
+                top_values, top_ids = logits.topk(top_n, dim=-1)
+                logprobs, top_values = (chosen - norm).squeeze(1).tolist(), (top_values - norm).tolist()
                 for j, token_id in enumerate(part.tolist()):
-                    top = list(zip(top_ids[j].tolist(), top_values[j].tolist(), strict=True))
-                    entries.append((token_id, float(chosen[j, 0]), int(ranks[j]), top))
+                    top = list(zip(top_ids[j].tolist(), top_values[j], strict=True))
+                    entries.append((token_id, logprobs[j], int(ranks[j]), top))
             found[s.req_id] = (first, entries)
         return found
 
