@@ -48,11 +48,12 @@ class GrammarCompiler:
         self._tokenizer = None  # llguidance's, built at the first grammar (~0.1 s for 32,000 tokens)
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()
+        self._building = threading.Lock()
         self._reserved: dict[str, object] = {}  # req_id -> its matcher, until its first sampled step
 
     @property
     def tokenizer(self):
-        with self._lock:
+        with self._building:  # not the cache's lock: a lookup never waits for this (~2 s, once)
             if self._tokenizer is None:
                 import llguidance
 

@@ -178,12 +178,12 @@ def _bans(p: SamplingParams) -> bool:
 
 
 class Adjustment:
-    """One request's allowed ids, bad words, bias and penalty state, built at its first sampled step and kept
-    (Sampler.adjustments) until it finishes. Each later step folds in only the tokens its history gained,
-    and the penalties touch only the tokens seen (prompt and output) or generated: O(those tokens), not
-    O(vocabulary), per step (32 penalized streams of 1,024-token prompts on llama-50m: +3 ms on an 18 ms
-    decode step, where vocabulary-wide masks of the whole history cost +13; docs/benchmarks.md, session
-    19)."""
+    """One request's allowed ids, bad words, bias and penalty state, built at its first sampled step and
+    kept (Sampler.adjustments) until it finishes. Each later step folds in only the tokens its history
+    gained, and the penalties touch only the tokens seen (prompt and output) or generated: O(those
+    tokens), not O(vocabulary), per step (32 penalized streams of 1,024-token prompts on llama-50m: +3 ms
+    on an 18 ms decode step, where vocabulary-wide masks of the whole history cost +13;
+    docs/benchmarks.md, session 19)."""
 
     def __init__(self, p: SamplingParams):
         self.params = p
@@ -215,11 +215,10 @@ class Adjustment:
         """In place on one float32 row, in vLLM's order and by its formulas (the repetition penalty is also
         transformers'): tokens outside allowed_token_ids banned; a bad word's last token banned where the
         output ends with the tokens before it (vLLM's: the output's, not the prompt's); logit_bias added;
-        over the prompt and
-        the output, a positive logit / repetition_penalty and a negative one * it; over the output,
-        frequency_penalty x (times generated) + presence_penalty subtracted. A banned token's -inf stays
-        -inf; every other value stays within +-MAX_ADJUSTED_LOGIT, so no penalty can turn a row into NaN
-        or leave it with nothing to sample."""
+        over the prompt and the output, a positive logit / repetition_penalty and a negative one * it;
+        over the output, frequency_penalty x (times generated) + presence_penalty subtracted. A banned
+        token's -inf stays -inf; every other value stays within +-MAX_ADJUSTED_LOGIT, so no penalty can
+        turn a row into NaN or leave it with nothing to sample."""
         p = self.params
         if self.allowed is not None:
             kept = x.index_select(0, self.allowed)
