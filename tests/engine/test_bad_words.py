@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, LogitsProcessor
 
 from infer.engine.llm import LLM
 from infer.models.loader import EMBEDDED_MODEL
 from infer.runner.sampler import Sampler
 from infer.sampling_params import SamplingParams
 from tests.engine.test_engine import CONFIGS
+from tests.models.tiny_models import greedy_with
 
 PROMPTS = ["In the beginning God created", "And he said unto them,", "The LORD is my shepherd"]
 # two tokens, then words of one; each also after a space (vLLM adds that form only where it has as many
@@ -55,15 +56,7 @@ def reference():
     expected = []
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt)
-        out = hf.generate(
-            torch.tensor([ids]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=1,  # not BOS (0): generate would mask it out as padding
-            logits_processor=LogitsProcessorList([BadWords(len(ids), sequences)]),
-        )
-        expected.append(out[0, len(ids) :].tolist())
+        expected.append(greedy_with(hf, ids, MAX_TOKENS, BadWords(len(ids), sequences)))
     assert all(a != b.token_ids for a, b in zip(expected, plain, strict=True))  # each output changed
     return expected
 

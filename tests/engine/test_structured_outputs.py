@@ -12,13 +12,14 @@ import llguidance
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, LogitsProcessor
 
 from infer.engine.llm import LLM
 from infer.models.loader import EMBEDDED_MODEL
 from infer.runner.grammar import Grammar, GrammarCompiler, _grammar, banned
 from infer.sampling_params import SamplingParams, StructuredOutputs
 from tests.engine.test_engine import CONFIGS
+from tests.models.tiny_models import greedy_with
 
 SCHEMA = {
     "type": "object",
@@ -81,20 +82,12 @@ def reference():
     llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
     tokenizer, compiler = llm.engine.tokenizer, llm.engine.grammars
     hf = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32)
-    eos = sorted(tokenizer.eos_token_ids)
     expected = {}
     for kind, spec in SPECS.items():
         for prompt in PROMPTS:
             ids = tokenizer.encode(prompt)
-            out = hf.generate(
-                torch.tensor([ids]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos[0],
-                logits_processor=LogitsProcessorList([GrammarProcessor(compiler, spec, len(ids))]),
-            )
-            expected[kind, prompt] = out[0, len(ids) :].tolist()
+            processor = GrammarProcessor(compiler, spec, len(ids))
+            expected[kind, prompt] = greedy_with(hf, ids, MAX_TOKENS, processor, tokenizer.eos_token_ids)
     return expected
 
 

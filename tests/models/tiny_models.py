@@ -102,3 +102,20 @@ def save_byte_tokenizer(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def greedy_with(hf_model, ids: list[int], max_new_tokens: int, processor, eos_token_ids=None) -> list[int]:
+    """transformers' greedy tokens after `ids` under one LogitsProcessor (eos_token_ids end them)."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    eos = sorted(eos_token_ids) if eos_token_ids else None
+    out = hf_model.generate(
+        torch.tensor([ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos[0] if eos else 1,  # not a BOS of id 0: generate would mask it out as padding
+        logits_processor=LogitsProcessorList([processor]),
+    )
+    return out[0, len(ids) :].tolist()
