@@ -35,6 +35,7 @@ from infer.server.serving import (
     check_priority,
     check_prompt_logprobs,
     choice_params,
+    continuous_usage,
     engine_error,
     floor_logprob,
     objectives,
@@ -43,6 +44,7 @@ from infer.server.serving import (
     sse,
     start_stream,
     token_text,
+    truncated,
 )
 
 router = APIRouter()
@@ -59,6 +61,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     prompt_ids = await asyncio.to_thread(_prompt_ids, state, body)  # CPU work off the event loop
+    prompt_ids = truncated(state, body, prompt_ids)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(1, state.max_request_len - len(prompt_ids))
@@ -220,6 +223,8 @@ class _Chat:
                     "logprobs": self._logprobs([out]),
                     "finish_reason": out.finish_reason,
                 }
+                if continuous_usage(self.body):  # vLLM's: the usage so far in every chunk
+                    extra = {"usage": self._usage(last)}
                 yield sse({**head, "choices": [choice], **extra})
         except (ValueError, RuntimeError) as exc:
             yield sse(engine_error(exc, "messages").body())

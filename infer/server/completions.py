@@ -27,6 +27,7 @@ from infer.server.serving import (
     check_priority,
     check_prompt_logprobs,
     choice_params,
+    continuous_usage,
     engine_error,
     floor_logprob,
     objectives,
@@ -35,6 +36,7 @@ from infer.server.serving import (
     sse,
     start_stream,
     token_text,
+    truncated,
 )
 
 router = APIRouter()
@@ -62,6 +64,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     state.check_admissible(_num_prompts(body.prompt) * body.n)  # before tokenizing a huge batch
     # tokenizing (and decoding for echo) is CPU work: off the event loop
     prompts = await asyncio.to_thread(_prompt_ids, state, body.prompt, body.add_special_tokens)
+    prompts = [truncated(state, body, p) for p in prompts]
     echo_text = await asyncio.to_thread(_echo_text, state, prompts) if body.echo else [""] * len(prompts)
     # echo with logprobs: the prompt's logprobs too, as vLLM and OpenAI's legacy API give them
     prompt_logprobs = body.prompt_logprobs
@@ -253,8 +256,8 @@ class _Completion:
                     }
                 offsets[index] += len(text)
                 chunk = {**self._head(), "choices": [choice]}
-                if include_usage:
-                    chunk["usage"] = None
+                if include_usage:  # the usage so far with continuous_usage_stats (vLLM's), else null
+                    chunk["usage"] = self._usage(last) if continuous_usage(self.body) else None
                 yield sse(chunk)
         except (ValueError, RuntimeError) as exc:
             yield sse(engine_error(exc, "prompt").body())

@@ -119,6 +119,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far in every chunk
 
 
 class StructuredOutputsBody(_Request):
@@ -201,6 +202,9 @@ class _SamplingFields(_Request):
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
+    # vLLM's: keep only N tokens of the prompt (-1: as many as the context allows), its last N by default
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, lt=INT64_END)] | None = None
+    truncation_side: Literal["left", "right"] = "left"  # left: drop the prompt's start; right: its end
     # vLLM's: each prompt token's logprob, rank and top-N (not streamed, as in vLLM)
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too

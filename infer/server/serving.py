@@ -179,7 +179,6 @@ def check_model(state: ServerState, model: str | None) -> None:
 UNSUPPORTED_FIELDS: dict[str, object] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "truncate_prompt_tokens": None,
     "spaces_between_special_tokens": True,
     "return_tokens_as_token_ids": False,
     "logits_processors": None,
@@ -188,7 +187,6 @@ UNSUPPORTED_FIELDS: dict[str, object] = {
     "audio": None,
     "return_token_ids": False,
     "echo": False,  # declared by completions; vLLM's chat echo is not implemented
-    "continuous_usage_stats": False,  # in stream_options
 }
 
 
@@ -542,6 +540,30 @@ def check_priority(state: ServerState, priority: int) -> None:
             f"{state.llm.scheduler_config.policy!r}); send priority 0",
             param="priority",
         )
+
+
+def truncated(state: ServerState, body, prompt_ids: list[int]) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last (truncation_side "left") or first N tokens; -1
+    keeps as many as the context holds with one token to generate."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return prompt_ids
+    limit = state.max_request_len
+    if keep == -1:
+        keep = limit - 1
+    if keep > limit:
+        raise bad_request(
+            f"truncate_prompt_tokens ({keep}) cannot exceed the context ({limit} tokens)",
+            param="truncate_prompt_tokens",
+        )
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens 0 would leave no prompt", param="truncate_prompt_tokens")
+    return prompt_ids[-keep:] if body.truncation_side == "left" else prompt_ids[:keep]
+
+
+def continuous_usage(body) -> bool:
+    opts = body.stream_options
+    return bool(opts and opts.include_usage and opts.continuous_usage_stats)
 
 
 def check_prompt_logprobs(state: ServerState, body) -> None:

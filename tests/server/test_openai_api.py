@@ -519,3 +519,42 @@ def test_prompt_logprobs_and_echo_with_logprobs(server, client, model):
     ]:
         resp = http.post("/v1/completions", json=bad)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_truncate_prompt_tokens_and_continuous_usage_stats(server, client, model):
+    """vLLM's truncate_prompt_tokens (the prompt's last N tokens, or its first with truncation_side
+    right; -1: as many as the context holds) and stream_options.continuous_usage_stats (the usage so
+    far in every chunk)."""
+    prompt = [5, 17, 42, 99, 7, 3, 64, 12, 250, 31]
+    kwargs = dict(model=model, max_tokens=6, temperature=0, extra_body=IGNORE_EOS)
+    for side, kept in (("left", prompt[-4:]), ("right", prompt[:4])):
+        cut = client.completions.create(
+            prompt=prompt,
+            **{**kwargs, "extra_body": {**IGNORE_EOS, "truncate_prompt_tokens": 4, "truncation_side": side}},
+        )
+        assert cut.usage.prompt_tokens == 4
+        assert cut.choices[0].text == client.completions.create(prompt=kept, **kwargs).choices[0].text
+    chat = client.chat.completions.create(
+        messages=MESSAGES, **{**kwargs, "extra_body": {"truncate_prompt_tokens": 3}}
+    )
+    assert chat.usage.prompt_tokens == 3
+    context = client.models.list().data[0].model_extra["max_model_len"]
+    whole = client.completions.create(
+        prompt=[7] * (context + 50),
+        **{**kwargs, "max_tokens": 1, "extra_body": {"truncate_prompt_tokens": -1}},
+    )
+    assert whole.usage.prompt_tokens == context - 1
+    for bad in (0, context + 1):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(
+                prompt=prompt, **{**kwargs, "extra_body": {"truncate_prompt_tokens": bad}}
+            )
+        assert err.value.body["param"] == "truncate_prompt_tokens"
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for create, extra in (
+        (client.completions.create, {"prompt": prompt}),
+        (client.chat.completions.create, {"messages": MESSAGES}),
+    ):
+        chunks = list(create(stream=True, stream_options=opts, **extra, **kwargs))
+        counts = [c.usage.completion_tokens for c in chunks if c.choices and c.usage is not None]
+        assert counts and counts == sorted(counts) and chunks[-1].usage.completion_tokens == 6
