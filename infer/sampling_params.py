@@ -27,6 +27,12 @@ MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CHOICES = 1024  # llguidance's parser fails at 2,000 alternatives of one rule (max_items_in_row)
 
 
+class Unsatisfiable(ValueError):
+    """A request whose own parameters leave it nothing to sample, found while it generates (bans that
+    empty a row; a grammar its parser cannot follow on): it ends that request alone, and a server answers
+    it as the client's error (400), not its own."""
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on the generated text, vLLM's `structured_outputs` (its StructuredOutputsParams):

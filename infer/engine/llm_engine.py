@@ -40,7 +40,7 @@ from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
-from infer.sampling_params import MAX_BAD_WORDS, SamplingParams
+from infer.sampling_params import MAX_BAD_WORDS, SamplingParams, Unsatisfiable
 
 logger = logging.getLogger("infer.engine")
 
@@ -344,7 +344,10 @@ class LLMEngine:
 
     def _fail(self, req_id: str, exc: Exception) -> StepOutput:
         """End one request whose work raised; the others of its step go on."""
-        logger.error("request %s failed and was ended", req_id, exc_info=exc)
+        if isinstance(exc, Unsatisfiable):  # the request's own parameters: no traceback to read
+            logger.warning("request %s ended: %s", req_id, exc)
+        else:
+            logger.error("request %s failed and was ended", req_id, exc_info=exc)
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ERROR)
         return self._output(req_id, "", [], "error", None, error=f"{type(exc).__name__}: {exc}")
 

@@ -20,7 +20,7 @@ import torch
 from infer import kernels
 from infer.config import usable_cores
 from infer.runner.grammar import Grammar, GrammarCompiler, banned
-from infer.sampling_params import SamplingParams
+from infer.sampling_params import SamplingParams, Unsatisfiable
 
 MAX_TEMPERATURE = 1e4
 # A repetition penalty near 0 divides a positive logit into float32's overflow; capped here, so that
@@ -108,7 +108,7 @@ class Sampler:
         bans = banned(grammars, self.compiler.vocab_size, num_logits, self._executor)
         for grammar in grammars:
             if grammar.error is not None:  # fails this request alone (the engine splits the step)
-                raise ValueError(f"structured_outputs: the grammar's parser failed: {grammar.error}")
+                raise Unsatisfiable(f"structured_outputs: the grammar's parser failed: {grammar.error}")
         return rows, bans
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -252,8 +252,8 @@ def adjusted(
     """A float32 copy of the logits with each row's grammar bans (`bans`: rows, bool [rows, vocab]) and
     Adjustment applied (`states`: the requests' own, kept between steps; None: built here from the
     histories). A grammar is never broken: where the other bans (allowed ids, bad words, min_tokens)
-    leave a row nothing, it samples among the grammar's tokens alone; without a grammar, such a row is a
-    ValueError (the engine ends that request alone)."""
+    leave a row nothing, it samples among the grammar's tokens alone; without a grammar, such a row is
+    Unsatisfiable (the engine ends that request alone)."""
     out = logits.float() if logits.dtype != torch.float32 else logits.clone()
     if bans is not None:
         rows, banned_ids = bans
@@ -274,7 +274,7 @@ def adjusted(
         if not (_bans(p) and out[row].max() == float("-inf")):
             continue
         if row not in grammar_rows:
-            raise ValueError(
+            raise Unsatisfiable(
                 "allowed_token_ids, bad_words and min_tokens together leave no token to sample; "
                 "allow more tokens"
             )

@@ -37,7 +37,7 @@ from fastapi.responses import StreamingResponse
 from infer.core.slo import LateRequest, Objectives
 from infer.engine.async_engine import AsyncEngine, RequestFailed
 from infer.engine.llm_engine import StepOutput
-from infer.sampling_params import INT64_MIN, SamplingParams, StructuredOutputs
+from infer.sampling_params import INT64_MIN, SamplingParams, StructuredOutputs, Unsatisfiable
 from infer.server.args import ServerArgs
 from infer.server.metrics import MeteredEngine, Metrics
 from infer.server.protocol import APIError, bad_request
@@ -393,6 +393,9 @@ def engine_error(exc: Exception, param: str) -> APIError:
         code = "context_length_exceeded" if "max_model_len" in message or "KV" in message else None
         field = message.split(" ", 1)[0]  # the engine names a sampling field it checked first
         return bad_request(message, param=field if field in _VOCAB_CHECKED else param, code=code)
+    unsatisfiable = f"{Unsatisfiable.__name__}: "
+    if isinstance(exc, RequestFailed) and (exc.detail or "").startswith(unsatisfiable):
+        return bad_request(exc.detail.removeprefix(unsatisfiable))  # the request's own parameters
     if isinstance(exc, RequestFailed):
         logger.error("%s: %s", exc, exc.detail)
         return APIError(500, f"internal error: {exc}; see the server log", "server_error")

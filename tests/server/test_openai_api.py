@@ -426,6 +426,17 @@ def test_structured_outputs_through_the_client(client, model):
     assert text == expected.text and re.fullmatch("say [a-z]+!", text)
 
 
+def test_a_grammar_that_fails_while_generating_is_the_clients_400(client, model):
+    """3,000 alternatives in one rule compile but exceed llguidance's parser limits once generating: the
+    request ends alone, and the client reads why (not a 500)."""
+    wide = "start: " + " | ".join(f'"option {i}"' for i in range(3000))
+    with pytest.raises(openai.BadRequestError, match="parser failed"):
+        client.completions.create(
+            model=model, prompt="Pick", max_tokens=4, extra_body={"structured_outputs": {"grammar": wide}}
+        )
+    assert client.completions.create(model=model, prompt="Pick", max_tokens=2).choices[0].text is not None
+
+
 def test_a_bad_grammar_is_a_400_naming_its_field(client, model):
     cases = [
         ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "unclosed group"),
