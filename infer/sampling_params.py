@@ -33,6 +33,9 @@ class Unsatisfiable(ValueError):
     it as the client's error (400), not its own."""
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on the generated text, vLLM's `structured_outputs` (its StructuredOutputsParams):
@@ -67,9 +70,7 @@ class StructuredOutputs:
             if len(self.choice) > MAX_CHOICES:
                 raise ValueError(f"structured_outputs choice must hold at most {MAX_CHOICES} strings")
             object.__setattr__(self, "choice", tuple(self.choice))
-        kinds = [
-            k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) is not None
-        ]
+        kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise ValueError(
                 "structured_outputs takes exactly one of json, json_object, regex, choice and grammar; "
@@ -99,9 +100,7 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        return next(
-            k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) is not None
-        )
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None)
 
     @property
     def text(self) -> str:

@@ -73,8 +73,7 @@ class EngineView:
         self.trace = None  # refused at start with --replicas (infer.deploy.args)
         path = resolve_model_path(self.config.model, self.config.load_format)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder(path))  # as LLMEngine finds it
-        vocab_size = max(self.model_config.vocab_size, self.tokenizer.vocab_size)
-        self.grammars = GrammarCompiler(self.tokenizer.to_json(), vocab_size, self.tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
 
 
 @dataclasses.dataclass

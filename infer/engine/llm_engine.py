@@ -101,11 +101,7 @@ class LLMEngine:
         tp = ranks.tp if ranks else SINGLE
         model, self.model_config, path = load_engine_model(config, tp)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder(path))
-        self.grammars = GrammarCompiler(
-            self.tokenizer.to_json(),
-            max(self.model_config.vocab_size, self.tokenizer.vocab_size),
-            self.tokenizer.eos_token_ids,
-        )
+        self.grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
         model_dtype = next(model.parameters()).dtype
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)
@@ -302,9 +298,9 @@ class LLMEngine:
         executed = time.perf_counter()
         for req_id, (first, entries) in (runner_out.prompt_logprobs or {}).items():
             found = self.prompt_logprobs.get(req_id)
-            for offset, entry in enumerate(entries, start=first + 1):  # recomputed ones: the first kept
-                if found is not None:
-                    found.setdefault(offset, entry)
+            if found is not None:  # a recomputed position keeps its first value
+                for position, entry in enumerate(entries, start=first + 1):
+                    found.setdefault(position, entry)
         outputs = [self._fail(req_id, exc) for req_id, exc in failures.items()]
         updates = self.scheduler.update(sched, runner_out)
         updated = time.perf_counter()

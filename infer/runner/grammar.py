@@ -41,6 +41,12 @@ class GrammarCompiler:
     """Compiles StructuredOutputs into matchers for one tokenizer. Thread-safe: the server compiles on its
     worker threads while the engine copies from the cache."""
 
+    @classmethod
+    def for_tokenizer(cls, tokenizer, model_vocab_size: int) -> GrammarCompiler:
+        """For an infer Tokenizer and a model whose logits may be wider than its vocabulary (padded)."""
+        vocab_size = max(model_vocab_size, tokenizer.vocab_size)
+        return cls(tokenizer.to_json(), vocab_size, tokenizer.eos_token_ids)
+
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids):
         self.tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size  # the model's or the tokenizer's, whichever is larger

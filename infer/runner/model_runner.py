@@ -136,12 +136,12 @@ class ModelRunner:
                 # logprob = logit - logsumexp: one pass, where log_softmax writes a second [rows, vocab]
                 norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [rows, 1]
                 chosen = logits.gather(1, part.unsqueeze(1))  # [rows, 1]
-                ranks = (logits > chosen).sum(dim=-1, dtype=torch.int32) + 1  # an int32 sum: 4x a bool's
+                ranks = ((logits > chosen).sum(dim=-1, dtype=torch.int32) + 1).tolist()  # int32: 4x a bool
                 top_values, top_ids = logits.topk(top_n, dim=-1)
                 logprobs, top_values = (chosen - norm).squeeze(1).tolist(), (top_values - norm).tolist()
                 for j, token_id in enumerate(part.tolist()):
                     top = list(zip(top_ids[j].tolist(), top_values[j], strict=True))
-                    entries.append((token_id, logprobs[j], int(ranks[j]), top))
+                    entries.append((token_id, logprobs[j], ranks[j], top))
             found[s.req_id] = (first, entries)
         return found
 

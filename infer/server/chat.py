@@ -40,6 +40,7 @@ from infer.server.serving import (
     floor_logprob,
     objectives,
     prompt_logprobs_json,
+    prompt_logprobs_of,
     sampling_params,
     sse,
     start_stream,
@@ -191,7 +192,7 @@ class _Chat:
         ]
         last = {index: outs[-1] for index, outs in outputs.items()}
         response = {**self._head("chat.completion"), "choices": choices, "usage": self._usage(last)}
-        entries = next((o.prompt_logprobs for o in outputs[0] if o.prompt_logprobs is not None), None)
+        entries = prompt_logprobs_of(outputs[0])
         if entries is not None:  # vLLM's: once for the prompt, beside the choices (decoded off the loop)
             response["prompt_logprobs"] = await asyncio.to_thread(prompt_logprobs_json, self.state, entries)
         return response

@@ -32,6 +32,7 @@ from infer.server.serving import (
     floor_logprob,
     objectives,
     prompt_logprobs_json,
+    prompt_logprobs_of,
     sampling_params,
     sse,
     start_stream,
@@ -165,9 +166,9 @@ class _Completion:
             offset += len(text)
         return lp
 
-    def _echoed_logprobs(self, index: int, outs) -> dict | None:
-        """The legacy logprobs of an echoed prompt (the first token's None), then of the output."""
-        entries = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
+    def _echoed_logprobs(self, index: int, outs, entries: list | None) -> dict | None:
+        """The legacy logprobs of an echoed prompt (the first token's None; `entries`: its prompt
+        logprobs), then of the output."""
         generated = self._logprobs([] if self.echo_only else outs, len(self.echo_text[index // self.n]))
         if generated is None or entries is None:
             return generated
@@ -189,13 +190,13 @@ class _Completion:
 
     def _choice(self, index: int, text: str, outs, finish_reason) -> dict:
         choice = {"index": index, "text": text}
+        entries = prompt_logprobs_of(outs)
         if self.body.echo:
-            choice["logprobs"] = self._echoed_logprobs(index, outs)
+            choice["logprobs"] = self._echoed_logprobs(index, outs, entries)
         else:
             choice["logprobs"] = self._logprobs(outs, 0)
         shown_length = self.echo_only and finish_reason in ("stop", "length")  # its one token was not shown
         choice["finish_reason"] = "length" if shown_length else finish_reason
-        entries = next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None)
         if entries is not None:  # vLLM's field, beside OpenAI's legacy logprobs
             choice["prompt_logprobs"] = prompt_logprobs_json(self.state, entries)
         return choice
@@ -216,7 +217,7 @@ class _Completion:
         except (ValueError, RuntimeError) as exc:
             raise engine_error(exc, "prompt") from exc
         last = {index: outs[-1] for index, outs in outputs.items()}
-        if any(o.prompt_logprobs is not None for outs in outputs.values() for o in outs):
+        if any(prompt_logprobs_of(outs) is not None for outs in outputs.values()):
             # a decode per prompt token and alternative: ~90 ms for 4,096 x top 20, off the event loop
             choices = await asyncio.to_thread(self._choices, outputs)
         else:

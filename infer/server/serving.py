@@ -578,6 +578,11 @@ def check_prompt_logprobs(state: ServerState, body) -> None:
         raise bad_request("prompt_logprobs are not served under tensor parallelism", param="prompt_logprobs")
 
 
+def prompt_logprobs_of(outputs) -> list | None:
+    """The prompt logprobs among a request's outputs (the engine attaches them to one), or None."""
+    return next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None)
+
+
 def prompt_logprobs_json(state: ServerState, entries: list | None) -> list | None:
     """vLLM's shape: per prompt token, None for the first, then {token id: {logprob, rank,
     decoded_token}} for the token itself and the top-N (rank: 1 is the likeliest)."""
