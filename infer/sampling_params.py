@@ -270,14 +270,14 @@ class SamplingParams:
         return self.penalized or self.structured_outputs is not None or bool(self.bad_words)
 
     @property
+    def has_adjustment(self) -> bool:
+        """Sampling keeps state for the request (the sampler's Adjustment): allowed ids, a bias, penalties
+        or bad words."""
+        return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
     def adjusts_logits(self) -> bool:
-        return (
-            self.penalized
-            or bool(self.logit_bias)
-            or self.allowed_token_ids is not None
-            or self.structured_outputs is not None
-            or bool(self.bad_words)
-        )
+        return self.has_adjustment or self.structured_outputs is not None
 
 
 def _check_int(name: str, value: object, expected: str, minimum: int | None) -> None:

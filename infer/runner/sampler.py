@@ -54,7 +54,7 @@ class Sampler:
                 self.compiler.release(req_id)
 
     def _adjustment(self, req_id: str, p: SamplingParams) -> Adjustment | None:
-        if not _has_adjustment(p):
+        if not p.has_adjustment:
             return None
         state = self.adjustments.get(req_id)
         if state is None:
@@ -168,10 +168,6 @@ class Sampler:
         return out
 
 
-def _has_adjustment(p: SamplingParams) -> bool:
-    return p.penalized or bool(p.logit_bias) or p.allowed_token_ids is not None or bool(p.bad_words_token_ids)
-
-
 def _bans(p: SamplingParams) -> bool:
     """Whether the row can lose every token: to a grammar, allowed ids, bad words or min_tokens."""
     return bool(p.min_tokens or p.allowed_token_ids is not None or p.bad_words_token_ids)
@@ -262,7 +258,7 @@ def adjusted(
         else:
             out[rows] = out[rows].masked_fill_(banned_ids, float("-inf"))
     for row, p in enumerate(params):
-        if not _has_adjustment(p):
+        if not p.has_adjustment:
             continue
         state = states[row] if states is not None else Adjustment(p)
         if p.needs_history:
