@@ -6,6 +6,7 @@
     GET  /v1/models            the one served model
     POST /v1/completions       infer.server.completions
     POST /v1/chat/completions  infer.server.chat
+    POST /v1/responses         infer.server.responses (and GET, DELETE /v1/responses/{id})
     POST /tokenize, /detokenize  vLLM's, infer.server.tokenization
     GET  /debug/trace?seconds=S  the last S seconds of the engine trace (with --trace; infer.engine.trace)
 
@@ -29,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from infer.server import chat, completions, tokenization
+from infer.server import chat, completions, responses, tokenization
 from infer.server.args import ServerArgs
 from infer.server.protocol import ERROR_RESPONSES, APIError, bad_request
 from infer.server.serving import ServerState, check_model
@@ -68,6 +69,8 @@ def create_app(
     app.state.server = state
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(responses.router)
+    app.state.responses = responses.ResponseStore(args.responses_store_mb * 2**20)
     app.include_router(tokenization.router)
     _add_error_handlers(app)
     if args.api_key:

@@ -44,6 +44,7 @@ class ServerArgs:
     max_queued_requests: int = 1024
     max_request_bytes: int = 4 * 2**20  # a 4 MiB body holds ~1M tokens of text, beyond any context here
     trust_request_chat_template: bool = False
+    responses_store_mb: int = 64  # /v1/responses kept for GET and previous_response_id
     drain_timeout: float = 30.0
     cuda_graphs: bool = False
     log_level: str = "info"
@@ -82,6 +83,12 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         action=bool_flag,
         default=False,
         help="let requests send their own chat template (chat_template_kwargs.chat_template); off: 400",
+    )
+    parser.add_argument(
+        "--responses-store-mb",
+        type=int,
+        default=ServerArgs.responses_store_mb,
+        help="memory for stored /v1/responses (GET, previous_response_id), oldest out first; 0: none kept",
     )
     parser.add_argument(
         "--drain-timeout",
@@ -321,6 +328,8 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
     )
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.responses_store_mb < 0:
+        raise ValueError(f"--responses-store-mb must be >= 0, got {args.responses_store_mb}")
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
     if not 1 <= args.port <= 65535 and args.port != 0:
@@ -336,6 +345,7 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
+        responses_store_mb=args.responses_store_mb,
         drain_timeout=args.drain_timeout,
         cuda_graphs=args.cuda_graphs,
         log_level=args.log_level,

@@ -61,7 +61,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     check_priority(state, body.priority)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-    prompt_ids = await asyncio.to_thread(_prompt_ids, state, body)  # CPU work off the event loop
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, state, body)  # CPU work off the event loop
     prompt_ids = truncated(state, body, prompt_ids)
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
@@ -91,7 +91,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 _OWN_ARGUMENTS = {"self", "messages", "add_generation_prompt", "tools", "max_chars"}
 
 
-def _prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     """The prompt's token ids (runs on a worker thread: templates and tokenizing can take a while)."""
     prompt_ids = state.llm.tokenizer.encode(
         render_chat(state, body), add_special_tokens=body.add_special_tokens

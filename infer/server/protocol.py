@@ -12,7 +12,7 @@ shapes are documented here once, and the official `openai` client parses them in
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -157,8 +157,10 @@ class ResponseFormat(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields shared by completions and chat completions. A field sent as null takes its default, as
-    OpenAI's API reads null for its optional fields (`"temperature": null` is 1.0, not a 400)."""
+    """Fields shared by completions, chat completions and responses. A field sent as null takes its
+    default, as OpenAI's API reads null for its optional fields (`"temperature": null` is 1.0, not a 400)."""
+
+    format_field: ClassVar[str] = "response_format"  # the field errors name for response_format
 
     @model_validator(mode="before")
     @classmethod
@@ -244,6 +246,88 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None  # vLLM extension; only with --trust-request-chat-template
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+
+
+class TextFormat(_Request):
+    """The Responses API's text.format: chat's response_format with the schema's fields in the format
+    itself ({"type": "json_schema", "name": ..., "schema": {...}, "strict": true})."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted: a hint this server has no use for
+
+
+RESPONSE_INCLUDES = Literal[
+    "message.output_text.logprobs",  # the one acted on; the others name outputs this server never makes
+    "reasoning.encrypted_content",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "web_search_call.action.sources",
+]
+MAX_METADATA = 16  # OpenAI's bound on metadata pairs
+
+
+class ResponsesRequest(_SamplingFields):
+    """POST /v1/responses: OpenAI's Responses API over the chat template. Text in, text out: tools,
+    reasoning and background runs are refused (no model here calls tools or reasons). The sampling fields
+    are chat's (vLLM's extensions included); chat's own output fields are refused: one output per
+    request (n), text.format in place of response_format, truncation in place of truncate_prompt_tokens."""
+
+    format_field: ClassVar[str] = "text.format"
+
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, lt=INT64_END)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    include: list[RESPONSE_INCLUDES] | None = None
+    text: TextConfig | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=MAX_METADATA)] | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    reasoning: dict[str, Any] | None = None
+    background: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as in chat completions
+
+    @model_validator(mode="after")
+    def _responses_fields(self):
+        for name, instead in (
+            ("response_format", "text.format"),
+            ("truncate_prompt_tokens", 'truncation: "auto"'),
+            ("stream_options", "nothing: a stream's last event holds the usage"),
+            ("prompt_logprobs", "/v1/completions"),
+        ):
+            if name in self.model_fields_set:
+                raise ValueError(f"{name} is not a Responses API field; use {instead}")
+        if self.n != 1:
+            raise ValueError("n: a response has one output; send several requests, or use chat completions")
+        if self.tools:
+            raise ValueError("tools: this server does not call tools; send the conversation as text")
+        if self.tool_choice not in ("none", "auto"):
+            raise ValueError("tool_choice: there are no tools to call; send auto or none")
+        if self.reasoning and any(v is not None for v in self.reasoning.values()):
+            raise ValueError("reasoning: this server's models do not reason; leave it out")
+        if self.background:
+            raise ValueError("background: responses run in the foreground here; stream it instead")
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type != "text":
+            schema = JsonSchemaFormat(name=fmt.name, schema=fmt.schema_)
+            self.response_format = ResponseFormat(type=fmt.type, json_schema=schema)
+        return self
 
 
 class TokenizeRequest(_Request):

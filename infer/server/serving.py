@@ -433,7 +433,7 @@ def sampling_params(
         )
     except ValueError as exc:  # its messages start with the field's name
         field = str(exc).split(" ", 1)[0].rstrip(":")
-        known = field in type(body).model_fields or field in GUIDED_FIELDS
+        known = field in type(body).model_fields or field in GUIDED_FIELDS or field == body.format_field
         raise bad_request(str(exc), param=field if known else None) from exc
 
 
@@ -453,13 +453,14 @@ def _constraints(body) -> tuple[list[tuple[str, dict]], dict]:
     """(field, StructuredOutputs arguments) of each field of the body that constrains the output, and
     structured_outputs' options, which apply to a response_format's constraint too (as in vLLM)."""
     found = []
-    rf = body.response_format
+    rf, rf_field = body.response_format, body.format_field
     if rf is not None and rf.type == "json_object":
-        found.append(("response_format", {"json_object": True}))
+        found.append((rf_field, {"json_object": True}))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise ValueError("response_format of type json_schema needs json_schema.schema (a JSON schema)")
-        found.append(("response_format", {"json": rf.json_schema.schema_}))
+            where = "schema" if rf_field == "text.format" else "json_schema.schema"
+            raise ValueError(f"{rf_field} of type json_schema needs {where} (a JSON schema)")
+        found.append((rf_field, {"json": rf.json_schema.schema_}))
     so, options = body.structured_outputs, {}
     if so is not None:
         if so.model_extra:

@@ -1,0 +1,351 @@
+"""POST /v1/responses (OpenAI's Responses API); GET and DELETE /v1/responses/{id}.
+
+A responses request is the chat request it amounts to: `instructions` as a system message, then, with
+`previous_response_id`, that response's conversation (its input and its output, from this server's
+store), then `input` (a string is one user message; items are messages whose content is a string or
+text parts: input_text / output_text). The conversation goes through the model's chat template and chat's
+sampling (protocol.ResponsesRequest); the output is one message item holding one output_text part.
+
+Streaming sends OpenAI's typed events (`event: TYPE`, `data: JSON` with a sequence_number, no [DONE]):
+
+    response.created, response.in_progress           the response, status in_progress, no output yet
+    response.output_item.added, response.content_part.added
+    response.output_text.delta ...                   the text as it comes (with its logprobs if included)
+    response.output_text.done, response.content_part.done, response.output_item.done
+    response.completed                               the whole response, usage included; as OpenAI,
+                                                     response.incomplete when max_output_tokens cut it
+                                                     short (vLLM 0.32 sends response.completed either way)
+
+An engine error mid-stream sends `error` and then response.failed.
+
+The store: `store` is true by default (OpenAI's default). A stored response can be read back (GET),
+deleted, and continued (previous_response_id). It lives in this process's memory, the least recently
+stored evicted first beyond --responses-store-mb (vLLM keeps a store only behind
+VLLM_ENABLE_RESPONSES_API_STORE, unbounded); a response evicted, deleted or never stored is a 404.
+Messages are shared between a response and the ones that continue it, so a chain of N turns holds each
+turn's text once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from infer.engine.llm_engine import StepOutput
+from infer.server.chat import chat_prompt_ids
+from infer.server.protocol import (
+    GENERATE_RESPONSES,
+    APIError,
+    ChatCompletionRequest,
+    ResponsesRequest,
+    bad_request,
+)
+from infer.server.serving import (
+    Fanout,
+    FanoutStream,
+    Job,
+    ServerState,
+    cancel_on_disconnect,
+    check_fields,
+    check_grammar,
+    check_model,
+    check_priority,
+    engine_error,
+    floor_logprob,
+    objectives,
+    sampling_params,
+    sse,
+    start_stream,
+    token_text,
+)
+
+router = APIRouter()
+
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_LOGPROBS = "message.output_text.logprobs"
+
+
+@dataclass
+class Stored:
+    response: dict
+    conversation: list[dict]  # the messages that produced it, instructions left out (OpenAI's rule)
+    text: str  # its output
+    size: int  # bytes counted against the store's bound
+
+
+class ResponseStore:
+    """Responses kept for GET and previous_response_id, least recently stored out first beyond
+    max_bytes (0: nothing is kept)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self.entries: OrderedDict[str, Stored] = OrderedDict()
+
+    def put(self, entry: Stored) -> bool:
+        if entry.size > self.max_bytes:
+            return False
+        self.entries[entry.response["id"]] = entry
+        self.num_bytes += entry.size
+        while self.num_bytes > self.max_bytes:
+            _, old = self.entries.popitem(last=False)
+            self.num_bytes -= old.size
+        return True
+
+    def get(self, response_id: str, param: str = "response_id") -> Stored:
+        entry = self.entries.get(response_id)
+        if entry is None:
+            raise APIError(
+                404,
+                f"no stored response with id {response_id!r}: never stored (store false), deleted, or "
+                "evicted (--responses-store-mb bounds the store)",
+                param=param,
+                code="response_not_found",
+            )
+        return entry
+
+    def delete(self, response_id: str) -> None:
+        self.num_bytes -= self.get(response_id).size
+        del self.entries[response_id]
+
+
+@router.post("/v1/responses", responses=GENERATE_RESPONSES)
+async def create_response(body: ResponsesRequest, request: Request):
+    arrival = time.monotonic()
+    state: ServerState = request.app.state.server
+    store: ResponseStore = request.app.state.responses
+    check_model(state, body.model)
+    check_fields(body)
+    state.check_open()
+    check_priority(state, body.priority)
+    conversation = _input_messages(body.input)
+    if body.previous_response_id is not None:
+        previous = store.get(body.previous_response_id, param="previous_response_id")
+        reply = {"role": "assistant", "content": previous.text}
+        conversation = [*previous.conversation, reply, *conversation]
+    system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    messages = system + conversation
+    chat = ChatCompletionRequest(messages=messages, chat_template_kwargs=body.chat_template_kwargs)
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, state, chat)  # CPU work off the event loop
+    limit = state.max_request_len
+    if body.truncation == "auto":  # the conversation's start goes, as vLLM's (a prompt's last tokens)
+        keep = limit - (body.max_output_tokens or 1)
+        if keep < 1:
+            raise bad_request(
+                f"max_output_tokens ({body.max_output_tokens}) leaves no room for input in the context "
+                f"({limit} tokens)",
+                param="max_output_tokens",
+            )
+        prompt_ids = prompt_ids[-keep:]
+    max_tokens = body.max_output_tokens or max(1, limit - len(prompt_ids))
+    logprobs = (body.top_logprobs or 0) if _LOGPROBS in (body.include or ()) else None
+    params = sampling_params(body, max_tokens, logprobs)
+    await check_grammar(state, body, params)
+    slo = objectives(state, body)
+    state.admit(1, fits=state.fits(len(prompt_ids), max_tokens))
+    response_id = state.new_id("resp")
+    fanout = Fanout(state, [Job(prompt_ids, params, body.priority, slo)], response_id, arrival)
+    run = _Response(state, store, body, response_id, conversation)
+    if body.stream:
+        if not await start_stream(request, fanout, "input"):
+            return Response(status_code=499)  # the client is gone (its request was aborted)
+        return FanoutStream(run.stream(fanout), fanout)
+    try:
+        result = await cancel_on_disconnect(request, run.collect(fanout))
+    finally:
+        fanout.close()  # also when the collecting task was cancelled before it started
+    return JSONResponse(result) if result is not None else Response(status_code=499)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(request.app.state.responses.get(response_id).response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> JSONResponse:
+    request.app.state.responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _input_messages(items: str | list[dict]) -> list[dict]:
+    """The request's input as chat messages; 400 for items that are not messages of text."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise bad_request(
+                f"input[{i}]: items of type {kind!r} are not supported; this server takes messages of text "
+                "(no tool calls, reasoning, files or images)",
+                param="input",
+            )
+        role = item.get("role")
+        if role not in _ROLES:
+            raise bad_request(
+                f"input[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}", param="input"
+            )
+        content = item.get("content")
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not _is_text_part(part):
+                    raise bad_request(
+                        f"input[{i}].content[{j}]: only text parts (input_text, output_text) are supported",
+                        param="input",
+                    )
+            content = "\n".join(part["text"] for part in content)  # as chat joins text parts
+        if not isinstance(content, str):
+            raise bad_request(f"input[{i}].content must be a string or a list of text parts", param="input")
+        messages.append({"role": _ROLES[role], "content": content})
+    return messages
+
+
+def _is_text_part(part) -> bool:
+    return isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str)
+
+
+class _Response:
+    def __init__(self, state: ServerState, store: ResponseStore, body, response_id: str, conversation):
+        self.state, self.store, self.body, self.id = state, store, body, response_id
+        self.conversation = conversation
+        self.created = int(time.time())
+        self.item_id = f"msg-{response_id.removeprefix('resp-')}"
+        self.include_logprobs = _LOGPROBS in (body.include or ())
+
+    def _logprobs(self, out: StepOutput) -> list[dict]:
+        if not self.include_logprobs or out.logprobs is None or not out.token_ids:
+            return []
+        sampled, top = out.logprobs
+        entry = self._entry(out.token_ids[-1], sampled)
+        entry["top_logprobs"] = [self._entry(t, v) for t, v in top[: self.body.top_logprobs or 0]]
+        return [entry]
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = token_text(self.state, token_id)
+        return {"token": text, "logprob": floor_logprob(logprob), "bytes": list(text.encode())}
+
+    def _part(self, text: str, logprobs: list[dict] | None) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+    def _item(self, status: str, content: list[dict]) -> dict:
+        return {
+            "id": self.item_id,
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        }
+
+    def _response(self, status: str, output: list[dict], last: StepOutput | None = None) -> dict:
+        body = self.body
+        fmt = body.text.format if body.text is not None and body.text.format is not None else None
+        usage = None
+        if last is not None:
+            usage = {
+                "input_tokens": last.num_prompt_tokens,
+                "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
+                "output_tokens": last.num_output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
+            }
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "model": self.state.args.model_name,
+            "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": None,
+            "store": body.store and self.store.max_bytes > 0,
+            "temperature": body.temperature,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "tool_choice": body.tool_choice,
+            "tools": [],
+            "top_logprobs": body.top_logprobs or 0,
+            "top_p": body.top_p,
+            "truncation": body.truncation,
+            "usage": usage,
+            "user": body.user,
+        }
+
+    def _finish(self, text: str, logprobs: list[dict], last: StepOutput) -> dict:
+        """The whole response once the output ended; stored if asked."""
+        status = {"stop": "completed", "length": "incomplete"}.get(last.finish_reason, "cancelled")
+        part = self._part(text, logprobs if self.include_logprobs else None)
+        item = self._item("completed" if status == "completed" else "incomplete", [part])
+        response = self._response(status, [item], last)
+        if self.body.store and status != "cancelled":
+            size = len(text.encode()) + sum(len(m["content"].encode()) for m in self.conversation) + 1024
+            self.store.put(Stored(response, self.conversation, text, size))
+        return response
+
+    async def collect(self, fanout: Fanout) -> dict:
+        texts, logprobs, last = [], [], None
+        try:
+            async for _, out in fanout.outputs():
+                texts.append(out.text)
+                logprobs += self._logprobs(out)
+                last = out
+        except (ValueError, RuntimeError) as exc:
+            raise engine_error(exc, "input") from exc
+        return self._finish("".join(texts), logprobs, last)
+
+    async def stream(self, fanout: Fanout) -> AsyncIterator[str]:
+        events = _Events()
+        started = self._response("in_progress", [])
+        yield events("response.created", response=started)
+        yield events("response.in_progress", response=started)
+        yield events("response.output_item.added", output_index=0, item=self._item("in_progress", []))
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        yield events("response.content_part.added", **where, part=self._part("", []))
+        texts, logprobs, last = [], [], None
+        try:
+            async for _, out in fanout.outputs():
+                last = out
+                entries = self._logprobs(out)
+                if out.text or entries:
+                    texts.append(out.text)
+                    logprobs += entries
+                    yield events("response.output_text.delta", **where, delta=out.text, logprobs=entries)
+        except (ValueError, RuntimeError) as exc:
+            error = engine_error(exc, "input")
+            yield events("error", code=error.code or error.type, message=error.message, param=error.param)
+            failed = self._response("failed", [])
+            failed["error"] = {"code": error.code or error.type, "message": error.message}
+            yield events("response.failed", response=failed)
+            return
+        response = self._finish("".join(texts), logprobs, last)
+        (item,) = response["output"]
+        yield events("response.output_text.done", **where, text=item["content"][0]["text"], logprobs=logprobs)
+        yield events("response.content_part.done", **where, part=item["content"][0])
+        yield events("response.output_item.done", output_index=0, item=item)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        yield events(kind, response=response)
+
+
+class _Events:
+    """OpenAI's streaming events: `event: TYPE` then the JSON, numbered in order."""
+
+    def __init__(self):
+        self.sequence_number = 0
+
+    def __call__(self, kind: str, **fields) -> str:
+        payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return f"event: {kind}\n{sse(payload)}"
