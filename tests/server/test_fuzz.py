@@ -30,7 +30,7 @@ from schemathesis import GenerationMode
 from tests.server.conftest import API_KEY, ServerProcess, metric
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+CMPL, CHAT, RESP = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MAX_MODEL_LEN = 64
 MAX_SEQS, MAX_QUEUED = 4, 8
 MAX_BYTES = 256 * 1024
@@ -60,7 +60,7 @@ def _bounded(case) -> None:
     """Cap the lengths that the server would accept: the cost of an example stays a few steps."""
     if not isinstance(case.body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens", "max_output_tokens"):
         value = case.body.get(key)
         if type(value) is int and KEPT_MAX_TOKENS < value < MAX_MODEL_LEN:
             case.body[key] = KEPT_MAX_TOKENS
@@ -83,6 +83,10 @@ def check_answer(resp, what: str) -> None:
     if resp.status_code >= 400:
         error = resp.json()["error"]
         assert set(error) == ERROR_KEYS and isinstance(error["message"], str) and error["message"], seen
+    elif any("text/event-stream" in v for v in resp.headers.get("content-type", [])) and RESP in what:
+        events = [json.loads(line[6:]) for line in resp.text.split("\n") if line.startswith("data: ")]
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), seen
+        assert events[-1]["type"] in ("response.completed", "response.incomplete", "response.failed"), seen
     elif any("text/event-stream" in v for v in resp.headers.get("content-type", [])):  # values are lists
         events = [line[6:] for line in resp.text.split("\n") if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", seen
@@ -93,6 +97,9 @@ def check_answer(resp, what: str) -> None:
         assert body["count"] == len(body["tokens"]) and body["max_model_len"] == MAX_MODEL_LEN, seen
     elif what.startswith("POST /detokenize"):
         assert isinstance(resp.json()["prompt"], str), seen
+    elif what.startswith(("POST /v1/responses", "GET /v1/responses")):
+        body = resp.json()
+        assert body["object"] == "response" and body["usage"]["output_tokens"] >= 0, seen
     elif what.startswith("POST"):
         body = resp.json()
         assert body["choices"] and body["usage"]["completion_tokens"] >= 0, seen
@@ -123,7 +130,7 @@ def test_fuzz_from_the_openapi_schema(fuzz_server):
     (negative: wrong types, missing fields, out-of-range values)."""
     schema = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    paths = {CMPL, CHAT, "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize"}
+    paths = {CMPL, CHAT, RESP, "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize"}
     assert paths <= {op.path for op in operations}
     seen = {}
     for op in operations:
@@ -132,7 +139,7 @@ def test_fuzz_from_the_openapi_schema(fuzz_server):
             seen[op.label, "negative"] = _fuzz(fuzz_server.url, op, GenerationMode.NEGATIVE)
     print({k: dict(v) for k, v in seen.items()})
     # the fuzz reached the engine: some generated requests were accepted, not only refused
-    assert seen[f"POST {CMPL}", "positive"][200] > 0 and seen[f"POST {CHAT}", "positive"][200] > 0
+    assert all(seen[f"POST {path}", "positive"][200] > 0 for path in (CMPL, CHAT, RESP))
 
 
 # What people send wrong that the schema cannot express (or the fuzzer rarely reaches), beyond what
