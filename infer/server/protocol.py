@@ -301,6 +301,8 @@ class ResponsesRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     reasoning: dict[str, Any] | None = None
     background: bool = False
+    conversation: str | dict[str, Any] | None = None  # OpenAI's stored conversations: refused
+    prompt: dict[str, Any] | None = None  # OpenAI's stored prompt templates: refused
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's, as in chat completions
 
     @model_validator(mode="after")
@@ -323,6 +325,9 @@ class ResponsesRequest(_SamplingFields):
             raise ValueError("reasoning: this server's models do not reason; leave it out")
         if self.background:
             raise ValueError("background: responses run in the foreground here; stream it instead")
+        if self.conversation is not None or self.prompt is not None:
+            name = "conversation" if self.conversation is not None else "prompt"
+            raise ValueError(f"{name}: this server keeps no {name}s; send the input, or previous_response_id")
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type != "text":
             schema = JsonSchemaFormat(name=fmt.name, schema=fmt.schema_)

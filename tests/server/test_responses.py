@@ -220,6 +220,8 @@ def test_truncation_auto_keeps_the_conversations_end(client, model):
         ({"input": [{"role": "tool", "content": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"include": ["nonsense"]}, "include"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
         ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ],
 )
