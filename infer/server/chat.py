@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from infer.server import tools
 from infer.server.protocol import (
     GENERATE_RESPONSES,
     ChatCompletionRequest,
@@ -171,6 +172,16 @@ class _Chat:
             content.append(entry)
         return {"content": content, "refusal": None}
 
+    def _message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """A choice's message and finish_reason: its tool calls when tool_choice forced them and the
+        output holds them (infer.server.tools), else its text."""
+        calls = tools.tool_calls(self.body, text) if tools.forces_calls(self.body) else None
+        if calls is None:
+            return {"role": "assistant", "content": text}, reason
+        if self.body.tool_choice == "required" and reason == "stop":
+            reason = "tool_calls"  # OpenAI's and vLLM's; a named call ends with "stop"
+        return {"role": "assistant", "content": None, "tool_calls": calls}, reason
+
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.state.args.model_name}
 
@@ -181,15 +192,11 @@ class _Chat:
                 outputs[index].append(out)
         except (ValueError, RuntimeError) as exc:
             raise engine_error(exc, "messages") from exc
-        choices = [
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
-                "logprobs": self._logprobs(outs),
-                "finish_reason": outs[-1].finish_reason,
-            }
-            for index, outs in outputs.items()
-        ]
+        choices = []
+        for index, outs in outputs.items():
+            message, reason = self._message("".join(o.text for o in outs), outs[-1].finish_reason)
+            choice = {"index": index, "message": message, "logprobs": self._logprobs(outs)}
+            choices.append({**choice, "finish_reason": reason})
         last = {index: outs[-1] for index, outs in outputs.items()}
         response = {**self._head("chat.completion"), "choices": choices, "usage": self._usage(last)}
         entries = prompt_logprobs_of(outputs[0])
@@ -211,18 +218,21 @@ class _Chat:
                     **extra,
                 }
             )
-        last = {}
+        last, calls = {}, _StreamedCalls(self) if tools.forces_calls(self.body) else None
         try:
             async for index, out in fanout.outputs():
                 last[index] = out
                 if not (out.text or out.finished or (self.body.logprobs and out.token_ids)):
                     continue  # text held back (it may begin a stop string): nothing to send yet
                 delta = {"content": out.text} if out.text else {}
+                reason = out.finish_reason
+                if calls is not None:
+                    delta, reason = calls.delta(index, out)
                 choice = {
                     "index": index,
                     "delta": delta,
                     "logprobs": self._logprobs([out]),
-                    "finish_reason": out.finish_reason,
+                    "finish_reason": reason,
                 }
                 if continuous_usage(self.body):  # vLLM's: the usage so far in every chunk
                     extra = {"usage": self._usage(last)}
@@ -233,3 +243,32 @@ class _Chat:
             if include_usage:
                 yield sse({**head, "choices": [], "usage": self._usage(last)})
         yield SSE_DONE
+
+
+class _StreamedCalls:
+    """Each choice's tool calls as deltas: a named function's arguments as they come (its id and name in
+    the first), "required" calls all at the end, once their list is complete (before that, the text
+    could still be anything the schema allows)."""
+
+    def __init__(self, chat: _Chat):
+        self.chat, self.name = chat, tools.named_function(chat.body)
+        self.texts: dict[int, list[str]] = {}
+
+    def delta(self, index: int, out) -> tuple[dict, str | None]:
+        if self.name is not None:
+            started = index in self.texts
+            self.texts.setdefault(index, [])
+            if not out.text:
+                return {}, out.finish_reason
+            call = {"index": 0, "function": {"arguments": out.text}}
+            if not started:
+                call = {"index": 0, "id": tools.call_id(), "type": "function",
+                        "function": {"name": self.name, "arguments": out.text}}  # fmt: skip
+            return {"tool_calls": [call]}, out.finish_reason
+        self.texts.setdefault(index, []).append(out.text)
+        if not out.finished:
+            return {}, None
+        message, reason = self.chat._message("".join(self.texts[index]), out.finish_reason)
+        if "tool_calls" not in message:
+            return {"content": message["content"]}, reason
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}, reason

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infer.sampling_params import INT64_MAX, INT64_MIN, MAX_BAD_WORDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from infer.server.tools import check_tools
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
 MAX_N = 128
@@ -245,7 +246,14 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": False}
     chat_template: str | None = None  # vLLM extension; only with --trust-request-chat-template
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    # a named function or "required": the output is constrained to tool calls (infer.server.tools)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call under "required"
+
+    @model_validator(mode="after")
+    def _tools(self):
+        check_tools(self.tools, self.tool_choice)
+        return self
 
 
 class TextFormat(_Request):

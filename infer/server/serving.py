@@ -41,6 +41,7 @@ from infer.sampling_params import INT64_MIN, SamplingParams, StructuredOutputs, 
 from infer.server.args import ServerArgs
 from infer.server.metrics import MeteredEngine, Metrics
 from infer.server.protocol import APIError, bad_request
+from infer.server.tools import tool_schema
 
 logger = logging.getLogger("infer.server")
 RETRY_AFTER_S = 1
@@ -461,6 +462,8 @@ def _constraints(body) -> tuple[list[tuple[str, dict]], dict]:
             where = "schema" if rf_field == "text.format" else "json_schema.schema"
             raise ValueError(f"{rf_field} of type json_schema needs {where} (a JSON schema)")
         found.append((rf_field, {"json": rf.json_schema.schema_}))
+    if getattr(body, "tools", None) is not None and (schema := tool_schema(body)) is not None:
+        found.append(("tool_choice", {"json": schema}))
     so, options = body.structured_outputs, {}
     if so is not None:
         if so.model_extra:

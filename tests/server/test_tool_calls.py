@@ -1,0 +1,133 @@
+"""Tool calls on chat completions (infer.server.tools): a named tool_choice or "required" constrains the
+output to the calls' JSON, returned as `tool_calls`, streamed and not; "auto" and "none" leave text."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.server.test_openai_api import COMPACT
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _create(client, model, **kwargs):
+    kwargs = {"max_tokens": 60, "temperature": 0, "extra_body": COMPACT, **kwargs}
+    return client.chat.completions.create(model=model, messages=ASK, **kwargs)
+
+
+def test_a_named_tool_choice_calls_that_function(client, model):
+    """The arguments follow the function's parameters; they are the text the same grammar gives under
+    response_format (same prompt: the tools reach the template either way)."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    resp = _create(client, model, tools=[WEATHER, TIME], tool_choice=choice)
+    message = resp.choices[0].message
+    assert message.content is None and resp.choices[0].finish_reason == "stop"
+    [call] = message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    schema = {"name": "args", "schema": WEATHER["function"]["parameters"]}
+    plain = _create(
+        client, model, tools=[WEATHER, TIME], tool_choice="none",
+        response_format={"type": "json_schema", "json_schema": schema},
+    )  # fmt: skip
+    assert plain.choices[0].message.content == call.function.arguments
+
+    chunks = list(_create(client, model, tools=[WEATHER, TIME], tool_choice=choice, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    first = deltas[0].tool_calls[0]
+    assert first.index == 0 and first.id.startswith("call_") and first.function.name == "get_weather"
+    assert "".join(d.tool_calls[0].function.arguments or "" for d in deltas) == call.function.arguments
+    assert all(d.tool_calls[0].id in (None, first.id) for d in deltas)
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_required_calls_one_of_the_tools(client, model):
+    """With parallel_tool_calls false, one call from the list of tools (this small model, left free to
+    call several, repeats its call until max_tokens: test_calls_cut_short_keep_their_text)."""
+    kwargs = dict(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, max_tokens=120)
+    choice = _create(client, model, **kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    key = {"get_weather": "city", "get_time": "zone"}[call.function.name]
+    assert set(json.loads(call.function.arguments)) == {key} and call.id.startswith("call_")
+
+    chunks = list(_create(client, model, **kwargs, stream=True))
+    streamed = [
+        tc
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls
+        for tc in c.choices[0].delta.tool_calls
+    ]
+    assert [(tc.index, tc.function.name, tc.function.arguments) for tc in streamed] == [
+        (0, call.function.name, call.function.arguments)
+    ]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_calls_cut_short_keep_their_text(client, model):
+    """Cut by max_tokens, "required" output is no complete list: the text stays as content (nothing is
+    dropped), without tool_calls."""
+    resp = _create(
+        client, model, tools=[WEATHER], tool_choice="required", max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.content and choice.message.content.startswith("[")
+
+
+def test_auto_and_none_leave_text(client, model):
+    for tool_choice in ("auto", "none", None):
+        kwargs = {"tool_choice": tool_choice} if tool_choice else {}
+        resp = _create(client, model, tools=[WEATHER], max_tokens=8, extra_body={}, **kwargs)
+        assert resp.choices[0].message.tool_calls is None and resp.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "not among",
+        ),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"tools": []}, "empty array"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "send one",
+        ),
+    ],
+)
+def test_bad_tools_are_400s(client, model, kwargs, fragment):
+    with pytest.raises(openai.BadRequestError, match=None) as err:
+        _create(client, model, max_tokens=4, **kwargs)
+    assert fragment in err.value.body["message"]
