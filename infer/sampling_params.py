@@ -128,6 +128,9 @@ class SamplingParams:
     include_stop_str_in_output: keep the matched stop string, or the text of the stop token, at the end
         of the text (vLLM's).
     skip_special_tokens: leave special tokens (EOS, ...) out of the text (vLLM's; the token ids keep them).
+    spaces_between_special_tokens: False: an added token that follows another added token is written as
+        its own text, without what the tokenizer's decoder puts before it (a space, for decoders that
+        join tokens with one); only with skip_special_tokens False (vLLM's, as its fast detokenizer).
     stop_token_ids: extra token ids that end the request (finish reason "stop"); the token is kept in
         the output ids, as EOS is, and left out of the text unless include_stop_str_in_output (as vLLM).
     logprobs: None = none; N >= 0 = log-probability of the sampled token plus the top-N alternatives.
@@ -171,6 +174,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
@@ -197,7 +201,12 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) cannot exceed max_tokens ({self.max_tokens}); "
                 "lower min_tokens or raise max_tokens"
             )
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -273,7 +282,12 @@ class SamplingParams:
     def has_adjustment(self) -> bool:
         """Sampling keeps state for the request (the sampler's Adjustment): allowed ids, a bias, penalties
         or bad words."""
-        return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+        return (
+            self.penalized
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
 
     @property
     def adjusts_logits(self) -> bool:

@@ -132,6 +132,56 @@ def _power_bits(base: Any, exponent: Any) -> int:
     return exponent * abs(base).bit_length()
 
 
+# transformers' marker of the end of the final message (continue_final_message), found in the rendering
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def tag_final_message(chat: list[dict[str, Any]], template: str) -> str:
+    """continue_final_message before rendering, as transformers 5 (which vLLM 0.32 calls) does it:
+    CONTINUE_TAG appended to the last message's content (its last text part, for a list of parts);
+    `chat[-1]` is replaced, not mutated. Returns the content before the tag; ValueError with transformers'
+    reason where there is nothing to continue."""
+    final = chat[-1].get("content")
+    if final is None:
+        raise ValueError('continue_final_message is set but the final message has no "content" to continue!')
+    if "content" not in template:
+        raise ValueError(
+            'continue_final_message is set to "content" but this is not an accepted field in the '
+            "chat_template"
+        )
+    if isinstance(final, list | tuple):
+        parts = list(final)
+        texts = [i for i, p in enumerate(parts) if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if not texts:
+            raise ValueError(
+                "continue_final_message is set but we could not find any text to continue in the final "
+                "message!"
+            )
+        text = parts[texts[-1]]["text"]
+        parts[texts[-1]] = {**parts[texts[-1]], "text": text + CONTINUE_TAG}
+        chat[-1] = {**chat[-1], "content": parts}
+        return text
+    if not isinstance(final, str):
+        raise ValueError("continue_final_message is set but the final message's content is not text")
+    chat[-1] = {**chat[-1], "content": final + CONTINUE_TAG}
+    return final
+
+
+def continue_final(rendered: str, final: str) -> str:
+    """The rendering cut where the tag ended the final message (transformers'), so that the prompt ends
+    with that message's text, open: the template's end-of-turn and what follows are gone. A template that
+    trimmed the message's trailing space has it trimmed here too."""
+    if final.strip() not in rendered or CONTINUE_TAG.strip() not in rendered:
+        raise ValueError(
+            "continue_final_message is set but the final message does not appear in the chat after applying "
+            "the chat template: the template deletes portions of the final message"
+        )
+    at = rendered.rindex(CONTINUE_TAG.strip())
+    if rendered[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:  # the template kept the spacing
+        return rendered[:at]
+    return rendered[:at].rstrip()
+
+
 def render(template: jinja2.Template, max_chars: int, **variables: Any) -> str:
     """Render, giving up (ValueError) as soon as the output passes max_chars."""
     parts, size = [], 0

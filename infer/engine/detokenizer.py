@@ -23,8 +23,10 @@ Two stages, each holding back text it cannot yet be sure of:
    include_stop_str_in_output). The first stop string to end wins.
 
 Contract: while no stop string matched, "".join(update(...) for each step) + flush() equals
-tokenizer.decode(output_ids, skip_special_tokens) exactly. The output is the text of the generated ids
-alone, so streaming and a final one-shot decode agree; the prompt is not part of the window.
+tokenizer.decode(output_ids, skip_special_tokens) exactly (with spaces_between_special_tokens False, but
+for what the decoder put before an added token that follows another: see `update`). The output is the
+text of the generated ids alone, so streaming and a final one-shot decode agree; the prompt is not part
+of the window.
 One exception, on invalid UTF-8 only: a byte-fallback decoder (SentencePiece style: Llama 2, Gemma)
 turns a whole run of <0xNN> tokens into U+FFFD when the run holds an invalid byte, including bytes that
 were valid, and already streamed, before it. Byte-level BPE (Llama 3, Qwen, GPT-2) has no such case.
@@ -32,7 +34,7 @@ were valid, and already streamed, before it. Byte-level BPE (Llama 3, Qwen, GPT-
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from infer.engine.stop_strings import StopStrings
@@ -42,6 +44,7 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for an incomplete UTF-8 seq
 
 class _Decoder(Protocol):
     all_special_ids: frozenset[int]
+    added_tokens: Mapping[int, str]  # id -> text of every added token, special or not
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -61,6 +64,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Iterable[str] = (),
         include_stop_str: bool = False,
+        spaces_between_special_tokens: bool = True,
     ):
         self._tokenizer = tokenizer
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -68,6 +72,11 @@ class IncrementalDetokenizer:
         # decode(skip_special_tokens=True) drops special ids before decoding, so dropping them here is
         # the same and keeps runs of them out of the window.
         self._skipped_ids = tokenizer.all_special_ids if skip_special_tokens else frozenset()
+        # vLLM's spaces_between_special_tokens False, as its fast detokenizer has it: in effect only when
+        # special tokens are shown, and a no-op for a tokenizer without added tokens
+        joined = not (spaces_between_special_tokens or skip_special_tokens)
+        self._joined: Mapping[int, str] = tokenizer.added_tokens if joined else {}
+        self._last_added = False  # the previous output token is an added token (with _joined only)
         self.stop: tuple[str, ...] = tuple(stop)
         for s in self.stop:
             if not isinstance(s, str) or not s:
@@ -100,6 +109,13 @@ class IncrementalDetokenizer:
             if token_id in self._skipped_ids:
                 continue
             self._window.append(token_id)
+            after_added, self._last_added = self._last_added, token_id in self._joined
+            if after_added and self._last_added and self._read == len(self._window) - 1:
+                # an added token after another, spaces_between_special_tokens False: its own text, not
+                # the decoder's (which may join tokens with a space). The one before was emitted whole.
+                out.append(self._release(self._joined[token_id], final=False))
+                self._advance()
+                continue
             text = self._tokenizer.decode(self._window, skip_special_tokens=self.skip_special_tokens)
             if len(text) > len(self._prefix_text) and not text.endswith(REPLACEMENT_CHAR):
                 out.append(self._release(text[len(self._prefix_text) :], final=False))

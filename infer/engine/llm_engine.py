@@ -244,6 +244,7 @@ class LLMEngine:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str=params.include_stop_str_in_output,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
         if self.trace is not None:
             self.trace.record_added(req.req_id, req.num_prompt_tokens, priority)

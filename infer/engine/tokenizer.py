@@ -30,7 +30,14 @@ import jinja2
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as _Backend
 
-from infer.engine.chat_template import compile_template, plain, render, with_reasoning_aliases
+from infer.engine.chat_template import (
+    compile_template,
+    continue_final,
+    plain,
+    render,
+    tag_final_message,
+    with_reasoning_aliases,
+)
 
 # The named special tokens transformers passes to a chat template (its `special_tokens_map`).
 SPECIAL_TOKEN_KEYS = (
@@ -76,6 +83,7 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids | set(extra_eos_token_ids))
         named_ids = {self._id_of(token) for token in self.special_tokens.values()} - {None}
         added = backend.get_added_tokens_decoder()
+        self.added_tokens: dict[int, str] = {i: token.content for i, token in added.items()}
         # Exactly the ids `decode(..., skip_special_tokens=True)` drops.
         self.all_special_ids: frozenset[int] = frozenset(
             {i for i, token in added.items() if token.special} | named_ids
@@ -181,6 +189,7 @@ class Tokenizer:
         messages: list[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
@@ -194,7 +203,8 @@ class Tokenizer:
         `extra` becomes template variables (e.g. `enable_thinking=False` for Qwen3) and overrides the
         special tokens of the same name. `chat_template` is a template name (when the model has several)
         or a Jinja template. A prompt longer than `max_chars` is refused (ValueError) as soon as rendering
-        passes it. Does not mutate `messages`.
+        passes it. `continue_final_message`: the prompt ends inside the last message, for the model to go
+        on with it (`continue_final`). Does not mutate `messages`.
         """
         if not messages:
             raise ValueError("messages is empty: a chat needs at least one message")
@@ -204,8 +214,15 @@ class Tokenizer:
                 raise ValueError(f"each message must be an object with a role and content, got {message!r}")
             chat.append(with_reasoning_aliases(plain({k: v for k, v in message.items() if v is not None})))
         template = self._select_template(chat_template, tools)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message and add_generation_prompt are not compatible: the first "
+                    "continues the last message, the second starts a new one"
+                )
+            final = tag_final_message(chat, template)
         try:
-            return render(
+            text = render(
                 compile_template(template),
                 max_chars,
                 messages=chat,
@@ -218,6 +235,7 @@ class Tokenizer:
             raise ValueError(
                 f"chat template of {self.name or 'this model'} rejected the messages: {e}"
             ) from e
+        return continue_final(text, final) if continue_final_message else text
 
     def _select_template(self, chat_template: str | None, tools: list | None) -> str:
         templates = self._chat_templates

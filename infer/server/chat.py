@@ -4,6 +4,19 @@ The rendered prompt already holds its special tokens (BOS), so it is encoded wit
 (vLLM's default for chat; a request may set it).
 Without max_tokens / max_completion_tokens a reply may use the rest of the context, as in vLLM: the
 longest that the context, the KV pool and (without chunked prefill) the step budget accept.
+
+vLLM's extensions, as vLLM 0.32 serves them:
+- the reply's role is "assistant", or with add_generation_prompt false the last message's role;
+- continue_final_message: the template rendered without a generation prompt and the last message left
+  open (transformers' rule: a tag appended to it, the rendering cut where the tag appears), so the model
+  continues it; refused together with add_generation_prompt (which defaults to true);
+- echo: the last message's content leads the reply when that message has the reply's role (in a stream:
+  one chunk of it after the role's); without a stream it also asks for the prompt's logprobs, top
+  top_logprobs (0 when not given), which the response then carries as prompt_logprobs, as vLLM's does;
+- return_token_ids: `prompt_token_ids` beside the choices (in a stream: on each role chunk) and each
+  choice's `token_ids` (in a stream: each chunk's new ids);
+- return_tokens_as_token_ids: logprobs name tokens "token_id:N"; `bytes` stays the sampled token's text
+  (its alternatives': their name's), as in vLLM.
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ from infer.server.serving import (
     sampling_params,
     sse,
     start_stream,
+    token_name,
     token_text,
     truncated,
 )
@@ -69,14 +83,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         max_tokens = max(1, state.max_request_len - len(prompt_ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     check_prompt_logprobs(state, body)
-    params = sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
+    params = sampling_params(body, max_tokens, logprobs, _prompt_logprobs(state, body))
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     jobs = [Job(prompt_ids, choice_params(params, j), body.priority, slo) for j in range(body.n)]
     state.admit(len(jobs), fits=state.fits(len(prompt_ids), max_tokens))
     chat_id = state.new_id("chatcmpl")
     fanout = Fanout(state, jobs, chat_id, arrival)
-    chat = _Chat(state, body, chat_id, len(prompt_ids))
+    chat = _Chat(state, body, chat_id, prompt_ids)
     if body.stream:
         if not await start_stream(request, fanout, "messages"):
             return Response(status_code=499)  # the client is gone (its requests were aborted)
@@ -88,8 +102,37 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
+def _prompt_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None:
+    """The request's prompt_logprobs; as vLLM's, echo asks for them too (top_logprobs of them), which only a
+    response that is not streamed shows (so a stream does not compute them)."""
+    if body.prompt_logprobs is not None or not body.echo or body.stream:
+        return body.prompt_logprobs
+    if state.llm.config.tensor_parallel_size > 1:
+        raise bad_request(
+            "echo asks for the prompt's logprobs (as in vLLM), which are not served under tensor "
+            "parallelism; send stream true, or leave echo out",
+            param="echo",
+        )
+    return body.top_logprobs or 0
+
+
+def reply_role(body: ChatCompletionRequest) -> str:
+    """vLLM's: the reply is the assistant's, or without a generation prompt the last message's role."""
+    return "assistant" if body.add_generation_prompt else body.messages[-1].role
+
+
+def echo_text(body: ChatCompletionRequest) -> str:
+    """vLLM's echo: the last message's content when that message has the reply's role, else nothing."""
+    last = body.messages[-1]
+    if not body.echo or last.role != reply_role(body):
+        return ""
+    if isinstance(last.content, list):  # as render_chat joins text parts
+        return "\n".join(str(p.get("text", "")) for p in last.content)
+    return last.content or ""
+
+
 # the arguments render_chat passes to apply_chat_template itself (and its `self`)
-_OWN_ARGUMENTS = {"self", "messages", "add_generation_prompt", "tools", "max_chars"}
+_OWN_ARGUMENTS = {"self", "messages", "add_generation_prompt", "continue_final_message", "tools", "max_chars"}
 
 
 def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
@@ -104,12 +147,19 @@ def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int
 
 def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> str:
     """The prompt text of body's messages through the model's chat template (also used by /tokenize):
-    the fields read are messages, add_generation_prompt, tools, chat_template and chat_template_kwargs."""
+    the fields read are messages, add_generation_prompt, continue_final_message, tools, chat_template and
+    chat_template_kwargs."""
+    if body.continue_final_message and body.add_generation_prompt:  # vLLM's check and message
+        raise bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
     kwargs = dict(body.chat_template_kwargs or {})
     if clash := sorted(kwargs.keys() & _OWN_ARGUMENTS):
         raise bad_request(
-            f"chat_template_kwargs may not set {', '.join(clash)}: send add_generation_prompt and tools as "
-            "the request's own fields; messages and the rendering bound are the server's",
+            f"chat_template_kwargs may not set {', '.join(clash)}: send add_generation_prompt, "
+            "continue_final_message and tools as the request's own fields; messages and the rendering "
+            "bound are the server's",
             param="chat_template_kwargs",
         )
     if body.chat_template is not None:
@@ -135,6 +185,7 @@ def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeReques
         text = state.llm.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
             tools=body.tools,
             max_chars=2 * state.args.max_request_bytes,  # the model's template adds little to its input
             **kwargs,
@@ -147,17 +198,23 @@ def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeReques
 
 
 class _Chat:
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, chat_id: str, num_prompt: int):
-        self.state, self.body, self.id, self.num_prompt = state, body, chat_id, num_prompt
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, chat_id: str, prompt_ids: list[int]):
+        self.state, self.body, self.id, self.prompt_ids = state, body, chat_id, prompt_ids
+        self.num_prompt = len(prompt_ids)
         self.created = int(time.time())
+        self.role, self.echo = reply_role(body), echo_text(body)
+        self.as_ids = body.return_tokens_as_token_ids
 
     def _usage(self, last: dict) -> dict:
         num_cached = last[0].num_cached_tokens if 0 in last else 0
         return usage(self.num_prompt, sum(o.num_output_tokens for o in last.values()), num_cached)
 
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        text = token_text(self.state, token_id)
-        return {"token": text, "logprob": floor_logprob(logprob), "bytes": list(text.encode())}
+    def _entry(self, token_id: int, logprob: float, sampled: bool = False) -> dict:
+        """One token's logprob; its bytes are those of its name, but the sampled token's are those of its
+        text (vLLM's, which matters with return_tokens_as_token_ids)."""
+        name = token_name(self.state, token_id, self.as_ids)
+        text = token_text(self.state, token_id) if sampled else name
+        return {"token": name, "logprob": floor_logprob(logprob), "bytes": list(text.encode())}
 
     def _logprobs(self, outs) -> dict | None:
         if not self.body.logprobs:
@@ -167,7 +224,7 @@ class _Chat:
             if out.logprobs is None or not out.token_ids:
                 continue
             sampled, top = out.logprobs
-            entry = self._entry(out.token_ids[-1], sampled)
+            entry = self._entry(out.token_ids[-1], sampled, sampled=True)
             entry["top_logprobs"] = [self._entry(t, v) for t, v in top[: self.body.top_logprobs or 0]]
             content.append(entry)
         return {"content": content, "refusal": None}
@@ -175,12 +232,10 @@ class _Chat:
     def _message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """A choice's message and finish_reason: its tool calls when tool_choice forced them and the
         output holds them (infer.server.tools), else its text."""
-        calls = tools.tool_calls(self.body, text) if tools.forces_calls(self.body) else None
+        calls, reason = tools.calls_and_reason(self.body, text, reason)
         if calls is None:
-            return {"role": "assistant", "content": text}, reason
-        if self.body.tool_choice == "required" and reason == "stop":
-            reason = "tool_calls"  # OpenAI's and vLLM's; a named call ends with "stop"
-        return {"role": "assistant", "content": None, "tool_calls": calls}, reason
+            return {"role": self.role, "content": self.echo + text}, reason
+        return {"role": self.role, "content": None, "tool_calls": calls}, reason
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.state.args.model_name}
@@ -196,9 +251,14 @@ class _Chat:
         for index, outs in outputs.items():
             message, reason = self._message("".join(o.text for o in outs), outs[-1].finish_reason)
             choice = {"index": index, "message": message, "logprobs": self._logprobs(outs)}
-            choices.append({**choice, "finish_reason": reason})
+            choice["finish_reason"] = reason
+            if self.body.return_token_ids:
+                choice["token_ids"] = [t for out in outs for t in out.token_ids]
+            choices.append(choice)
         last = {index: outs[-1] for index, outs in outputs.items()}
         response = {**self._head("chat.completion"), "choices": choices, "usage": self._usage(last)}
+        if self.body.return_token_ids:
+            response["prompt_token_ids"] = self.prompt_ids
         entries = prompt_logprobs_of(outputs[0])
         if entries is not None:  # vLLM's: once for the prompt, beside the choices (decoded off the loop)
             response["prompt_logprobs"] = await asyncio.to_thread(prompt_logprobs_json, self.state, entries)
@@ -209,31 +269,41 @@ class _Chat:
         include_usage = bool(opts and opts.include_usage)
         head = self._head("chat.completion.chunk")
         extra = {"usage": None} if include_usage else {}
-        for index in range(len(fanout.tasks)):  # the role comes first, as OpenAI sends it
-            delta = {"role": "assistant", "content": ""}
-            yield sse(
-                {
-                    **head,
-                    "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
-                    **extra,
-                }
-            )
-        last, calls = {}, _StreamedCalls(self) if tools.forces_calls(self.body) else None
+        # the role comes first, as OpenAI sends it (with return_token_ids the prompt's ids, as vLLM)
+        ids = {"prompt_token_ids": self.prompt_ids} if self.body.return_token_ids else {}
+        for index in range(len(fanout.tasks)):
+            delta = {"role": self.role, "content": ""}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            yield sse({**head, "choices": [choice], **ids, **extra})
+        for index in range(len(fanout.tasks)) if self.echo else ():  # then what echo repeats
+            choice = {
+                "index": index,
+                "delta": {"content": self.echo},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            yield sse({**head, "choices": [choice], **extra})
+        per_token = self.body.logprobs or self.body.return_token_ids
+        last, calls = {}, _StreamedCalls(self.body) if tools.forces_calls(self.body) else None
         try:
             async for index, out in fanout.outputs():
                 last[index] = out
-                if not (out.text or out.finished or (self.body.logprobs and out.token_ids)):
+                if not (out.text or out.finished or per_token and out.token_ids):
                     continue  # text held back (it may begin a stop string): nothing to send yet
                 delta = {"content": out.text} if out.text else {}
                 reason = out.finish_reason
                 if calls is not None:
                     delta, reason = calls.delta(index, out)
+                    if not (delta or reason or per_token):
+                        continue  # "required" calls held until their list is complete
                 choice = {
                     "index": index,
                     "delta": delta,
                     "logprobs": self._logprobs([out]),
                     "finish_reason": reason,
                 }
+                if self.body.return_token_ids:
+                    choice["token_ids"] = out.token_ids
                 if continuous_usage(self.body):  # vLLM's: the usage so far in every chunk
                     extra = {"usage": self._usage(last)}
                 yield sse({**head, "choices": [choice], **extra})
@@ -250,25 +320,26 @@ class _StreamedCalls:
     the first), "required" calls all at the end, once their list is complete (before that, the text
     could still be anything the schema allows)."""
 
-    def __init__(self, chat: _Chat):
-        self.chat, self.name = chat, tools.named_function(chat.body)
+    def __init__(self, body: ChatCompletionRequest):
+        self.body, self.name = body, tools.named_function(body)
+        self.started: set[int] = set()  # choices whose named call has been opened
         self.texts: dict[int, list[str]] = {}
 
     def delta(self, index: int, out) -> tuple[dict, str | None]:
         if self.name is not None:
-            started = index in self.texts
-            self.texts.setdefault(index, [])
             if not out.text:
                 return {}, out.finish_reason
             call = {"index": 0, "function": {"arguments": out.text}}
-            if not started:
+            if index not in self.started:
+                self.started.add(index)
                 call = {"index": 0, "id": tools.call_id(), "type": "function",
                         "function": {"name": self.name, "arguments": out.text}}  # fmt: skip
             return {"tool_calls": [call]}, out.finish_reason
         self.texts.setdefault(index, []).append(out.text)
         if not out.finished:
             return {}, None
-        message, reason = self.chat._message("".join(self.texts[index]), out.finish_reason)
-        if "tool_calls" not in message:
-            return {"content": message["content"]}, reason
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}, reason
+        text = "".join(self.texts.pop(index))
+        calls, reason = tools.calls_and_reason(self.body, text, out.finish_reason)
+        if calls is None:
+            return {"content": text} if text else {}, reason
+        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, reason

@@ -2,6 +2,10 @@
 
 Choice i*n + j is the j-th sample of prompt i, as OpenAI numbers them. usage counts each prompt once and
 every choice's generated tokens; cached_tokens is each prompt's prefix-cache hit (its first choice's).
+
+vLLM's return_token_ids adds each choice's `prompt_token_ids` (in a stream: its first chunk) and
+`token_ids` (in a stream: each chunk's new ids); as in vLLM, echo then leaves the prompt's text out (its
+ids are there), while echo's logprobs and their text_offset still count the prompt.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from infer.server.serving import (
     sampling_params,
     sse,
     start_stream,
+    token_name,
     token_text,
     truncated,
 )
@@ -138,6 +143,11 @@ class _Completion:
         self.n = body.n
         self.echo_text = echo_text
         self.echo_only = body.echo and body.max_tokens == 0  # the one token generated is not shown
+        self.as_ids = body.return_tokens_as_token_ids
+
+    def _shown_echo(self, index: int) -> str:
+        """The echoed prompt's text as the choice shows it: none beside its ids (vLLM's return_token_ids)."""
+        return "" if self.body.return_token_ids else self.echo_text[index // self.n]
 
     def _usage(self, last: dict) -> dict:
         num_prompt = sum(len(p) for p in self.prompts)
@@ -156,14 +166,17 @@ class _Completion:
             if out.logprobs is None or not out.token_ids:
                 continue
             sampled, top = out.logprobs
-            text = token_text(self.state, out.token_ids[-1])
-            lp["tokens"].append(text)
+            token_id = out.token_ids[-1]
+            lp["tokens"].append(token_name(self.state, token_id, self.as_ids))
             lp["token_logprobs"].append(floor_logprob(sampled))
             lp["top_logprobs"].append(
-                {token_text(self.state, t): floor_logprob(v) for t, v in top[: self.body.logprobs]}
+                {
+                    token_name(self.state, t, self.as_ids): floor_logprob(v)
+                    for t, v in top[: self.body.logprobs]
+                }
             )
             lp["text_offset"].append(offset)
-            offset += len(text)
+            offset += len(token_text(self.state, token_id))  # into the text, also for "token_id:N" names
         return lp
 
     def _echoed_logprobs(self, index: int, outs, entries: list | None) -> dict | None:
@@ -175,7 +188,7 @@ class _Completion:
         lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset, tokenizer = 0, self.state.llm.tokenizer
         for token_id, entry in zip(self.prompts[index // self.n], entries, strict=True):
-            lp["tokens"].append(token_text(self.state, token_id))
+            lp["tokens"].append(token_name(self.state, token_id, self.as_ids))
             lp["text_offset"].append(offset)
             offset += len(tokenizer.decode([token_id]))  # as in the echoed text: special tokens take none
             if entry is None:
@@ -185,7 +198,9 @@ class _Completion:
             lp["token_logprobs"].append(floor_logprob(entry[1]))
             # the token itself, then the top N (as vLLM: never empty, whatever N)
             top = [(entry[0], entry[1]), *entry[3][: self.body.logprobs]]
-            lp["top_logprobs"].append({token_text(self.state, t): floor_logprob(v) for t, v in top})
+            lp["top_logprobs"].append(
+                {token_name(self.state, t, self.as_ids): floor_logprob(v) for t, v in top}
+            )
         return {key: lp[key] + generated[key] for key in lp}
 
     def _choice(self, index: int, text: str, outs, finish_reason) -> dict:
@@ -199,7 +214,14 @@ class _Completion:
         choice["finish_reason"] = "length" if shown_length else finish_reason
         if entries is not None:  # vLLM's field, beside OpenAI's legacy logprobs
             choice["prompt_logprobs"] = prompt_logprobs_json(self.state, entries)
+        if self.body.return_token_ids:
+            choice["prompt_token_ids"] = self.prompts[index // self.n]
+            choice["token_ids"] = self._token_ids(outs)
         return choice
+
+    def _token_ids(self, outs) -> list[int]:
+        """The generated ids of these outputs (none under echo with max_tokens 0, as its text has none)."""
+        return [] if self.echo_only else [t for out in outs for t in out.token_ids]
 
     def _head(self) -> dict:
         return {
@@ -227,34 +249,39 @@ class _Completion:
     def _choices(self, outputs: dict[int, list]) -> list[dict]:
         choices = []
         for index, outs in outputs.items():
-            text = self.echo_text[index // self.n] + ("" if self.echo_only else "".join(o.text for o in outs))
+            text = self._shown_echo(index) + ("" if self.echo_only else "".join(o.text for o in outs))
             choices.append(self._choice(index, text, outs, outs[-1].finish_reason))
         return choices
 
     async def stream(self, fanout: Fanout) -> AsyncIterator[str]:
         opts = self.body.stream_options
         include_usage = bool(opts and opts.include_usage)
-        offsets = dict.fromkeys(range(len(fanout.tasks)), 0)  # text sent so far (echo excludes logprobs)
-        echoed, last = set(), {}
+        # text so far, echoed prompt included (also where return_token_ids shows it not): logprobs' offsets
+        offsets = dict.fromkeys(range(len(fanout.tasks)), 0)
+        started, last = set(), {}
         try:
             async for index, out in fanout.outputs():
                 last[index] = out
                 text = "" if self.echo_only else out.text
-                first = index not in echoed
+                first = index not in started
+                started.add(index)
+                shown = self._shown_echo(index) + text if first else text
                 if first:
-                    echoed.add(index)
-                    text = self.echo_text[index // self.n] + text
-                if not (text or out.finished or (self.body.logprobs is not None and out.token_ids)):
+                    offsets[index] += len(self.echo_text[index // self.n])
+                per_token = self.body.logprobs is not None or self.body.return_token_ids
+                if not (shown or first and self.body.echo or out.finished or per_token and out.token_ids):
                     continue  # text held back (it may begin a stop string): nothing to send yet
-                if first and self.body.echo:
-                    choice = self._choice(index, text, [out], out.finish_reason)
+                if first and (self.body.echo or self.body.return_token_ids):
+                    choice = self._choice(index, shown, [out], out.finish_reason)
                 else:
                     choice = {
                         "index": index,
-                        "text": text,
+                        "text": shown,
                         "logprobs": None if self.echo_only else self._logprobs([out], offsets[index]),
                         "finish_reason": "length" if self.echo_only and out.finished else out.finish_reason,
                     }
+                    if self.body.return_token_ids:
+                        choice["token_ids"] = self._token_ids([out])
                 offsets[index] += len(text)
                 chunk = {**self._head(), "choices": [choice]}
                 if include_usage:  # the usage so far with continuous_usage_stats (vLLM's), else null

@@ -1,14 +1,15 @@
 """OpenAI wire format: request bodies (validated by pydantic), responses, and OpenAI-shaped errors.
 
 Request models keep OpenAI's field names and defaults, plus the vLLM extensions (top_k, min_p, min_tokens,
-ignore_eos, repetition_penalty, allowed_token_ids, bad_words, include_stop_str_in_output,
-skip_special_tokens, structured_outputs, priority) and ours (ttft_slo_ms, tpot_slo_ms) that clients pass
-through `extra_body`. Unknown fields are ignored and logged, as vLLM does, but for those of vLLM's and
-OpenAI's that would change the output (serving.check_fields: a 400). Everything a request can carry is
-bounded here, at the edge, so that no value reaches the engine that could fail a step shared with other
-requests: ints fit int64, floats are finite, and every string is valid Unicode (JSON may carry lone
-UTF-16 surrogates, which no tokenizer can encode). Responses are plain dicts built by the handlers: the
-shapes are documented here once, and the official `openai` client parses them in the tests."""
+ignore_eos, repetition_penalty, allowed_token_ids, bad_words, include_stop_str_in_output, skip_special_tokens,
+spaces_between_special_tokens, return_token_ids, return_tokens_as_token_ids, structured_outputs, priority,
+chat's continue_final_message and echo) and ours (ttft_slo_ms, tpot_slo_ms) that clients pass through
+`extra_body`. Unknown fields are ignored and logged, as vLLM does, but for those of vLLM's and OpenAI's that
+would change the output (serving.check_fields: a 400). Everything a request can carry is bounded here, at the
+edge, so that no value reaches the engine that could fail a step shared with other requests: ints fit int64,
+floats are finite, and every string is valid Unicode (JSON may carry lone UTF-16 surrogates, which no
+tokenizer can encode). Responses are plain dicts built by the handlers: the shapes are documented here once,
+and the official `openai` client parses them in the tests."""
 
 from __future__ import annotations
 
@@ -204,6 +205,10 @@ class _SamplingFields(_Request):
     allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_ID_LIST)] | None = None  # vLLM's
     include_stop_str_in_output: bool = False  # vLLM's
     skip_special_tokens: bool = True  # vLLM's
+    # vLLM's: false writes an added token after another without the decoder's space (special tokens shown)
+    spaces_between_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N", not by text
     bad_words: Annotated[list[str], Field(max_length=MAX_BAD_WORDS)] | None = None  # vLLM's
     # vLLM's: keep only N tokens of the prompt (-1: as many as the context allows), its last N by default
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, lt=INT64_END)] | None = None
@@ -242,6 +247,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: bool = True  # vLLM extension
+    # vLLM's: the final message left open for the model to continue (with add_generation_prompt false)
+    continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the reply starts with the last message's content when it has its role
     add_special_tokens: bool = False  # vLLM's: the template writes BOS; true adds the tokenizer's too
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": False}
     chat_template: str | None = None  # vLLM extension; only with --trust-request-chat-template
@@ -354,7 +362,7 @@ class TokenizeRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
-    continue_final_message: bool = False  # accepted; only False is supported
+    continue_final_message: bool = False  # as in chat completions
     return_token_strs: bool = False
     chat_template: str | None = None  # only with --trust-request-chat-template, as in chat completions
     chat_template_kwargs: dict[str, Any] | None = None

@@ -180,14 +180,9 @@ def check_model(state: ServerState, model: str | None) -> None:
 UNSUPPORTED_FIELDS: dict[str, object] = {
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "spaces_between_special_tokens": True,
-    "return_tokens_as_token_ids": False,
     "logits_processors": None,
-    "continue_final_message": False,
     "prediction": None,
     "audio": None,
-    "return_token_ids": False,
-    "echo": False,  # declared by completions; vLLM's chat echo is not implemented
 }
 
 
@@ -429,6 +424,7 @@ def sampling_params(
             repetition_penalty=body.repetition_penalty,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
             structured_outputs=structured_outputs(body),
             bad_words=body.bad_words or [],
         )
@@ -615,6 +611,12 @@ def floor_logprob(value: float) -> float:
 
 def token_text(state: ServerState, token_id: int) -> str:
     return state.llm.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def token_name(state: ServerState, token_id: int, as_id: bool) -> str:
+    """A token as logprobs name it: its text, or with vLLM's return_tokens_as_token_ids "token_id:N" (so
+    that a token whose text is not whole UTF-8, or that shares its text with another, is identified)."""
+    return f"token_id:{token_id}" if as_id else token_text(state, token_id)
 
 
 def sse(payload: dict) -> str:

@@ -29,8 +29,6 @@ async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     state: ServerState = request.app.state.server
     check_model(state, body.model)
     state.check_open()
-    if body.continue_final_message:
-        raise bad_request("continue_final_message is not supported", param="continue_final_message")
     token_ids = await asyncio.to_thread(_tokenize, state, body)  # templates and tokenizing: CPU work
     result = {"count": len(token_ids), "max_model_len": state.llm.max_model_len, "tokens": token_ids}
     if body.return_token_strs:

@@ -91,6 +91,15 @@ def call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
+def calls_and_reason(body, text: str, reason: str | None) -> tuple[list[dict] | None, str | None]:
+    """A finished output's tool calls (None: it holds none) and its finish_reason: "tool_calls" for
+    "required" calls that ended on their own, as OpenAI and vLLM ("stop" for a named call)."""
+    calls = tool_calls(body, text) if forces_calls(body) else None
+    if calls is not None and body.tool_choice == "required" and reason == "stop":
+        reason = "tool_calls"
+    return calls, reason
+
+
 def tool_calls(body, text: str) -> list[dict] | None:
     """The calls in a finished output; None if it is not a complete list (cut short by max_tokens)."""
     name = named_function(body)

@@ -221,6 +221,30 @@ def test_chat_template_matches_transformers(tok, hf_tok, chat, add_generation_pr
     assert "☀️" in tok.apply_chat_template(chat, tools=TOOLS)  # tojson keeps non-ASCII
 
 
+@pytest.mark.parametrize(
+    ("content", "end"),
+    [
+        ("  Gut, danke 😀  ", "assistant\nGut, danke 😀"),  # the template trims it: so does the cut
+        ("In the beginning", "assistant\nIn the beginning"),
+        ([{"type": "text", "text": "A "}], "'text': 'A "),  # this template writes the parts as they are
+    ],
+)
+def test_continue_final_message_matches_transformers(tok, hf_tok, content, end):
+    """The final message left open (vLLM's continue_final_message, which calls transformers' rule): the
+    rendering ends inside it, without its end of turn. Refused with a generation prompt or without text
+    to continue, as by transformers."""
+    chat = [*CHATS[0], {"role": "assistant", "content": content}]
+    ours = tok.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True)
+    theirs = hf_tok.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert ours == theirs and ours.endswith(end) and chat[-1]["content"] == content
+    with pytest.raises(ValueError, match="not compatible"):
+        tok.apply_chat_template(chat, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(ValueError, match='no "content" to continue'):
+        tok.apply_chat_template([{"role": "user"}], add_generation_prompt=False, continue_final_message=True)
+
+
 def test_template_files_and_named_templates(tmp_path, tok):
     named = [
         {"name": "default", "template": "D{{ messages[0].content }}{{ image_token }}"},
@@ -258,7 +282,9 @@ def test_chat_template_errors(tmp_path, tok):
 # -- incremental detokenization ---------------------------------------------------------------------
 
 
-def _stream(tokenizer, ids, chunk_sizes=None, stop=(), skip_special_tokens=True, include_stop_str=False):
+def _stream(
+    tokenizer, ids, chunk_sizes=None, stop=(), skip_special_tokens=True, include_stop_str=False, spaces=True
+):
     """Feed `ids` in chunks; return (deltas, detokenizer) with the flushed tail as the last delta."""
     detok = IncrementalDetokenizer(
         tokenizer,
@@ -266,6 +292,7 @@ def _stream(tokenizer, ids, chunk_sizes=None, stop=(), skip_special_tokens=True,
         skip_special_tokens=skip_special_tokens,
         stop=stop,
         include_stop_str=include_stop_str,
+        spaces_between_special_tokens=spaces,
     )
     deltas, i = [], 0
     sizes = iter(chunk_sizes or [])
@@ -306,6 +333,45 @@ def test_streaming_special_tokens(tok):
     for skip in (True, False):
         deltas, _ = _stream(tok, ids, skip_special_tokens=skip)
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def _vllm_fast_detokenizer(tokenizer, ids, spaces: bool) -> str:
+    """vLLM 0.32's FastIncrementalDetokenizer on the output ids (special tokens shown): tokenizers'
+    DecodeStream, and with spaces_between_special_tokens False an added token after another as its own
+    text (vllm/v1/engine/detokenizer.py, decode_next)."""
+    stream, text, last_added = decoders.DecodeStream(skip_special_tokens=False), "", False
+    for token_id in ids:
+        piece = stream.step(tokenizer._backend, token_id)
+        added = token_id in tokenizer.added_tokens
+        if not spaces and added and last_added:
+            piece = tokenizer.added_tokens[token_id]
+        text, last_added = text + (piece or ""), added
+    return text
+
+
+def test_spaces_between_special_tokens_as_vllm(folder):
+    """vLLM's spaces_between_special_tokens: a tokenizer without a decoder joins tokens with a space, as
+    WordPiece's does; False writes an added token that follows another as its own text. Equal to vLLM's
+    rule in every chunking; no effect while special tokens are skipped (nor with byte-level's decoder)."""
+    tokenizer = Tokenizer.from_pretrained(folder)
+    tokenizer._backend.decoder = None
+    start, end = tokenizer.token_to_id("<|im_start|>"), tokenizer.token_to_id("<|im_end|>")
+    ids = [start, end, *tokenizer.encode("hi there", add_special_tokens=False), end, end, start]
+    shown = tokenizer.decode(ids, skip_special_tokens=False)
+    assert "<|im_end|> <|im_end|> <|im_start|>" in shown  # the decoder's spaces
+    rng = random.Random(5)
+    for spaces in (True, False):
+        expected = _vllm_fast_detokenizer(tokenizer, ids, spaces)
+        for chunks in (None, _random_chunks(rng, len(ids))):
+            deltas, _ = _stream(tokenizer, ids, chunks, skip_special_tokens=False, spaces=spaces)
+            assert "".join(deltas) == expected
+    assert expected.startswith("<|im_start|><|im_end|> ") and expected.endswith(
+        "<|im_end|><|im_end|><|im_start|>"
+    )
+    assert "".join(_stream(tokenizer, ids, spaces=False)[0]) == tokenizer.decode(ids)
+    byte_level = Tokenizer.from_pretrained(folder)
+    deltas, _ = _stream(byte_level, ids, skip_special_tokens=False, spaces=False)
+    assert "".join(deltas) == byte_level.decode(ids, skip_special_tokens=False)
 
 
 def test_streaming_random_ids_equals_decode(tok):

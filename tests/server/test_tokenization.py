@@ -82,8 +82,8 @@ def test_bad_input_is_an_openai_400(http):
     _error(http.post("/tokenize", json={"prompt": 5}), 400, "prompt: Input should be a valid string")
     _error(http.post("/tokenize", json={"messages": []}), 400, "messages")
     _error(http.post("/tokenize", json={"messages": [{"content": "hi"}]}), 400, "messages.0.role")
-    cont = {"messages": MESSAGES, "add_generation_prompt": False, "continue_final_message": True}
-    _error(http.post("/tokenize", json=cont), 400, "continue_final_message is not supported")
+    cont = {"messages": MESSAGES, "continue_final_message": True}  # add_generation_prompt is true
+    _error(http.post("/tokenize", json=cont), 400, "Cannot set both `continue_final_message`")
     own = {"messages": MESSAGES, "chat_template": "{{ messages }}"}
     _error(http.post("/tokenize", json=own), 400, "--trust-request-chat-template")
     _error(http.post("/tokenize", json={"prompt": "hi", "model": "other"}), 404, "does not exist")
