@@ -23,7 +23,8 @@ deleted, and continued (previous_response_id). It lives in this process's memory
 stored evicted first beyond --responses-store-mb (vLLM keeps a store only behind
 VLLM_ENABLE_RESPONSES_API_STORE, unbounded); a response evicted, deleted or never stored is a 404.
 Messages are shared between a response and the ones that continue it, so a chain of N turns holds each
-turn's text once.
+turn's text once; the bound counts each response's whole conversation, so it errs high (an evicted
+turn's text stays alive while a stored response continues it).
 """
 
 from __future__ import annotations
