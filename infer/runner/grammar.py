@@ -22,6 +22,7 @@ engine's step.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import threading
 from collections import OrderedDict
@@ -35,6 +36,33 @@ CACHED_GRAMMARS = 256  # compiled matchers kept (LRU); a copy per request
 # llguidance converts GBNF to Lark in Python, holding the GIL, in time quadratic in the rules: 8 KiB
 # (~300 rules) take ~0.1 s, 16 KiB ~0.3 s, 1 MiB would take hours. Lark grammars compile in Rust.
 MAX_GBNF_CHARS = 8192
+# llguidance compiles a grammar recursively, 3-7 KB of stack per level of rules that refer to rules:
+# 3,000 chained Lark rules (30 KB) or $refs of a JSON schema overflow a thread's 8 MiB stack, and the
+# process dies (SIGSEGV). Each compilation runs on a thread of its own with this stack, of which the
+# deepest grammars of MAX_GRAMMAR_CHARS take ~730 MB (100,000 chained rules): pages are mapped only
+# once touched, and unmapped when the thread ends.
+COMPILE_STACK_BYTES = 2 << 30
+_stack_size_lock = threading.Lock()
+
+
+def _on_compile_stack(fn, *args):
+    """fn(*args) on a new thread with a COMPILE_STACK_BYTES stack (threading.stack_size applies to the
+    threads started while it is set); returns or raises what fn did."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    with _stack_size_lock:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+        finally:
+            threading.stack_size(previous)
+    return done.result()
 
 
 class GrammarCompiler:
@@ -107,6 +135,14 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(key)
                 return template
+        template = _on_compile_stack(self._compile, spec)
+        with self._lock:
+            self._cache[key] = template
+            while len(self._cache) > CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return template
+
+    def _compile(self, spec: StructuredOutputs):
         import llguidance
 
         tokenizer = self.tokenizer
@@ -116,10 +152,6 @@ class GrammarCompiler:
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         if template.is_error():
             raise ValueError(f"structured_outputs {spec.kind} does not compile: {template.get_error()}")
-        with self._lock:
-            self._cache[key] = template
-            while len(self._cache) > CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
         return template
 
 
