@@ -25,6 +25,9 @@ MAX_BAD_WORDS = 128  # as vLLM's VLLM_MAX_NUM_BAD_WORDS (it counts their token s
 # compiler's time and memory grow with it, and it runs beside other requests' steps.
 MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CHOICES = 1024  # llguidance's parser fails at 2,000 alternatives of one rule (max_items_in_row)
+# A choice at most: the mask of each step costs time linear in the longest one (a 16 KiB choice 3.4 ms a
+# step, a 300 KB one 74 ms, for every step of the batch it runs in; docs/benchmarks.md, session 21).
+MAX_CHOICE_CHARS = 1024
 
 
 class Unsatisfiable(ValueError):
@@ -69,6 +72,8 @@ class StructuredOutputs:
                 )
             if len(self.choice) > MAX_CHOICES:
                 raise ValueError(f"structured_outputs choice must hold at most {MAX_CHOICES} strings")
+            if any(isinstance(c, str) and len(c) > MAX_CHOICE_CHARS for c in self.choice):
+                raise ValueError(f"structured_outputs choice: at most {MAX_CHOICE_CHARS} characters a string")
             object.__setattr__(self, "choice", tuple(self.choice))
         kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
         if len(kinds) != 1:

@@ -36,6 +36,13 @@ CACHED_GRAMMARS = 256  # compiled matchers kept (LRU); a copy per request
 # llguidance converts GBNF to Lark in Python, holding the GIL, in time quadratic in the rules: 8 KiB
 # (~300 rules) take ~0.1 s, 16 KiB ~0.3 s, 1 MiB would take hours. Lark grammars compile in Rust.
 MAX_GBNF_CHARS = 8192
+# llguidance builds a regular expression in time and memory quadratic in its length ("a?" * 8,000: 1 s and
+# +250 MB; * 40,000: 37-47 s and 6.6 GB), eagerly for a regex and Lark's terminals, lazily at the first
+# mask for a JSON schema's patterns (also Lark's %json), which _compile then computes. Bounds: a regex and
+# a schema's patterns together 8 KiB (~0.5 s at worst), a Lark grammar 16 KiB (~2 s at worst, off the
+# engine thread; docs/benchmarks.md, session 21).
+MAX_REGEX_CHARS = 8192
+MAX_LARK_CHARS = 16384
 # llguidance compiles a grammar recursively, 3-7 KB of stack per level of rules that refer to rules:
 # 3,000 chained Lark rules (30 KB) or $refs of a JSON schema overflow a thread's 8 MiB stack, and the
 # process dies (SIGSEGV). Each compilation runs on a thread of its own with this stack, of which the
@@ -150,8 +157,13 @@ class GrammarCompiler:
         # compiles without the GIL; errors without the grammar's text (a grammar can be 1 MiB)
         limits = llguidance.LLParserLimits(verbose_errors=False)
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        if not template.is_error():
+            # The first mask builds what the lexer left for later (a schema's patterns): here, once, off
+            # the engine thread; the copies share it.
+            banned([Grammar(template)], self.vocab_size, self.vocab_size)
         if template.is_error():
-            raise ValueError(f"structured_outputs {spec.kind} does not compile: {template.get_error()}")
+            reason = template.get_error().split("<backtrace>")[0].strip()  # a Rust panic's trace: internals
+            raise ValueError(f"structured_outputs {spec.kind} does not compile: {reason}")
         return template
 
 
@@ -165,17 +177,33 @@ def _grammar(spec: StructuredOutputs) -> str:
         schema = {"type": "object"} if spec.kind == "json_object" else spec.json
         if spec.disable_additional_properties:
             schema = _closed(schema)
+        if (size := _patterns_size(schema)) > MAX_REGEX_CHARS:
+            raise ValueError(
+                f"structured_outputs json: the schema's patterns hold {size} characters together; at most "
+                f"{MAX_REGEX_CHARS} (llguidance's time and memory grow with their square)"
+            )
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"structured_outputs json is not a JSON schema: {exc}") from None
     if spec.kind == "regex":
+        if len(spec.regex) > MAX_REGEX_CHARS:
+            raise ValueError(
+                f"structured_outputs regex must be at most {MAX_REGEX_CHARS} characters (got "
+                f"{len(spec.regex)}): llguidance's time and memory grow with its square"
+            )
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.kind == "choice":
         return llguidance.grammar_from("choice", list(spec.choice))
     from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
     if is_lark_syntax(spec.grammar):
+        if len(spec.grammar) > MAX_LARK_CHARS:
+            raise ValueError(
+                f"structured_outputs grammar: a Lark grammar must be at most {MAX_LARK_CHARS} characters "
+                f"(got {len(spec.grammar)}): llguidance's time and memory grow with the square of its "
+                "regular expressions"
+            )
         return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
     if len(spec.grammar) > MAX_GBNF_CHARS:  # converted in Python, in time quadratic in its rules
         raise ValueError(
@@ -194,6 +222,30 @@ SCHEMA_KEYWORDS = (
     "additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
     "unevaluatedItems", "not", "if", "then", "else", "items", "prefixItems", "allOf", "anyOf", "oneOf",
 )  # fmt: skip
+
+
+def _patterns_size(schema: str | dict) -> int:
+    """The characters of a schema's regular expressions: every `pattern` and `patternProperties` key, at
+    any depth (a walk of all of it, data included, which only counts high)."""
+    import json
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"structured_outputs json is not JSON, or nested too deeply: {exc}") from None
+    size, pending = 0, [schema]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            pending += node
+        elif isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                size += len(node["pattern"])
+            if isinstance(node.get("patternProperties"), dict):
+                size += sum(len(key) for key in node["patternProperties"])
+            pending += node.values()
+    return size
 
 
 def _closed(schema: str | dict) -> dict:

@@ -212,12 +212,12 @@ def test_a_model_without_eos_refuses_structured_outputs(tmp_path):
 
 
 def test_a_grammar_whose_parser_fails_ends_its_request_alone():
-    """A grammar that compiles but meets llguidance's limits while generating (3,000 alternatives in one
-    rule: its max_items_in_row is 2,000) ends with finish_reason "error" and the reason, not as a
-    complete "stop"; the request beside it completes as if alone."""
+    """A grammar that compiles but meets llguidance's limits while generating (a regex that counts to a
+    million: its lexer constructs too many expressions) ends with finish_reason "error" and the reason,
+    not as a complete "stop"; the request beside it completes as if alone."""
     llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
-    wide = "start: " + " | ".join(f'"option {i}"' for i in range(3000))
-    stuck = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputs(grammar=wide))
+    huge = StructuredOutputs(regex="a{1000000}")
+    stuck = SamplingParams(temperature=0, max_tokens=8, structured_outputs=huge)
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     [alone] = llm.generate(PROMPTS[:1], plain)
     failed, beside = llm.generate(PROMPTS[:1] * 2, [stuck, plain])
@@ -325,3 +325,22 @@ def test_other_tensor_parallel_ranks_get_neither_histories_nor_grammars():
         and sched.scheduled[0].history is history
     )
     assert _without_histories(SchedulerOutput(scheduled=[plain])).scheduled[0] is plain
+
+
+def test_compiling_builds_what_the_lexer_left_for_the_first_mask():
+    """A JSON schema's pattern is built at the first mask, in time quadratic in its length (4 KB: ~35 ms):
+    the compiler computes that mask, off the engine thread, and the copies it hands out share what it
+    built. A copy's first mask is far faster than that of the same grammar compiled cold."""
+    import time
+
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    compiler = llm.engine.grammars
+    spec = StructuredOutputs(json={"type": "string", "pattern": "^" + "a?" * 2000 + "$"})
+
+    def first_mask(matcher) -> float:
+        start = time.perf_counter()
+        banned([Grammar(matcher)], compiler.vocab_size, compiler.vocab_size)
+        return time.perf_counter() - start
+
+    cold = llguidance.LLMatcher(compiler.tokenizer, _grammar(spec), log_level=0)
+    assert first_mask(cold) > 10 * first_mask(compiler.matcher(spec))

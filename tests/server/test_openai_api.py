@@ -427,12 +427,14 @@ def test_structured_outputs_through_the_client(client, model):
 
 
 def test_a_grammar_that_fails_while_generating_is_the_clients_400(client, model):
-    """3,000 alternatives in one rule compile but exceed llguidance's parser limits once generating: the
-    request ends alone, and the client reads why (not a 500)."""
-    wide = "start: " + " | ".join(f'"option {i}"' for i in range(3000))
+    """A regex that counts to a million compiles but exceeds llguidance's lexer limits once generating:
+    the request ends alone, and the client reads why (not a 500)."""
     with pytest.raises(openai.BadRequestError, match="parser failed"):
         client.completions.create(
-            model=model, prompt="Pick", max_tokens=4, extra_body={"structured_outputs": {"grammar": wide}}
+            model=model,
+            prompt="Pick",
+            max_tokens=4,
+            extra_body={"structured_outputs": {"regex": "a{1000000}"}},
         )
     assert client.completions.create(model=model, prompt="Pick", max_tokens=2).choices[0].text is not None
 
