@@ -22,9 +22,11 @@ The store: `store` is true by default (OpenAI's default). A stored response can 
 deleted, and continued (previous_response_id). It lives in this process's memory, the least recently
 stored evicted first beyond --responses-store-mb (vLLM keeps a store only behind
 VLLM_ENABLE_RESPONSES_API_STORE, unbounded); a response evicted, deleted or never stored is a 404.
-Messages are shared between a response and the ones that continue it, so a chain of N turns holds each
-turn's text once; the bound counts each response's whole conversation, so it errs high (an evicted
-turn's text stays alive while a stored response continues it).
+A response is kept as the JSON that GET returns (its instructions, metadata and logprobs included, which
+a client sizes), so that the bound counts what is held. Messages are shared between a response and the
+ones that continue it, so a chain of N turns holds each turn's text once; the bound counts each
+response's whole conversation, so it errs high (an evicted turn's text stays alive while a stored response
+continues it).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -75,7 +78,8 @@ _LOGPROBS = "message.output_text.logprobs"
 
 @dataclass
 class Stored:
-    response: dict
+    id: str
+    body: bytes  # the response's JSON, as GET returns it
     conversation: list[dict]  # the messages that produced it, instructions left out (OpenAI's rule)
     text: str  # its output
     size: int  # bytes counted against the store's bound
@@ -93,7 +97,7 @@ class ResponseStore:
     def put(self, entry: Stored) -> bool:
         if entry.size > self.max_bytes:
             return False
-        self.entries[entry.response["id"]] = entry
+        self.entries[entry.id] = entry
         self.num_bytes += entry.size
         while self.num_bytes > self.max_bytes:
             _, old = self.entries.popitem(last=False)
@@ -166,8 +170,8 @@ async def create_response(body: ResponsesRequest, request: Request):
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(request.app.state.responses.get(response_id).response)
+async def retrieve_response(response_id: str, request: Request) -> Response:
+    return Response(request.app.state.responses.get(response_id).body, media_type="application/json")
 
 
 @router.delete("/v1/responses/{response_id}")
@@ -292,8 +296,10 @@ class _Response:
         item = self._item("completed" if status == "completed" else "incomplete", [part])
         response = self._response(status, [item], last)
         if self.body.store and status != "cancelled":
-            size = len(text.encode()) + sum(len(m["content"].encode()) for m in self.conversation) + 1024
-            self.store.put(Stored(response, self.conversation, text, size))
+            # the body holds the output, the instructions, metadata and logprobs: all sized by the client
+            body = orjson.dumps(response)
+            size = len(body) + len(text.encode()) + sum(len(m["content"].encode()) for m in self.conversation)
+            self.store.put(Stored(self.id, body, self.conversation, text, size + 1024))
         return response
 
     async def collect(self, fanout: Fanout) -> dict:

@@ -5,12 +5,15 @@ logprobs, truncation, and what it refuses."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 
-from infer.server.responses import ResponseStore, Stored
+from infer.engine.llm_engine import StepOutput
+from infer.server.protocol import ResponsesRequest
+from infer.server.responses import ResponseStore, Stored, _Response
 from tests.server.conftest import API_KEY
 from tests.server.test_openai_api import COMPACT, PERSON
 
@@ -144,12 +147,33 @@ def _user(text: str) -> dict:
 def test_the_store_evicts_the_oldest_beyond_its_bound():
     store = ResponseStore(max_bytes=100)
     for i in range(4):
-        assert store.put(Stored({"id": f"r{i}"}, [], "", 30))
+        assert store.put(Stored(f"r{i}", b"{}", [], "", 30))
     assert list(store.entries) == ["r1", "r2", "r3"] and store.num_bytes == 90
-    assert not store.put(Stored({"id": "big"}, [], "", 101)) and "big" not in store.entries
+    assert not store.put(Stored("big", b"{}", [], "", 101)) and "big" not in store.entries
     store.delete("r2")
     assert list(store.entries) == ["r1", "r3"] and store.num_bytes == 60
-    assert not ResponseStore(max_bytes=0).put(Stored({"id": "x"}, [], "", 1))
+    assert not ResponseStore(max_bytes=0).put(Stored("x", b"{}", [], "", 1))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"instructions": "x" * 300_000},
+        {"metadata": {"k": "x" * 300_000}},
+    ],
+)
+def test_the_store_counts_what_a_stored_response_holds(fields):
+    """A stored response holds its instructions and metadata (and logprobs), which the client sizes: the
+    bound counts them. It counted only the input and output texts, so 4 MiB of instructions or metadata
+    per response, at ~1 KB counted each, let 64 MiB of store hold ~250 GB."""
+    store = ResponseStore(max_bytes=500_000)
+    state = SimpleNamespace(args=SimpleNamespace(model_name="m"))
+    body = ResponsesRequest(input="Hi", **fields)
+    last = StepOutput("r", "", [], True, "stop", 3, 1, 0)
+    for i in range(2):
+        _Response(state, store, body, f"resp-{i}", [_user("Hi")])._finish("out", [], last)
+    assert list(store.entries) == ["resp-1"] and store.num_bytes > 300_000
+    assert json.loads(store.get("resp-1").body)["id"] == "resp-1"
 
 
 def test_text_format_and_logprobs(client, model):
