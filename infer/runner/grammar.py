@@ -30,7 +30,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from infer.sampling_params import StructuredOutputs
+from infer.sampling_params import MAX_CHOICE_CHARS, StructuredOutputs
 
 CACHED_GRAMMARS = 256  # compiled matchers kept (LRU); a copy per request
 # llguidance converts GBNF to Lark in Python, holding the GIL, in time quadratic in the rules: 8 KiB
@@ -177,10 +177,16 @@ def _grammar(spec: StructuredOutputs) -> str:
         schema = {"type": "object"} if spec.kind == "json_object" else spec.json
         if spec.disable_additional_properties:
             schema = _closed(schema)
-        if (size := _patterns_size(schema)) > MAX_REGEX_CHARS:
+        size, longest = _schema_sizes(schema)
+        if size > MAX_REGEX_CHARS:
             raise ValueError(
                 f"structured_outputs json: the schema's patterns hold {size} characters together; at most "
                 f"{MAX_REGEX_CHARS} (llguidance's time and memory grow with their square)"
+            )
+        if longest > MAX_CHOICE_CHARS:  # a literal, as a choice: each step's mask costs time linear in it
+            raise ValueError(
+                f"structured_outputs json: a const or enum string holds {longest} characters; at most "
+                f"{MAX_CHOICE_CHARS}, as a choice (each step's mask costs time linear in the longest)"
             )
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
@@ -224,9 +230,10 @@ SCHEMA_KEYWORDS = (
 )  # fmt: skip
 
 
-def _patterns_size(schema: str | dict) -> int:
-    """The characters of a schema's regular expressions: every `pattern` and `patternProperties` key, at
-    any depth (a walk of all of it, data included, which only counts high)."""
+def _schema_sizes(schema: str | dict) -> tuple[int, int]:
+    """The characters of a schema's regular expressions (every `pattern` and `patternProperties` key) and
+    of its longest literal string (a `const` or an `enum` item), at any depth (a walk of all of it, data
+    included, which only counts high)."""
     import json
 
     if isinstance(schema, str):
@@ -234,7 +241,7 @@ def _patterns_size(schema: str | dict) -> int:
             schema = json.loads(schema)
         except (json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"structured_outputs json is not JSON, or nested too deeply: {exc}") from None
-    size, pending = 0, [schema]
+    size, longest, pending = 0, 0, [schema]
     while pending:
         node = pending.pop()
         if isinstance(node, list):
@@ -244,8 +251,12 @@ def _patterns_size(schema: str | dict) -> int:
                 size += len(node["pattern"])
             if isinstance(node.get("patternProperties"), dict):
                 size += sum(len(key) for key in node["patternProperties"])
+            literals = node.get("enum") if isinstance(node.get("enum"), list) else []
+            for literal in [node.get("const"), *literals]:
+                if isinstance(literal, str):
+                    longest = max(longest, len(literal))
             pending += node.values()
-    return size
+    return size, longest
 
 
 def _closed(schema: str | dict) -> dict:

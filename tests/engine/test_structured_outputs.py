@@ -304,6 +304,24 @@ def test_grammar_sizes_and_kinds_are_bounded():
             StructuredOutputs(choice=bad)
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"const": "ab" * 513},
+        {"enum": ["short", "ab" * 513]},
+        {"type": "object", "properties": {"a": {"type": "string", "enum": ["x", "ab" * 513]}}},
+    ],
+)
+def test_a_schemas_literal_strings_are_bounded_as_a_choice(schema):
+    """A const or enum string is a literal the mask follows as it does a choice, in time linear in its
+    length at every step: a 300 KB const took a plain request beside it from 2.2 ms to 80 ms a token.
+    It is bounded as a choice is (1,024 characters)."""
+    with pytest.raises(ValueError, match="const or enum string holds 1026 characters; at most 1024"):
+        _grammar(StructuredOutputs(json=schema))
+    fitting = json.loads(json.dumps(schema).replace("ab" * 513, "ab" * 512))
+    assert _grammar(StructuredOutputs(json=fitting))
+
+
 def test_other_tensor_parallel_ranks_get_neither_histories_nor_grammars():
     """They do not sample: what rank 0 broadcasts each step leaves out a grammar (up to a MiB of text)
     and a history, without touching rank 0's own step."""
