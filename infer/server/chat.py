@@ -231,11 +231,12 @@ class _Chat:
 
     def _message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """A choice's message and finish_reason: its tool calls when tool_choice forced them and the
-        output holds them (infer.server.tools), else its text."""
+        output holds them (infer.server.tools), else its text. What echo repeats stays the content
+        beside the calls (vLLM's; the stream sends it as a content chunk)."""
         calls, reason = tools.calls_and_reason(self.body, text, reason)
         if calls is None:
             return {"role": self.role, "content": self.echo + text}, reason
-        return {"role": self.role, "content": None, "tool_calls": calls}, reason
+        return {"role": self.role, "content": self.echo or None, "tool_calls": calls}, reason
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.state.args.model_name}

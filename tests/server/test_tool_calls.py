@@ -103,6 +103,29 @@ def test_calls_cut_short_keep_their_text(client, model):
     assert choice.message.content and choice.message.content.startswith("[")
 
 
+def test_echo_beside_calls_is_the_same_streamed_or_not(client, model):
+    """vLLM's echo repeats the last message when it is the reply's (the assistant's) ahead of the reply:
+    streamed, as a content chunk before the calls; not streamed, as the content beside them (it was
+    dropped: content null)."""
+    prefix = "Let me look that up."
+    kwargs = dict(
+        model=model,
+        messages=[*ASK, {"role": "assistant", "content": prefix}],
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=30,
+        temperature=0,
+        extra_body={**COMPACT, "echo": True},
+    )
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == prefix and message.content == prefix
+    assert message.tool_calls[0].function.arguments == "".join(
+        tc.function.arguments or "" for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()
+    )
+
+
 def test_auto_and_none_leave_text(client, model):
     for tool_choice in ("auto", "none", None):
         kwargs = {"tool_choice": tool_choice} if tool_choice else {}
