@@ -328,8 +328,10 @@ class ResponsesRequest(_SamplingFields):
             ("truncate_prompt_tokens", 'truncation: "auto"'),
             ("stream_options", "nothing: a stream's last event holds the usage"),
             ("prompt_logprobs", "/v1/completions"),
+            ("return_token_ids", "/v1/completions or /v1/chat/completions"),
+            ("return_tokens_as_token_ids", "/v1/completions or /v1/chat/completions"),
         ):
-            if name in self.model_fields_set:
+            if getattr(self, name) not in (None, False):
                 raise ValueError(f"{name} is not a Responses API field; use {instead}")
         if self.n != 1:
             raise ValueError("n: a response has one output; send several requests, or use chat completions")

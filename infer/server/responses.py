@@ -299,7 +299,7 @@ class _Response:
             # the body holds the output, the instructions, metadata and logprobs: all sized by the client
             body = orjson.dumps(response)
             size = len(body) + len(text.encode()) + sum(len(m["content"].encode()) for m in self.conversation)
-            self.store.put(Stored(self.id, body, self.conversation, text, size + 1024))
+            response["store"] = self.store.put(Stored(self.id, body, self.conversation, text, size + 1024))
         return response
 
     async def collect(self, fanout: Fanout) -> dict:
@@ -342,8 +342,10 @@ class _Response:
         yield events("response.output_text.done", **where, text=item["content"][0]["text"], logprobs=logprobs)
         yield events("response.content_part.done", **where, part=item["content"][0])
         yield events("response.output_item.done", output_index=0, item=item)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        yield events(kind, response=response)
+        if response["status"] == "cancelled":  # the server aborted it (a drain that timed out)
+            response["error"] = {"code": "cancelled", "message": "the server aborted this response"}
+        kinds = {"completed": "response.completed", "incomplete": "response.incomplete"}
+        yield events(kinds.get(response["status"], "response.failed"), response=response)
 
 
 class _Events:

@@ -174,6 +174,9 @@ def test_the_store_counts_what_a_stored_response_holds(fields):
         _Response(state, store, body, f"resp-{i}", [_user("Hi")])._finish("out", [], last)
     assert list(store.entries) == ["resp-1"] and store.num_bytes > 300_000
     assert json.loads(store.get("resp-1").body)["id"] == "resp-1"
+    small = ResponseStore(max_bytes=100_000)  # one that cannot hold it at all: the response says so
+    response = _Response(state, small, body, "resp-2", [_user("Hi")])._finish("out", [], last)
+    assert response["store"] is False and not small.entries
 
 
 def test_text_format_and_logprobs(client, model):
@@ -240,6 +243,7 @@ def test_truncation_auto_keeps_the_conversations_end(client, model):
         ({"n": 2}, "n"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"return_token_ids": True}, "return_token_ids"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
