@@ -26,7 +26,6 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
 
 from infer.server import tools
 from infer.server.protocol import (
@@ -39,10 +38,9 @@ from infer.server.protocol import (
 from infer.server.serving import (
     SSE_DONE,
     Fanout,
-    FanoutStream,
     Job,
     ServerState,
-    cancel_on_disconnect,
+    answer,
     check_fields,
     check_grammar,
     check_model,
@@ -57,7 +55,6 @@ from infer.server.serving import (
     prompt_logprobs_of,
     sampling_params,
     sse,
-    start_stream,
     token_name,
     token_text,
     truncated,
@@ -91,15 +88,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     chat_id = state.new_id("chatcmpl")
     fanout = Fanout(state, jobs, chat_id, arrival)
     chat = _Chat(state, body, chat_id, prompt_ids)
-    if body.stream:
-        if not await start_stream(request, fanout, "messages"):
-            return Response(status_code=499)  # the client is gone (its requests were aborted)
-        return FanoutStream(chat.stream(fanout), fanout)
-    try:
-        result = await cancel_on_disconnect(request, chat.collect(fanout))
-    finally:
-        fanout.close()  # also when the collecting task was cancelled before it started
-    return JSONResponse(result) if result is not None else Response(status_code=499)
+    return await answer(request, fanout, chat, body.stream, "messages")
 
 
 def _prompt_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None:

@@ -15,16 +15,14 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
 
 from infer.server.protocol import GENERATE_RESPONSES, CompletionRequest, bad_request, usage
 from infer.server.serving import (
     SSE_DONE,
     Fanout,
-    FanoutStream,
     Job,
     ServerState,
-    cancel_on_disconnect,
+    answer,
     check_fields,
     check_grammar,
     check_model,
@@ -39,7 +37,6 @@ from infer.server.serving import (
     prompt_logprobs_of,
     sampling_params,
     sse,
-    start_stream,
     token_name,
     token_text,
     truncated,
@@ -85,15 +82,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     cmpl_id = state.new_id("cmpl")
     fanout = Fanout(state, jobs, cmpl_id, arrival)
     completion = _Completion(state, body, cmpl_id, prompts, echo_text)
-    if body.stream:
-        if not await start_stream(request, fanout, "prompt"):
-            return Response(status_code=499)  # the client is gone (its requests were aborted)
-        return FanoutStream(completion.stream(fanout), fanout)
-    try:
-        result = await cancel_on_disconnect(request, completion.collect(fanout))
-    finally:
-        fanout.close()  # also when the collecting task was cancelled before it started
-    return JSONResponse(result) if result is not None else Response(status_code=499)
+    return await answer(request, fanout, completion, body.stream, "prompt")
 
 
 def _is_single(prompt) -> bool:

@@ -52,10 +52,9 @@ from infer.server.protocol import (
 )
 from infer.server.serving import (
     Fanout,
-    FanoutStream,
     Job,
     ServerState,
-    cancel_on_disconnect,
+    answer,
     check_fields,
     check_grammar,
     check_model,
@@ -65,7 +64,6 @@ from infer.server.serving import (
     objectives,
     sampling_params,
     sse,
-    start_stream,
     token_text,
 )
 
@@ -158,15 +156,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     response_id = state.new_id("resp")
     fanout = Fanout(state, [Job(prompt_ids, params, body.priority, slo)], response_id, arrival)
     run = _Response(state, store, body, response_id, conversation)
-    if body.stream:
-        if not await start_stream(request, fanout, "input"):
-            return Response(status_code=499)  # the client is gone (its request was aborted)
-        return FanoutStream(run.stream(fanout), fanout)
-    try:
-        result = await cancel_on_disconnect(request, run.collect(fanout))
-    finally:
-        fanout.close()  # also when the collecting task was cancelled before it started
-    return JSONResponse(result) if result is not None else Response(status_code=499)
+    return await answer(request, fanout, run, body.stream, "input")
 
 
 @router.get("/v1/responses/{response_id}")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import orjson
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from infer.core.slo import LateRequest, Objectives
 from infer.engine.async_engine import AsyncEngine, RequestFailed
@@ -373,6 +373,21 @@ async def start_stream(request: Request, fanout: Fanout, param: str) -> bool:
     if started is None:
         fanout.close()
     return bool(started)
+
+
+async def answer(request: Request, fanout: Fanout, handler, stream: bool, param: str) -> Response:
+    """The HTTP answer of one request's Fanout: handler.stream(fanout) as server-sent events once every
+    choice is accepted (a refusal is still a 400 naming `param`), or handler.collect(fanout) as one JSON
+    body; 499 when the client left first (its requests are aborted)."""
+    if stream:
+        if not await start_stream(request, fanout, param):
+            return Response(status_code=499)
+        return FanoutStream(handler.stream(fanout), fanout)
+    try:
+        result = await cancel_on_disconnect(request, handler.collect(fanout))
+    finally:
+        fanout.close()  # also when the collecting task was cancelled before it started
+    return JSONResponse(result) if result is not None else Response(status_code=499)
 
 
 # the engine checks their token ids against the vocabulary (bad_words: that they tokenize)
