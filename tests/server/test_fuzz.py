@@ -70,6 +70,8 @@ def _bounded(case) -> None:
         and not case.body.get("max_completion_tokens")
     ):
         case.body["max_completion_tokens"] = KEPT_MAX_TOKENS  # else a reply fills the context
+    if case.path == RESP and not case.body.get("max_output_tokens"):
+        case.body["max_output_tokens"] = KEPT_MAX_TOKENS  # likewise
     if case.path == CHAT and isinstance(case.body.get("messages"), list):
         for message in case.body["messages"]:  # else most chats stop at the template (a 400 each)
             if isinstance(message, dict) and message.get("content") is None:
