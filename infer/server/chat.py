@@ -49,14 +49,12 @@ from infer.server.serving import (
     choice_params,
     continuous_usage,
     engine_error,
-    floor_logprob,
     objectives,
     prompt_logprobs_json,
     prompt_logprobs_of,
+    sampled_logprobs,
     sampling_params,
     sse,
-    token_name,
-    token_text,
     truncated,
 )
 
@@ -198,25 +196,12 @@ class _Chat:
         num_cached = last[0].num_cached_tokens if 0 in last else 0
         return usage(self.num_prompt, sum(o.num_output_tokens for o in last.values()), num_cached)
 
-    def _entry(self, token_id: int, logprob: float, sampled: bool = False) -> dict:
-        """One token's logprob; its bytes are those of its name, but the sampled token's are those of its
-        text (vLLM's, which matters with return_tokens_as_token_ids)."""
-        name = token_name(self.state, token_id, self.as_ids)
-        text = token_text(self.state, token_id) if sampled else name
-        return {"token": name, "logprob": floor_logprob(logprob), "bytes": list(text.encode())}
-
     def _logprobs(self, outs) -> dict | None:
         if not self.body.logprobs:
             return None
-        content = []
-        for out in outs:
-            if out.logprobs is None or not out.token_ids:
-                continue
-            sampled, top = out.logprobs
-            entry = self._entry(out.token_ids[-1], sampled, sampled=True)
-            entry["top_logprobs"] = [self._entry(t, v) for t, v in top[: self.body.top_logprobs or 0]]
-            content.append(entry)
-        return {"content": content, "refusal": None}
+        num_top, as_ids = self.body.top_logprobs or 0, self.as_ids
+        entries = (sampled_logprobs(self.state, out, num_top, as_ids) for out in outs)
+        return {"content": [e for e in entries if e is not None], "refusal": None}
 
     def _message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """A choice's message and finish_reason: its tool calls when tool_choice forced them and the

@@ -60,11 +60,10 @@ from infer.server.serving import (
     check_model,
     check_priority,
     engine_error,
-    floor_logprob,
     objectives,
+    sampled_logprobs,
     sampling_params,
     sse,
-    token_text,
 )
 
 router = APIRouter()
@@ -216,16 +215,10 @@ class _Response:
         self.include_logprobs = _LOGPROBS in (body.include or ())
 
     def _logprobs(self, out: StepOutput) -> list[dict]:
-        if not self.include_logprobs or out.logprobs is None or not out.token_ids:
+        if not self.include_logprobs:
             return []
-        sampled, top = out.logprobs
-        entry = self._entry(out.token_ids[-1], sampled)
-        entry["top_logprobs"] = [self._entry(t, v) for t, v in top[: self.body.top_logprobs or 0]]
-        return [entry]
-
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        text = token_text(self.state, token_id)
-        return {"token": text, "logprob": floor_logprob(logprob), "bytes": list(text.encode())}
+        entry = sampled_logprobs(self.state, out, self.body.top_logprobs or 0)
+        return [entry] if entry is not None else []
 
     def _part(self, text: str, logprobs: list[dict] | None) -> dict:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}

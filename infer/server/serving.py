@@ -628,6 +628,24 @@ def token_text(state: ServerState, token_id: int) -> str:
     return state.llm.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def sampled_logprobs(state: ServerState, out: StepOutput, num_top: int, as_ids: bool = False) -> dict | None:
+    """An output's sampled token as chat and the Responses API list it, with its top alternatives: token,
+    logprob and bytes (the sampled token's those of its text, an alternative's those of its name, as
+    vLLM's with return_tokens_as_token_ids); None for an output without one."""
+    if out.logprobs is None or not out.token_ids:
+        return None
+    sampled, top = out.logprobs
+
+    def entry(token_id: int, logprob: float, text: str | None = None) -> dict:
+        name = token_name(state, token_id, as_ids)
+        shown = name if text is None else text
+        return {"token": name, "logprob": floor_logprob(logprob), "bytes": list(shown.encode())}
+
+    token_id = out.token_ids[-1]
+    head = entry(token_id, sampled, token_text(state, token_id))
+    return {**head, "top_logprobs": [entry(t, v) for t, v in top[:num_top]]}
+
+
 def token_name(state: ServerState, token_id: int, as_id: bool) -> str:
     """A token as logprobs name it: its text, or with vLLM's return_tokens_as_token_ids "token_id:N" (so
     that a token whose text is not whole UTF-8, or that shares its text with another, is identified)."""
