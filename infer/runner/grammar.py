@@ -174,7 +174,7 @@ def _grammar(spec: StructuredOutputs) -> str:
 
     options = {"whitespace_flexible": not spec.disable_any_whitespace}
     if spec.kind in ("json", "json_object"):
-        schema = {"type": "object"} if spec.kind == "json_object" else spec.json
+        schema = {"type": "object"} if spec.kind == "json_object" else _loaded(spec.json)
         if spec.disable_additional_properties:
             schema = _closed(schema)
         size, longest = _schema_sizes(schema)
@@ -230,17 +230,22 @@ SCHEMA_KEYWORDS = (
 )  # fmt: skip
 
 
-def _schema_sizes(schema: str | dict) -> tuple[int, int]:
+def _loaded(schema: str | dict) -> dict:
+    """A schema sent as JSON text, parsed (ValueError, naming the field, if it is not JSON)."""
+    import json
+
+    if not isinstance(schema, str):
+        return schema
+    try:
+        return json.loads(schema)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"structured_outputs json is not JSON, or nested too deeply: {exc}") from None
+
+
+def _schema_sizes(schema: dict) -> tuple[int, int]:
     """The characters of a schema's regular expressions (every `pattern` and `patternProperties` key) and
     of its longest literal string (a `const` or an `enum` item), at any depth (a walk of all of it, data
     included, which only counts high)."""
-    import json
-
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise ValueError(f"structured_outputs json is not JSON, or nested too deeply: {exc}") from None
     size, longest, pending = 0, 0, [schema]
     while pending:
         node = pending.pop()
@@ -262,12 +267,13 @@ def _schema_sizes(schema: str | dict) -> tuple[int, int]:
 def _closed(schema: str | dict) -> dict:
     """The schema with `additionalProperties: false` on every object schema that lists properties and
     does not say (vLLM's disable_additional_properties), walking subschemas only, without recursion."""
-    import json
-
-    try:
-        schema = json.loads(schema) if isinstance(schema, str) else copy.deepcopy(schema)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"structured_outputs json is not JSON, or nested too deeply: {exc}") from None
+    if isinstance(schema, str):
+        schema = _loaded(schema)  # parsed afresh: nothing to copy
+    else:
+        try:
+            schema = copy.deepcopy(schema)
+        except RecursionError as exc:
+            raise ValueError(f"structured_outputs json is not JSON, or nested too deeply: {exc}") from None
     pending = [schema]
     while pending:
         node = pending.pop()
