@@ -147,8 +147,7 @@ async def create_response(body: ResponsesRequest, request: Request):
             )
         prompt_ids = prompt_ids[-keep:]
     max_tokens = body.max_output_tokens or max(1, limit - len(prompt_ids))
-    logprobs = (body.top_logprobs or 0) if _LOGPROBS in (body.include or ()) else None
-    params = sampling_params(body, max_tokens, logprobs)
+    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if _wants_logprobs(body) else None)
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     state.admit(1, fits=state.fits(len(prompt_ids), max_tokens))
@@ -202,6 +201,10 @@ def _input_messages(items: str | list[dict]) -> list[dict]:
     return messages
 
 
+def _wants_logprobs(body: ResponsesRequest) -> bool:
+    return _LOGPROBS in (body.include or ())
+
+
 def _is_text_part(part) -> bool:
     return isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str)
 
@@ -212,7 +215,7 @@ class _Response:
         self.conversation = conversation
         self.created = int(time.time())
         self.item_id = f"msg-{response_id.removeprefix('resp-')}"
-        self.include_logprobs = _LOGPROBS in (body.include or ())
+        self.include_logprobs = _wants_logprobs(body)
 
     def _logprobs(self, out: StepOutput) -> list[dict]:
         if not self.include_logprobs:
