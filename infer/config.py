@@ -140,8 +140,7 @@ class EngineConfig:
     num_kv_blocks: KV pool size in blocks; None = as many as fit in kv_cache_memory_gb.
     max_num_seqs: running requests at most; None = DEFAULT_MAX_NUM_SEQS (vLLM's CPU server's), or the
         token budget if that is smaller.
-    max_num_batched_tokens: the step's token budget (SchedulerConfig's); None = `default_token_budget()`,
-        what this CPU runs fastest.
+    max_num_batched_tokens: the step's token budget (SchedulerConfig's); None = DEFAULT_TOKEN_BUDGET.
     max_model_len: prompt + output tokens of one request; None = the model's context length.
     use_kv_cache: False recomputes every sequence from scratch each step (the KV-cache benchmark's
         baseline); the scheduler is unchanged.
@@ -194,7 +193,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
-            object.__setattr__(self, "max_num_batched_tokens", default_token_budget())
+            object.__setattr__(self, "max_num_batched_tokens", DEFAULT_TOKEN_BUDGET)
         if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):
             object.__setattr__(self, "max_num_seqs", min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens))
         _positive_int("trace_steps", self.trace_steps)
@@ -209,21 +208,18 @@ class EngineConfig:
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
+# vLLM's budget. Against 512: on a 2-core Sapphire Rapids 1.16x / 1.09x the output throughput at 8 / 32
+# streams; on a 2-core AMD EPYC Zen 4 (no AMX) the same throughput (512 / 2048: 0.98 / 0.98 / 0.95 at
+# 1 / 8 / 32 streams); on both, ITL p99 a third to a half of 512's: a wave of requests is prefilled in one
+# or two steps and then decodes in lockstep, instead of prefill chunks riding beside its decodes
+# (docs/benchmarks.md, sessions 9 and 22). 512 led by 1.12x / 1.22x on an AMD EPYC Zen 5 in session 7,
+# before decode graphs; three emulated runs without AMX since and the Zen 4 run found them level.
+DEFAULT_TOKEN_BUDGET = 2048
+
 # 128 as vLLM's CPU server. Against 32 (2-core Sapphire Rapids, llama-50m, docs/benchmarks.md "Session
 # 19"): the same at 32 streams or fewer, 1.13x / 1.18x the throughput at 64 / 128 and a 4-9x shorter
 # TTFT p50, as waiting requests no longer queue behind the running 32.
 DEFAULT_MAX_NUM_SEQS = 128
-
-
-def default_token_budget() -> int:
-    """2048 tokens a step on a CPU with AMX, 512 elsewhere: what each served fastest in the race
-    (docs/benchmarks.md). On a 2-core Sapphire Rapids, 2048 against 512: 1.16x / 1.09x the output
-    throughput at 8 / 32 streams, ITL p99 halved (a wave of requests is prefilled in one or two steps
-    and then decodes in lockstep, instead of prefill chunks riding beside its decodes), TTFT within 15%.
-    On an AMD EPYC (AVX-512 BF16, no AMX), 512 was 1.12x / 1.22x faster than 2048."""
-    from infer.kernels import cpu_has_amx  # torch, imported only when a default is asked for
-
-    return 2048 if cpu_has_amx() else 512
 
 
 def usable_cores() -> int:

@@ -20,7 +20,7 @@ from infer.kernels import hugepages
 # row count measured up to 128 (and on the llama-50m shapes up to 512: a weight pass per 32 rows, from
 # L2 after the first; docs/benchmarks.md), so decodes and mixed steps go to it and long prefills stay
 # on oneDNN, whose blocked GEMM is still faster for small-K weights at 2048 rows (3072x512: 2.4-2.6 vs
-# 2.9-3.4 ms).
+# 2.9-3.4 ms). Larger weights keep the kernel's copy alone (PrepackedLinear).
 SMALL_WEIGHT_BYTES = 8 * 2**20
 SMALL_ROWS = 128 if kernels.cpu_has_amx() else 32
 
@@ -65,11 +65,13 @@ class PrepackedLinear(nn.Module):
     32; the decode step 10-17% faster at 1-8 streams, 3-5% at 16-32 on an AMD EPYC; with AMX (tiles from
     7 rows up), faster at every batch (docs/benchmarks.md). Larger weights keep one copy.
 
-    With AMX, a larger weight whose sizes divide by 32 keeps the kernel's copy alone (no oneDNN copy),
-    and every step goes to the kernel: Llama-3.2-1B's linears were as fast as oneDNN or faster at every
-    row count measured, 1 to 2048, and LM heads (which see one row per sampled sequence) at 1 to 128
-    (docs/benchmarks.md); the llama-50m head at 512 rows, which only an offline evaluation asks of it,
-    is slower (13.0 vs 10.3 ms).
+    A larger weight keeps the kernel's copy alone (no oneDNN copy), and every step goes to the kernel:
+    Llama-3.2-1B's linears were as fast as oneDNN or faster at every row count measured, 1 to 2048, and
+    LM heads (which see one row per sampled sequence) at 1 to 128. With AMX (on tiles, where its sizes
+    divide by 32), the llama-50m head at 512 rows, which only an offline evaluation asks of it, is slower
+    (13.0 vs 10.3 ms). Without AMX (vdpbf16ps; AMD EPYC Zen 4), one row 1.3-2.3x oneDNN's, 2048 rows
+    0.97-1.05x: the 1B's decode step 94-112 -> 58-83 ms at one stream, 100-115 -> 80-83 ms at 8
+    (docs/benchmarks.md, session 22).
 
     `gated` (prepack_linears: the gate_up projection of a SiLU MLP), with AMX: the kernel's copy alone,
     its rows interleaved so that each 32-channel tile pair holds 16 outputs' gate and up, and
@@ -90,8 +92,9 @@ class PrepackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.bias = linear.bias
         small = weight.nbytes <= SMALL_WEIGHT_BYTES
-        tiles = self.out_features % 32 == 0 and self.in_features % 32 == 0 and kernels.cpu_has_amx()
-        fits = (small or tiles) and self.out_features % 16 == 0 and self.in_features % 2 == 0
+        amx = kernels.cpu_has_amx()
+        tiles = self.out_features % 32 == 0 and self.in_features % 32 == 0 and amx
+        fits = (small or tiles or not amx) and self.out_features % 16 == 0 and self.in_features % 2 == 0
         self._ops = kernels.bf16_ops() if fits else None
         # a gate_up projection whose SiLU-and-multiply the tiles apply as they go (`silu_and_mul`)
         self.fused_silu = gated and tiles and self._ops is not None

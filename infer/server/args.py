@@ -192,7 +192,7 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--max-num-batched-tokens",
         type=int,
         default=d["max_num_batched_tokens"],
-        help="token budget of one engine step; default: 2048 on a CPU with AMX, 512 elsewhere",
+        help="token budget of one engine step; default: 2048 (vLLM's)",
     )
     parser.add_argument(
         "--chunked-prefill",

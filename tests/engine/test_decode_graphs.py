@@ -125,12 +125,12 @@ def test_a_replay_that_differs_turns_graphs_off(model_dir, monkeypatch, caplog):
 
 
 def test_onednn_linears_replay_in_torchscript(model_dir, monkeypatch):
-    """Without AMX a weight over SMALL_WEIGHT_BYTES (an LM head) runs on oneDNN in decode steps: its call
-    must be one TorchScript can record (torch's own takes a Scalar?[] its tracer rejects)."""
+    """A weight the small-batch kernel cannot take (a build without it; a size it cannot tile) runs on
+    oneDNN in decode steps: its call must be one TorchScript can record (torch's own takes a Scalar?[]
+    its tracer rejects)."""
     if not linear.can_prepack(torch.bfloat16):
         pytest.skip("oneDNN has no bf16 here")
-    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: False)
-    monkeypatch.setattr(linear, "SMALL_WEIGHT_BYTES", 0)  # every linear on oneDNN
+    monkeypatch.setattr(kernels, "bf16_ops", lambda: None)  # every linear on oneDNN
     replayed, engine = generate(model_dir, False, GREEDY)
     graphs = engine.runner.graphs
     assert graphs.enabled and graphs.interpret and graphs.replays > 20
