@@ -2,9 +2,9 @@
 SiLU-and-multiply, the KV cache write) against the torch code of the layers they replace: each op alone,
 and whole engine steps with the ops on and off. `--switch` times engine steps with another of the step's
 kernels on and off instead: the greedy argmax over bf16 logits (off: float32 logits, torch's argmax, as
-before it), the small-batch linear (infer/kernels/small_linear.cpp; off: oneDNN for every step where it
-holds a copy), its AMX tiles (off: an engine loaded by the rules before them, kernel up to 6 rows, oneDNN
-for the rest and alone for weights over 8 MiB; AMX only), the prefill-attention kernel (off: SDPA, one call
+before it), the small-batch linear (infer/kernels/small_linear.cpp; off: an engine whose every linear is
+oneDNN's), its AMX tiles (off: an engine with a oneDNN copy of every weight, the kernel up to 6 rows and
+oneDNN for the rest; AMX only), the prefill-attention kernel (off: SDPA, one call
 per prompt or long chunk, its fallback), or the gate_up projection with SiLU-and-multiply in its epilogue
 (off: an engine loaded without it, two ops; AMX only).
 
@@ -127,11 +127,18 @@ def bench_ops(rounds: int, dtype: torch.dtype) -> None:
 def bench_steps(args) -> None:
     config = EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype)
     engines = {"on": LLMEngine(config)}
-    if args.switch == "tiles":  # the "off" side: which weights get which copy is decided at load
-        if not kernels.cpu_has_amx():
+    if args.switch in ("small_linear", "tiles"):  # which weights get which copy is decided at load
+        if args.switch == "tiles" and not kernels.cpu_has_amx():
             raise SystemExit("--switch tiles needs a CPU with AMX")
-        with mock.patch.object(linear.kernels, "cpu_has_amx", lambda: False):
+        # every weight with a oneDNN copy, none fused; routed by the off side's SMALL_ROWS from the start,
+        # as decode graphs record a linear's route when they are captured
+        switch(args.switch, False)
+        with (
+            mock.patch.object(linear, "SMALL_WEIGHT_BYTES", float("inf")),
+            mock.patch.object(linear.kernels, "cpu_has_amx", lambda: False),
+        ):
             engines["off"] = LLMEngine(config)
+        switch(args.switch, True)
     if args.switch == "fused_silu":  # the "off" side: gate_up and SiLU-and-multiply as two ops
         if not kernels.cpu_has_amx():
             raise SystemExit("--switch fused_silu needs a CPU with AMX")

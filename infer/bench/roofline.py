@@ -96,18 +96,23 @@ def _best_time(fn, repeats: int) -> float:
 
 
 def measure_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
-    """Bytes/s read by a float32 matrix-vector product over `num_bytes` of matrix, best of `repeats`.
+    """Bytes/s read over `num_bytes` of float32 matrix: the faster of a matrix-vector product and a sum,
+    best of `repeats` each.
 
     A read, as a decode step's weights are read, not a copy (read + write), which undercounts what reads
-    alone reach: on a 2-core Sapphire Rapids a 1 GiB copy measured 25.4 GB/s and this 28.3 GB/s, and a
-    Llama-3.2-1B single-stream decode read its 2.47 GB of weights at 27.6 GB/s (docs/benchmarks.md). A
-    matrix of tens of MB would be read from the cache instead (~60 GB/s on an AMD EPYC with 32 MB of L3)."""
+    alone reach: on a 2-core Sapphire Rapids a 1 GiB copy measured 25.4 GB/s and the product 28.3 GB/s,
+    and a Llama-3.2-1B single-stream decode read its 2.47 GB of weights at 27.6 GB/s. Two probes, since
+    either can fall short of the memory: on a 2-core AMD EPYC Zen 4 torch's product (MKL's) read at
+    18.3 GB/s and the sum at 32.8, while the 1B's decode read its weights at 30-43 (docs/benchmarks.md,
+    session 22). A matrix of tens of MB would be read from the cache instead (~60 GB/s on an AMD EPYC
+    with 32 MB of L3)."""
     import torch
 
     cols = 4096
     matrix = torch.ones(num_bytes // 4 // cols, cols, dtype=torch.float32)
     vector = torch.ones(cols, dtype=torch.float32)
-    return matrix.numel() * 4 / _best_time(lambda: torch.mv(matrix, vector), repeats)
+    seconds = min(_best_time(lambda: torch.mv(matrix, vector), repeats), _best_time(matrix.sum, repeats))
+    return matrix.numel() * 4 / seconds
 
 
 def measure_matmul(dtype: str, n: int = 1024, repeats: int = 5) -> float:
