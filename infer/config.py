@@ -210,10 +210,11 @@ class EngineConfig:
 
 # vLLM's budget. Against 512: on a 2-core Sapphire Rapids 1.16x / 1.09x the output throughput at 8 / 32
 # streams; on a 2-core AMD EPYC Zen 4 (no AMX) the same throughput (512 / 2048: 0.98 / 0.98 / 0.95 at
-# 1 / 8 / 32 streams); on both, ITL p99 a third to a half of 512's: a wave of requests is prefilled in one
-# or two steps and then decodes in lockstep, instead of prefill chunks riding beside its decodes
-# (docs/benchmarks.md, sessions 9 and 22). 512 led by 1.12x / 1.22x on an AMD EPYC Zen 5 in session 7,
-# before decode graphs; three emulated runs without AMX since and the Zen 4 run found them level.
+# 1 / 8 / 32 streams); on both, ITL p99 at 8 and 32 streams a third to a half of 512's: a wave of
+# requests is prefilled in one or two steps and then decodes in lockstep, instead of prefill chunks
+# riding beside its decodes (docs/benchmarks.md, sessions 9 and 22). 512 led by 1.12x / 1.22x on an
+# AMD EPYC Zen 5 in session 7, before decode graphs; three emulated runs without AMX since and the Zen 4
+# run found them level.
 DEFAULT_TOKEN_BUDGET = 2048
 
 # 128 as vLLM's CPU server. Against 32 (2-core Sapphire Rapids, llama-50m, docs/benchmarks.md "Session
