@@ -49,6 +49,16 @@ class CacheConfig:
         return self.enable_prefix_caching and self.kv_cache_backend == "paged"
 
 
+# vLLM's budget. Against 512: on a 2-core Sapphire Rapids 1.16x / 1.09x the output throughput at 8 / 32
+# streams; on a 2-core AMD EPYC Zen 4 (no AMX) the same throughput (512 / 2048: 0.98 / 0.98 / 0.95 at
+# 1 / 8 / 32 streams); on both, ITL p99 at 8 and 32 streams a third to a half of 512's: a wave of
+# requests is prefilled in one or two steps and then decodes in lockstep, instead of prefill chunks
+# riding beside its decodes (docs/benchmarks.md, sessions 9 and 22). 512 led by 1.12x / 1.22x on an
+# AMD EPYC Zen 5 in session 7, before decode graphs; three emulated runs without AMX since and the Zen 4
+# run found them level.
+DEFAULT_TOKEN_BUDGET = 2048
+
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """What one engine step may contain and in which order requests are served.
@@ -74,7 +84,7 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET
     enable_chunked_prefill: bool = True
     prefill_chunk_size: int | None = None
     policy: str = "fcfs"
@@ -207,15 +217,6 @@ class EngineConfig:
         _one_of("quantization", self.quantization, QUANTIZATION_METHODS)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
-
-# vLLM's budget. Against 512: on a 2-core Sapphire Rapids 1.16x / 1.09x the output throughput at 8 / 32
-# streams; on a 2-core AMD EPYC Zen 4 (no AMX) the same throughput (512 / 2048: 0.98 / 0.98 / 0.95 at
-# 1 / 8 / 32 streams); on both, ITL p99 at 8 and 32 streams a third to a half of 512's: a wave of
-# requests is prefilled in one or two steps and then decodes in lockstep, instead of prefill chunks
-# riding beside its decodes (docs/benchmarks.md, sessions 9 and 22). 512 led by 1.12x / 1.22x on an
-# AMD EPYC Zen 5 in session 7, before decode graphs; three emulated runs without AMX since and the Zen 4
-# run found them level.
-DEFAULT_TOKEN_BUDGET = 2048
 
 # 128 as vLLM's CPU server. Against 32 (2-core Sapphire Rapids, llama-50m, docs/benchmarks.md "Session
 # 19"): the same at 32 streams or fewer, 1.13x / 1.18x the throughput at 64 / 128 and a 4-9x shorter

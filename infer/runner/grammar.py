@@ -174,9 +174,9 @@ def _grammar(spec: StructuredOutputs) -> str:
 
     options = {"whitespace_flexible": not spec.disable_any_whitespace}
     if spec.kind in ("json", "json_object"):
-        schema = {"type": "object"} if spec.kind == "json_object" else _loaded(spec.json)
-        if spec.disable_additional_properties:
-            schema = _closed(schema)
+        schema = {"type": "object"} if spec.kind == "json_object" else spec.json
+        # text is parsed once; a dict is copied only to be closed
+        schema = _closed(schema) if spec.disable_additional_properties else _loaded(schema)
         size, longest = _schema_sizes(schema)
         if size > MAX_REGEX_CHARS:
             raise ValueError(
