@@ -67,6 +67,22 @@ def cmd_serve(args) -> int:
     return serve_main(args.argv[args.argv.index("serve") + 1 :], prog="infer serve", positional_model=True)
 
 
+def add_missing_extra_parser(sub, name: str, help: str, extra: str, missing: str) -> None:
+    """A subcommand whose optional extra is not installed: it takes any arguments and says what to install."""
+    install = f"pip install 'infer[{extra}]'"
+    p = sub.add_parser(name, help=f"{help} (needs `{install}`)", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def missing_extra(args) -> int:
+        print(
+            f"infer {name}: needs the `{extra}` extra ({missing} is not installed): {install}",
+            file=sys.stderr,
+        )
+        return 2
+
+    p.set_defaults(func=missing_extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="infer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,9 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_replica_args(serve)  # --replicas N: infer.deploy (Ray Serve, an optional extra)
     serve.set_defaults(func=cmd_serve)
 
-    from infer.bench.cli import add_bench_parsers
+    from infer.bench import missing_requirement
 
-    add_bench_parsers(sub)
+    missing = missing_requirement()
+    if missing is None:
+        from infer.bench.cli import add_bench_parsers
+
+        add_bench_parsers(sub)
+    else:
+        add_missing_extra_parser(sub, "bench", "benchmarks against a server", extra="bench", missing=missing)
 
     presets = sub.add_parser("presets", help="list the model presets usable with --load-format dummy")
     presets.set_defaults(func=cmd_presets)

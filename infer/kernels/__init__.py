@@ -28,6 +28,7 @@ any more words in it are more flags ("sapphirerapids -mno-amx-tile": that CPU wi
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -136,7 +137,7 @@ def _load():
             logger.warning("C++ kernels not built before (%s): using the Python path", failed)
             return None
         if not (directory / "READY").exists():
-            _build(directory)
+            _build_once(directory)
         torch.ops.load_library(str(library))
         return torch.ops.infer_kernels
     except Exception as exc:  # any failure leaves the Python path in place
@@ -144,12 +145,24 @@ def _load():
         return None
 
 
+def _build_once(directory: Path) -> None:
+    """Build under an flock, which the OS releases when its holder dies: torch's own lock file stays
+    behind when a build is killed (a server stopped during its first start), and torch would then wait
+    on it forever. Holding the flock, no one else is building, so that file is stale and goes."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process's build: wait for it, then use what it built
+        if (directory / "READY").exists() or (directory / "FAILED").exists():
+            return
+        (directory / "lock").unlink(missing_ok=True)
+        _build(directory)
+
+
 def _build(directory: Path) -> None:
-    """Compile and link into directory (torch's file lock keeps concurrent builds apart), then mark it
-    READY; a failed build is marked FAILED with its log, so that later processes don't retry it."""
+    """Compile and link into directory, then mark it READY; a failed build is marked FAILED with its
+    log, so that later processes don't retry it."""
     from torch.utils import cpp_extension  # imports setuptools: only when building
 
-    directory.mkdir(parents=True, exist_ok=True)
     (directory.parent / ".gitignore").write_text("*\n")  # a cache, never committed
     if shutil.which("ninja") is None:  # the pip package's binary, when the venv's bin is not on PATH
         try:
