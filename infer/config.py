@@ -22,8 +22,8 @@ class CacheConfig:
     enable_prefix_caching: share full blocks of identical prefixes between requests (paged backend only;
         the contiguous backend has no shareable blocks and ignores it).
     kv_cache_backend: "paged" = blocks handed out one at a time as sequences grow; "contiguous" = each
-        running request reserves one whole max_model_len slot of consecutive blocks (the seed-002
-        baseline, kept for comparison).
+        running request reserves one whole max_model_len slot of consecutive blocks (the
+        paged_attention workload's baseline, kept for comparison).
     """
 
     num_blocks: int
