@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     # the quality check runs a model through the paged cache (a harness that sits above quant)
     "quant/perplexity.py": {"layers.attention", "runner.kv_cache"},
     "models": {"layers", "quant", "kernels", "config"},
-    # a direct generation loop for tests and the toy (a harness that sits above models)
+    # a direct generation loop that the model tests use (a harness that sits above models)
     "models/generate.py": {"runner.kv_cache"},
     "runner": {"core.outputs", "layers", "kernels", "models.config", "config", "sampling_params"},
     # a rank > 0 loads its own shard of the weights
