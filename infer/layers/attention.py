@@ -79,21 +79,19 @@ UPCAST_MAX_KEY_ELEMENTS = 1 << 18
 
 # The C++ kernel (infer/kernels) serves the batched call when its longest query is at most this long, in
 # these dtypes; the matmuls otherwise (and wherever the kernel is off or could not be built). It won at
-# every point measured (see the module docstring), chunks of up to 128 tokens riding with decodes
-# included (2-6x); longer ones, rare in a batched call (MAX_PADDED_SCORES), were not measured.
+# every point measured, chunks of up to 128 tokens riding with decodes included; longer ones, rare in a
+# batched call (MAX_PADDED_SCORES), were not measured.
 KERNEL_MAX_QUERY_LEN = 128
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The prefill kernel (infer/kernels/prefill_attention.cpp) serves the sequences the batched call leaves
 # out (loop_seqs: prompts, longer chunks), all of them in one call per layer, in these dtypes, wherever
 # it was built with AVX-512 BF16; SDPA one sequence at a time otherwise (see the module docstring). It
-# won at every point measured, in each dtype (2.2-8.3x).
+# won at every point measured, in each dtype.
 PREFILL_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Where the prefill kernel serves, a chunk of at least this many tokens goes to it rather than riding
-# with the step's decodes in the batched call (the module docstring has the figures). At 8 tokens the
-# two were about even beside 32 decodes (0.9-1.1x) and the prefill kernel faster beside fewer (up to
-# 1.8x); chunks of 2-4 tokens were mostly slower apart (0.6-1.0x for llama-50m's heads: a second
-# kernel call's fixed cost), measured with this set lower.
+# with the step's decodes in the batched call: from about 8 tokens the prefill kernel's causal skip
+# pays; shorter chunks were slower apart, a second kernel call's fixed cost (docs/optimizations.md).
 PREFILL_KERNEL_MIN_QUERY_LEN = 8
 
 # An fp8 cache (`--kv-cache-dtype fp8`, infer/runner/kv_cache.py): written with each value rounded and

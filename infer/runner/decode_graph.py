@@ -219,8 +219,8 @@ class DecodeGraphs:
 
 def _one_fake_mode():
     """A tracing context holding one FakeTensorMode for make_fx's node metadata, which otherwise builds
-    a new mode (and extracts a stack trace) for every node: the same graph, captures ~1.5-2x faster
-    (llama-50m: make_fx 0.21-0.41 -> 0.14 s). Private torch API: where it is missing, no context."""
+    a new mode (and extracts a stack trace) for every node: the same graph, captures ~1.5-2x faster.
+    Private torch API: where it is missing, no context."""
     try:
         from torch._guards import TracingContext, tracing
         from torch._subclasses.fake_tensor import FakeTensorMode
