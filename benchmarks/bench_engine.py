@@ -1,4 +1,4 @@
-"""Engine performance on this machine, in-process (no HTTP): the figures of issue 3.
+"""Engine performance on this machine, in-process (no HTTP): docs/engine.md and docs/optimizations.md.
 
     python benchmarks/bench_engine.py --model llama-50m --load-format dummy
     python benchmarks/bench_engine.py                       # the embedded model

@@ -1,4 +1,4 @@
-r"""Seed 002's serving benchmark against a running OpenAI-compatible server (a thin wrapper).
+r"""The five serving workloads' benchmark against a running OpenAI-compatible server (a thin wrapper).
 
     python benchmarks/bench_serving.py --server http://127.0.0.1:8000 --model embedded \
         --workload all --seed 42

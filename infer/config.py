@@ -22,8 +22,8 @@ class CacheConfig:
     enable_prefix_caching: share full blocks of identical prefixes between requests (paged backend only;
         the contiguous backend has no shareable blocks and ignores it).
     kv_cache_backend: "paged" = blocks handed out one at a time as sequences grow; "contiguous" = each
-        running request reserves one whole max_model_len slot of consecutive blocks (the seed-002
-        baseline, kept for comparison).
+        running request reserves one whole max_model_len slot of consecutive blocks (the
+        paged_attention workload's baseline, kept for comparison).
     """
 
     num_blocks: int
@@ -49,13 +49,9 @@ class CacheConfig:
         return self.enable_prefix_caching and self.kv_cache_backend == "paged"
 
 
-# vLLM's budget. Against 512: on a 2-core Sapphire Rapids 1.16x / 1.09x the output throughput at 8 / 32
-# streams; on a 2-core AMD EPYC Zen 4 (no AMX) the same throughput (512 / 2048: 0.98 / 0.98 / 0.95 at
-# 1 / 8 / 32 streams); on both, ITL p99 at 8 and 32 streams a third to a half of 512's: a wave of
-# requests is prefilled in one or two steps and then decodes in lockstep, instead of prefill chunks
-# riding beside its decodes (docs/benchmarks.md, sessions 9 and 22). 512 led by 1.12x / 1.22x on an
-# AMD EPYC Zen 5 in session 7, before decode graphs; three emulated runs without AMX since and the Zen 4
-# run found them level.
+# vLLM's budget, on every CPU. A wave of requests is prefilled in one or two steps and then decodes in
+# lockstep, instead of prefill chunks riding beside its decodes: against 512, the same or more throughput
+# and a third to a half of the ITL p99 (docs/optimizations.md, "The step budget").
 DEFAULT_TOKEN_BUDGET = 2048
 
 
@@ -63,7 +59,7 @@ DEFAULT_TOKEN_BUDGET = 2048
 class SchedulerConfig:
     """What one engine step may contain and in which order requests are served.
 
-    max_num_seqs: running requests at most (the seeds' `max_batch_size`).
+    max_num_seqs: running requests at most (the micro-benchmarks' `max_batch_size`).
     max_num_batched_tokens: token budget of one step, decode and prefill tokens together. Must be at least
         max_num_seqs so every running request can decode in every step.
     enable_chunked_prefill: split prompts into chunks of at most prefill_chunk_size tokens, interleaved
@@ -122,7 +118,7 @@ class SchedulerConfig:
 
     @property
     def max_batch_size(self) -> int:
-        """The seeds' name for max_num_seqs."""
+        """The micro-benchmarks' name for max_num_seqs."""
         return self.max_num_seqs
 
 
@@ -218,9 +214,8 @@ class EngineConfig:
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
 
-# 128 as vLLM's CPU server. Against 32 (2-core Sapphire Rapids, llama-50m, docs/benchmarks.md "Session
-# 19"): the same at 32 streams or fewer, 1.13x / 1.18x the throughput at 64 / 128 and a 4-9x shorter
-# TTFT p50, as waiting requests no longer queue behind the running 32.
+# vLLM's CPU default. Against 32: waiting requests no longer queue behind the running 32, so more
+# throughput and a shorter TTFT beyond 32 streams (docs/optimizations.md, "Running requests").
 DEFAULT_MAX_NUM_SEQS = 128
 
 

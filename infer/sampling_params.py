@@ -25,8 +25,8 @@ MAX_BAD_WORDS = 128  # as vLLM's VLLM_MAX_NUM_BAD_WORDS (it counts their token s
 # compiler's time and memory grow with it, and it runs beside other requests' steps.
 MAX_GRAMMAR_CHARS = 1 << 20
 MAX_CHOICES = 1024  # llguidance's parser fails at 2,000 alternatives of one rule (max_items_in_row)
-# A choice at most: the mask of each step costs time linear in the longest one (a 16 KiB choice 3.4 ms a
-# step, a 300 KB one 74 ms, for every step of the batch it runs in; docs/benchmarks.md, session 21).
+# A choice at most: the mask of each step costs time linear in the longest one, for every step of the
+# batch it runs in (docs/structured-outputs.md, "What a grammar costs before its first token").
 MAX_CHOICE_CHARS = 1024
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What `infer bench race` needs besides infer itself (issue 10; docs/benchmarks.md "The race"): vLLM
+# What `infer bench race` needs besides infer itself (docs/performance.md, docs/reproduce.md): vLLM
 # 0.32's CPU build in its own venv, and the two models of the race, random bf16 weights with a real
 # tokenizer in Hugging Face folders. Run scripts/setup.sh first (it makes .venv).
 #
@@ -35,15 +35,16 @@ for pair in "llama-50m llama-50m" "Llama-3.2-1B llama-1b"; do
 done
 
 cat <<EOF
-Ready. The race at the issue's load (never run anything else CPU-heavy meanwhile):
+Ready. The race at its default load, 128-token prompts and 64 output tokens (never run anything else
+CPU-heavy meanwhile):
   PATH=$V/bin:\$PATH .venv/bin/infer bench race $MODELS/llama-50m --rounds 2 \\
     --peer-cmd "$V/bin/vllm serve $MODELS/llama-50m --dtype bfloat16 --max-model-len 2048 --port 8010" \\
     --peer-env VLLM_CPU_OMP_THREADS_BIND=0-1 --peer-env VLLM_CPU_KVCACHE_SPACE=4 \\
     --peer-env LD_PRELOAD=$TCMALLOC:$V/lib/libiomp5.so
 and for the 1B the same with $MODELS/llama-1b and --num-requests 8 --concurrencies 1,8.
-On a CPU without AMX (an AMD EPYC), also our step budget against vLLM's (512, our default there, against
-2048: throughput against ITL p99, docs/benchmarks.md "Session 18"):
-  .venv/bin/infer bench race $MODELS/llama-50m --rounds 2 \
-    --peer-cmd ".venv/bin/infer serve $MODELS/llama-50m --max-num-batched-tokens 2048 --port 8011"
+Our default step budget (2048, vLLM's) against 512 on this CPU, throughput against ITL p99
+(docs/optimizations.md, "The step budget"):
+  .venv/bin/infer bench race $MODELS/llama-50m --rounds 2 --num-requests 64 \
+    --peer-cmd ".venv/bin/infer serve $MODELS/llama-50m --max-num-batched-tokens 512 --port 8011"
 scripts/without_amx.sh runs any of these on an Intel CPU as if it had no AMX (the paths, not the speed).
 EOF

@@ -2,7 +2,7 @@
 # Run a command as if this Intel CPU had no AMX tiles: the code paths of an AMD EPYC (Zen 4 / 5: AVX-512
 # with BF16 and VNNI, no AMX), checked on a Sapphire Rapids. A check of those paths, not a figure for an
 # AMD CPU: the cores, caches and memory stay this machine's, and vdpbf16ps here takes about twice an FMA's
-# time (docs/benchmarks.md), which makes the bf16 paths slower than on a Zen.
+# time (docs/optimizations.md), which makes the bf16 paths slower than on a Zen.
 #
 #   scripts/without_amx.sh COMMAND [ARGS...]
 #   scripts/without_amx.sh .venv/bin/infer bench race MODEL --peer-cmd "vllm serve MODEL ..." ...

@@ -18,13 +18,17 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     from infer.bench import traffic as traffic_module
 
     serve = sub.add_parser(
-        "serve", help="seed 002's five serving workloads against a server", description=serving.__doc__
+        "serve",
+        help="five serving workloads (baseline, continuous_batching, paged_attention, chunked_prefill, "
+        "prefix_caching) against a server",
+        description=serving.__doc__,
     )
     serving.add_arguments(serve)
     serve.set_defaults(func=serving.cmd_serve)
     traffic = sub.add_parser(
         "traffic",
-        help="seed 004's mixed traffic: classes, SLO goodput, plots, tradeoff matrix",
+        help="mixed traffic of request classes (siso/silo/liso/lilo) under Poisson arrivals: per-class SLO "
+        "goodput, plots, a tradeoff matrix of server flags",
         description=traffic_module.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -44,11 +48,26 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
     from infer.bench import client_tests, html_report, race, roofline, stress
 
     for name, module, func, help_text in [
-        ("client", client_tests, client_tests.cmd_client, "seed 003: cold/warm prefix TTFT; batches"),
-        ("roofline", roofline, roofline.cmd_roofline, "seed 004: a model's ceilings on this machine"),
-        ("race", race, race.cmd_race, "issue 10: infer serve against a peer (vLLM), same load"),
-        ("stress", stress, stress.cmd_stress, "issue 14: aborts, overload, soak; nothing may leak"),
-        ("report", html_report, html_report.cmd_report, "issue 12: a run's report JSON as one offline HTML"),
+        (
+            "client",
+            client_tests,
+            client_tests.cmd_client,
+            "cold and warm prefix TTFT, sequential and concurrent batches",
+        ),
+        (
+            "roofline",
+            roofline,
+            roofline.cmd_roofline,
+            "a model's bandwidth and compute ceilings on this machine",
+        ),
+        ("race", race, race.cmd_race, "infer serve against a peer server (vLLM), started in turn, same load"),
+        (
+            "stress",
+            stress,
+            stress.cmd_stress,
+            "aborts, overload and a soak against our server; nothing may leak",
+        ),
+        ("report", html_report, html_report.cmd_report, "a run's report JSON as one offline HTML page"),
     ]:
         parser = sub.add_parser(
             name,

@@ -2,9 +2,7 @@
 
 The client runs on aiohttp, whose HTTP parser is C: on a 2-core machine the client shares the cores with
 the server it measures, and httpx (pure Python parsing and line splitting) took 92 us of CPU per streamed
-chunk against aiohttp's 27; at 32 streams that was a third of a core taken from the server, which then
-measured 1,874-2,274 output tok/s where the same server measured 2,755-2,809 under aiohttp (Sapphire
-Rapids, llama-50m, 256 requests; docs/benchmarks.md "Session 9").
+chunk against aiohttp's 27: at 32 streams a third of a core taken from the server it measures.
 
 One request = one POST /v1/completions with `stream: true` and `stream_options: {include_usage: true}`. The
 client stamps, on one monotonic clock relative to the run's start: the intended send, the actual send,

@@ -1,4 +1,5 @@
-"""Seed 003's client-side tests against any OpenAI-compatible server.
+"""Client-side measurements against any OpenAI-compatible server: cold and warm prefix TTFT, and
+sequential against concurrent batches.
 
     infer bench client --server http://127.0.0.1:8000 [--model M] [--prefix-tokens 600] [--sizes 1,2,4,8,12]
 
@@ -66,7 +67,7 @@ async def cache_test(client: StreamingClient, prefix: str, num_warm: int, nonce:
 async def batch_test(
     client: StreamingClient, size: int, concurrent: bool, max_tokens: int, nonce: str
 ) -> dict:
-    # the unique id goes first: as a suffix (seed 003) it leaves the shared start's full blocks cacheable;
+    # the unique id goes first: as a suffix it would leave the shared start's full blocks cacheable;
     # and the request's own part comes before the run's nonce, which all the run's requests share: an
     # 8-hex nonce can take most of a 16-token block, and then two requests' first blocks were equal
     specs = [
@@ -153,7 +154,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-warm", type=int, default=3, help="measured warm requests")
     p.add_argument("--sizes", default="1,2,4,8,12", help="batch sizes")
-    p.add_argument("--max-sequential", type=int, default=4, help="largest sequential batch (seed 003: 4)")
+    p.add_argument("--max-sequential", type=int, default=4, help="largest sequential batch")
     p.add_argument("--max-tokens", type=int, default=50, help="tokens per batch request")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--no-save", action="store_true", help="do not write the JSON report (nor the HTML one)")

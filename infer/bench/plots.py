@@ -145,7 +145,7 @@ PHASE_COLORS = {"queued": "tab:gray", "prefill": "tab:blue", "decode": "tab:gree
 
 
 def request_gantt(timelines: list, path: Path) -> int:
-    """Seed 004's request fate from the engine trace: one row per request (arrival order, top down), a bar
+    """Each request's fate from the engine trace: one row per request (arrival order, top down), a bar
     per queued / prefill chunk / decode / preempted slice; hatched where still open at the trace's end.
     Returns the number of bars drawn."""
     fig, ax = plt.subplots(figsize=(9, min(12.0, 1.5 + 0.22 * max(1, len(timelines)))))
@@ -187,7 +187,7 @@ def trace_counters(series: dict, path: Path) -> None:
 
 
 def client_batches(batches: list[dict], path: Path) -> None:
-    """Seed 003's batches: tokens/s and average TTFT per batch size, sequential vs concurrent."""
+    """`bench client`'s batches: tokens/s and average TTFT per batch size, sequential vs concurrent."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
     for mode, marker in (("sequential", "o"), ("concurrent", "s")):
         rows = [b for b in batches if b["mode"] == mode]

@@ -1,5 +1,5 @@
-"""Each request's life, read back from the engine trace (infer.engine.trace): the seed-004 "request fate"
-picture as data, for the HTML report's Gantt and table.
+"""Each request's life, read back from the engine trace (infer.engine.trace): each
+request's fate as data, for the HTML report's Gantt and table.
 
 The trace holds one async track per request (`cat` "request", `id` the request id): an outer b/e slice
 named by the request id (arrival -> end; end args: finish_reason and token counts), holding in turn

@@ -1,4 +1,4 @@
-"""Seed 004's roofline: what this machine should do with a model, before any serving overhead.
+"""The roofline: what this machine should do with a model, before any serving overhead.
 
     infer bench roofline [--model M] [--dtype bfloat16] [--quantization int8|int4] [--memory-gb 16]
 
@@ -100,12 +100,9 @@ def measure_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
     best of `repeats` each.
 
     A read, as a decode step's weights are read, not a copy (read + write), which undercounts what reads
-    alone reach: on a 2-core Sapphire Rapids a 1 GiB copy measured 25.4 GB/s and the product 28.3 GB/s,
-    and a Llama-3.2-1B single-stream decode read its 2.47 GB of weights at 27.6 GB/s. Two probes, since
-    either can fall short of the memory: on a 2-core AMD EPYC Zen 4 torch's product (MKL's) read at
-    18.3 GB/s and the sum at 32.8, while the 1B's decode read its weights at 30-43 (docs/benchmarks.md,
-    session 22). A matrix of tens of MB would be read from the cache instead (~60 GB/s on an AMD EPYC
-    with 32 MB of L3)."""
+    alone reach. Two probes, since either can fall short of the memory: on an AMD EPYC Zen 4 torch's
+    product (MKL's) read at about half the sum's rate, below what a decode step's weights read at
+    (docs/performance.md). The matrix is large so that it is read from DRAM, not from the cache."""
     import torch
 
     cols = 4096

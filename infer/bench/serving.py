@@ -1,4 +1,4 @@
-r"""Seed 002's serving benchmark: the five workloads against any OpenAI-compatible server.
+r"""The serving benchmark: five workloads against any OpenAI-compatible server.
 
     python benchmarks/bench_serving.py --server http://127.0.0.1:8000 --model embedded --workload all \
         --seed 42 --scale small [--no-save]

@@ -1,4 +1,4 @@
-"""Seed 004's mixed-traffic harness: request classes, arrivals, per-class SLO goodput, one YAML file.
+"""Mixed traffic: request classes (siso/silo/liso/lilo), arrivals, per-class SLO goodput, one YAML file.
 
     infer bench traffic --config traffic.yaml [--out DIR] [--only NAME,...]
 

@@ -25,7 +25,7 @@ DEFAULTS = {
     "shared_prefix_tokens": 0,
     "window": {"warmup_s": 0.0, "cooldown_s": 0.0},
     "metrics_poll_s": 0.5,
-    "classes": {  # seed 004's four shapes, sized for a 1024-token context; its SLOs
+    "classes": {  # the four request classes, sized for a 1024-token context; their SLOs
         "siso": {"share": 0.25, "prompt_tokens": [32, 128], "output_tokens": [16, 64],
                  "slo": {"ttft_ms": 5000}},
         "silo": {"share": 0.25, "prompt_tokens": [32, 128], "output_tokens": [128, 256],

@@ -1,4 +1,5 @@
-"""Seed 002's five serving workloads, and scale presets that shrink them for a small machine.
+"""Five serving workloads (baseline, continuous_batching, paged_attention, chunked_prefill,
+prefix_caching), and scale presets that shrink them for a small machine.
 
 | workload            | requests | prompt tokens                  | max tokens | arrivals            |
 |---------------------|---------:|--------------------------------|------------|---------------------|

@@ -190,10 +190,11 @@ class KVCacheManager:
 class ContiguousKVCacheManager:
     """One max_model_len slot per running request: slot i = blocks [i*bps, (i+1)*bps).
 
-    The seed-002 baseline. The runner sees an ordinary block table (the slot's consecutive block ids),
-    so paged and contiguous share the attention code; only the assignment differs. A slot is reserved
-    whole at admission, so a running request never needs another block (no decode preemption), and
-    there is no prefix caching. Blocks beyond num_slots * bps are unused.
+    The baseline of paged allocation (`--kv-cache-backend contiguous`). The runner sees an ordinary
+    block table (the slot's consecutive block ids), so paged and contiguous share the attention code;
+    only the assignment differs. A slot is reserved whole at admission, so a running request never
+    needs another block (no decode preemption), and there is no prefix caching.
+    Blocks beyond num_slots * bps are unused.
     """
 
     def __init__(self, cache_config: CacheConfig, max_model_len: int) -> None:

@@ -25,7 +25,7 @@ waiting queue at its original position.
     request has spent that, the step's prefill tokens are cut so that the step is predicted to end
     within its objective (the tightest of such requests'); at least MIN_SLO_PREFILL_TOKENS a step, so
     prompts always progress. Capping every gap, or lending a request's mean-rate slack, measured worse
-    (docs/benchmarks.md).
+    (docs/slo-scheduling.md has what the policy buys).
 
 Why no request is preempted forever:
   (a) a request is preempted only in favour of one with a strictly better key: a running request short

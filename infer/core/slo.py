@@ -1,8 +1,9 @@
 """What the "slo" scheduling policy knows: each request's objectives, and what a step costs.
 
 Objectives come with the request (the API's `ttft_slo_ms` / `tpot_slo_ms`), or from the class it falls
-in (`SloClasses`, `--slo-config FILE.yaml`): seed 004's siso / silo / liso / lilo, matched by prompt
-length and max_tokens, so that clients that send none are still served by class.
+in (`SloClasses`, `--slo-config FILE.yaml`): such as siso / silo / liso / lilo (short or long input,
+short or long output), matched by prompt length and max_tokens, so that clients that send none are
+still served by class.
 
 A request may carry a time-to-first-token objective and a time-per-output-token objective (`Objectives`,
 seconds; either may be None). The scheduler (infer/core/scheduler.py) serves waiting requests by TTFT

@@ -10,11 +10,10 @@
                                                                    "EngineReplica" x N (Ray Serve)
 
 Why the endpoint is this process and not Ray Serve's HTTP proxy with an ingress deployment: every
-streamed token would then cross two Ray hops (replica -> ingress -> proxy) instead of one, and on 2 cores
-the first version of this module, built that way, measured ITL P50 3-6 ms against 1.4 ms for the
-single-process server; the router, the index and /metrics also live in one known process this way. Ray
-Serve still owns what it is for: placing the replicas (`cpus // N` cores each), restarting one that dies
-or fails its health check, and routing through our RequestRouter.
+streamed token would then cross two Ray hops (replica -> ingress -> proxy) instead of one, which on 2
+cores doubled the ITL (docs/scaling.md); the router, the index and /metrics also live in one known
+process this way. Ray Serve still owns what it is for: placing the replicas (`cpus // N` cores each),
+restarting one that dies or fails its health check, and routing through our RequestRouter.
 
 The deployment starts inside the server's loading phase (ReplicaServerState.load), so the port answers
 503 "loading" meanwhile, as the single-process server does. This module imports Ray: only this path does

@@ -15,9 +15,8 @@ BURST_MAX_S), so that a burst starts as one step. Without it, a step started on 
 a burst takes both cores at once, the client and the event loop then deliver the rest late (measured:
 waves of 8 requests arrived as 6, then 2 some 20 ms later, during the 6's prefill), and the late ones
 prefill beside the early ones' decodes: a slow gap for each of those, which is what an ITL p99 reports.
-With it (llama-50m, 2-core Sapphire Rapids, the race at 8 streams, our server against itself): every
-wave prefilled in one step, ITL p99 11-12 ms against 14-18 ms, throughput and TTFT p50 within noise
-(docs/benchmarks.md); a lone request's first token costs the 0.5 ms wait. A busy engine never waits.
+With it every wave prefills in one step (docs/optimizations.md, "The server around the engine"); a lone
+request's first token costs the 0.5 ms wait. A busy engine never waits.
 
 An engine that cannot go on (`LLMEngine.fatal_error`: a tensor-parallel rank died) ends every request
 with RequestFailed, refuses new ones, and calls `on_fatal`: the server then exits non-zero. The idle

@@ -282,8 +282,8 @@ class LLMEngine:
         decode graphs of batch sizes 1..max_num_seqs now, as many as fit in decode_graph.WARM_UP_SECONDS
         (none under enforce_eager and tensor parallelism), then freeze the heap, as vLLM's engine core
         does: the ~300k objects alive after loading (imports, tokenizer, graphs) are out of the
-        collector's reach, where a full collection of them stalled every stream for ~150 ms, about once
-        in 1,500 requests (llama-50m, docs/benchmarks.md, session 19)."""
+        collector's reach, where a full collection of them stalled every stream at once (~150 ms on
+        llama-50m; docs/optimizations.md, "The server around the engine")."""
         graphs = getattr(self.runner, "graphs", None)
         if graphs is not None:
             graphs.warm_up(range(1, self.scheduler_config.max_num_seqs + 1))

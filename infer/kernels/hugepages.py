@@ -3,12 +3,8 @@ the linears and the KV cache.
 
 A decode step reads every weight once, front to back, from DRAM; with 4 KiB pages that is a TLB miss
 every 4 KiB of each stream (a 1B model's page tables alone are ~5 MB), and the hardware prefetchers
-stop at each 4 KiB page boundary. On 2 Sapphire Rapids cores the linears of a Llama-3.2-1B decode step
-alone (2.47 GB of bf16 weights, a loop over the kernel) took 88 ms at one row on 4 KiB pages and 78-82
-ms on 2 MiB pages, 105 -> 100 ms at 8 rows; whole decode steps, one engine per process, 1.03-1.08x; the
-race of our server against itself with INFER_NO_HUGE_PAGES=1, 1.01x / 1.02x at 1 / 8 streams (ITL p50
-89.4 / 104.0 against 90.6 / 106.4 ms). llama-50m's 116 MB gain nothing measurable at 1 and 8 streams
-(docs/benchmarks.md, session 12).
+stop at each 4 KiB page boundary. A 1B model's weight reads, the bound of its decode, are ~7% faster on
+2 MiB pages; end to end a few percent (docs/optimizations.md, "Memory: tcmalloc and huge pages").
 
 Linux gives huge pages to anonymous memory where /sys/kernel/mm/transparent_hugepage/enabled says
 "always", or "madvise" and the range asked for them (madvise(MADV_HUGEPAGE)) before it was touched;

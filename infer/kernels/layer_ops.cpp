@@ -157,8 +157,8 @@ void rotary(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at:
 
 // k, v [num_tokens, num_kv_heads, head_dim] (tokens and heads strided, head_dim contiguous) into the
 // slots of the caches [num_blocks, block_size, num_kv_heads, head_dim]: what `cache.view(-1, kv heads,
-// head_dim)[slots] = k` does, both caches in one call: torch's index_put took ~3.4 us a call at a decode
-// step (2 a layer), ~245 us for 2,048 tokens; this call 1.4 and 181 us for both (docs/benchmarks.md).
+// head_dim)[slots] = k` does, both caches in one call, several times faster than two index_puts
+// (docs/optimizations.md, "C++ layer ops").
 // Slots are distinct (each token its own); a repeated one would get either token's row. An fp8 cache
 // (fp8.h) gets each element's code: bf16, float16 or float32 keys and values in, one byte each out.
 void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache, at::Tensor& value_cache,

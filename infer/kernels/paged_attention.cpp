@@ -103,13 +103,10 @@ thread_local Workspace workspace;
 
 // Software prefetch of the next tile's slots, spread over the current tile's sub-tiles (scores, then
 // values) so that the loads overlap with compute. The hardware prefetchers don't keep up on their own
-// (blocks are scattered; the compute between loads): without it, a cache beyond L3 took 1.3-1.5x longer
-// (llama-50m decode steps at 32 x 1,900 tokens: 47 against 31 ms; one that fits in L3 ~10% less; a real
-// step's caches, every layer's, do not fit). An item's last tile prefetches the first tile of the item its
-// thread takes next: at short contexts a sequence is 2-3 tiles, and its first one, fetched when the item
-// starts, waited on memory (llama-50m, 32 streams at ~145 tokens: one layer's call 307-313 -> 248-278 us
-// in the engine; decode steps 3-5% faster at 32 streams of 128-1,900 tokens; docs/benchmarks.md, session
-// 16). The last num_threads items are not claimed ahead (see run).
+// (blocks are scattered; the compute between loads): without it, a cache beyond L3 took 1.3-1.5x longer.
+// An item's last tile prefetches the first tile of the item its thread takes next: at short contexts a
+// sequence is 2-3 tiles, and its first one, fetched when the item starts, would wait on memory
+// (docs/optimizations.md, "C++ attention"). The last num_threads items are not claimed ahead (see run).
 struct Prefetcher {
   const void* const* keys = nullptr;
   const void* const* values = nullptr;
@@ -748,7 +745,7 @@ std::string isa() {
 // Each op's kernel is registered for the CPU dispatch key (TORCH_LIBRARY_IMPL in each source), not as a
 // catch-all with its schema: a tracer (make_fx, torch.compile) then records a call as the op itself
 // instead of tracing into its allocations, so that a captured decode step calls the kernels
-// (docs/benchmarks.md, session 16). isa() takes no tensor, so no dispatch key: it stays a catch-all.
+// (infer/runner/decode_graph.py). isa() takes no tensor, so no dispatch key: it stays a catch-all.
 TORCH_LIBRARY(infer_kernels, m) {
   m.def("paged_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens,"
       " Tensor? query_starts, float scale, int window) -> Tensor");

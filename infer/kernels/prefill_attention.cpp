@@ -32,12 +32,10 @@
 //
 // An fp8 cache (fp8.h; bf16 queries) is decoded to bf16 as its tiles are packed; the rest is bf16's.
 //
-// One layer of llama-50m shape (8 q / 4 kv heads of 64), bf16, on 2 Zen 5 cores: a 2048-token prompt
-// SDPA 32 ms -> 6.0 ms (~720 GFLOP/s of the causal half, where the bf16 linears reach ~900; SDPA ~130),
-// 4 x 128 tokens 1.16 -> 0.15 ms (infer/layers/attention.py has the table). On 2 Sapphire Rapids cores,
-// where SDPA runs on AMX too: SDPA 7.8 ms against vdpbf16ps 21.9 (session 8), SDPA 7.8 against tiles
-// 5.0 (session 11; infer/layers/attention.py). Needs AVX-512 BF16:
-// elsewhere the op raises, isa() (paged_attention.cpp) says so, and the Python side keeps SDPA.
+// Against torch's SDPA, one prompt at a time: ~5x faster on a Zen (vdpbf16ps), ~1.5x on a Sapphire Rapids
+// (tiles; there vdpbf16ps alone was slower than SDPA, which runs on AMX too): docs/optimizations.md,
+// "C++ attention". Needs AVX-512 BF16: elsewhere the op raises, isa() (paged_attention.cpp) says so, and
+// the Python side keeps SDPA.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -2,7 +2,7 @@
 // model (infer/quant/linear.py), for every number of rows from a one-token decode to a prefill chunk.
 //
 // torch's own weight-only kernels (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu) beat a bf16
-// matmul at one row but lose 1.3x at 8 rows and 2.3x at 32 (AMD EPYC, docs/benchmarks.md).
+// matmul at one row but lose 1.3x at 8 rows and 2.3x at 32 (AMD EPYC; docs/quantization.md has ours).
 // Here the weights are laid out as oneDNN lays out bf16 weights for vdpbf16ps (blocks of 16 output
 // channels, the two inputs of each pair side by side), so one vector of codes, converted, is one
 // operand of vdpbf16ps whose 16 lanes are 16 output channels, and x enters as one broadcast pair:
@@ -311,7 +311,7 @@ void batch_tile(const Problem& P, int64_t b0, __m512bh* buf, __m512* c) {
 // 128 * (sum of the group's codes) taken back. Per group g, in int32 then folded into floats:
 //   int4:  s[g, n] * (sum_k q * xq - z[g, n] * sum_k xq)
 //   int8:  s[g, n] * (sum_k (xq + 128) * q - 128 * qsum[g, n] - z[g, n] * sum_k xq)
-// y[m, n] = sx[m] * sum over groups. The perplexity this costs is measured (docs/benchmarks.md).
+// y[m, n] = sx[m] * sum over groups. The perplexity this costs is measured (docs/quantization.md).
 
 struct Activations {
   std::vector<int32_t> q;    // [K / 4][M]: 4 inputs of a row as bytes; int4 weights: xq, int8: xq + 128

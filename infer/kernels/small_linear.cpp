@@ -9,10 +9,8 @@
 // to oneDNN's GEMM.
 //
 // With AMX (Sapphire Rapids and later), 7+ rows go to the tiles (run_amx below), which beat oneDNN's
-// prepacked path at every row count measured on a 2-core Sapphire Rapids, weights from DRAM: llama-50m's
-// 3072x512 at 32 rows 140 vs 198 us, Llama-3.2-1B's 16384x2048 at 1 / 32 / 512 rows 1.68 / 2.47 / 17.3
-// vs 2.35 / 3.47 / 19.4 ms, its 128256x2048 LM head at 1 row 15.7 vs 21.2 ms (throwaway loops over
-// copies larger than the cache; engine steps in docs/benchmarks.md, `bench_layer_ops.py --switch tiles`).
+// prepacked path at every row count measured on a Sapphire Rapids, weights from DRAM
+// (docs/optimizations.md, "The small-batch linear"; `bench_layer_ops.py --switch tiles`).
 // Only 2048-row prefills of small-K weights stay faster in oneDNN (3072x512: 2.4-2.6 vs 2.9-3.4 ms;
 // writing the 12.6 MB output is a third of the time), which is why weights of up to 8 MiB keep oneDNN's
 // copy for steps over SMALL_ROWS.

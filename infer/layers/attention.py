@@ -22,44 +22,13 @@ The batched call is the C++ kernel of infer/kernels (`paged_attention.cpp`, what
 as cpu_attention_with_kv_cache) wherever it serves the step (KERNEL_MAX_QUERY_LEN, KERNEL_DTYPES, a
 head_dim that is a multiple of 16): every query over its context read in place through the block table
 (no gathered copy, no padding, no mask), GQA (a kv head's group of query heads reads each key once),
-sliding windows, an online float32 softmax, both cores (sequences spread over torch's OpenMP threads, a
-long context split into parts), AVX-512 (vdpbf16ps for bf16 scores and probs @ values) or AVX2 as the
-machine that builds it has. It replaced the matmul path below for decodes and the small chunks riding
-with them; that path stays as its fallback (no compiler, a failed build; INFER_NO_KERNELS=1 turns the
-kernel off) and as the reference the tests hold it to. One layer, ms, matmuls -> kernel, measured
-interleaved in one process on a 2-core AMD EPYC (Zen 4, AVX-512 BF16, no AMX) with `python
-benchmarks/bench_attention.py`:
+sliding windows, an online float32 softmax, sequences spread over torch's OpenMP threads. It won at
+every size measured (2-5x one layer's matmul path), so nothing dispatches by size.
 
-    batch x context   llama-50m bf16    Llama-3.2-1B bf16   llama-50m fp32    Llama-3.2-1B fp32
-    1 x 128           0.052 -> 0.014    0.064 -> 0.022      0.042 -> 0.015    0.055 -> 0.023
-    1 x 1024          0.170 -> 0.036    0.189 -> 0.084      0.104 -> 0.042    0.161 -> 0.072
-    8 x 1024          0.58 -> 0.15      1.52 -> 0.45        1.16 -> 0.31      2.49 -> 0.87
-    32 x 2048         6.3 -> 2.2        13.1 -> 6.4         8.3 -> 3.6        18.8 -> 9.7
-
-It won at every point measured, 2-5x (1 x 17 to 32 x 2048, and with chunks of up to 128 tokens riding
-along: `--chunk N`), so nothing dispatches by size. A whole decode step of llama-50m (`... --model
-llama-50m`): bf16 8 x 1024 13.1 -> 7.2 ms, 32 x 2048 51 -> 27.5 ms; fp32 8 x 1024 28.2 -> 21.1 ms; at
-1 x 128 the two tie (12.4 ms of linears in fp32). Its build takes ~10 s, once per source and CPU
-(scripts/setup.sh does it; cached in .build/kernels).
-
-Without the kernel, the batched call is two matmuls in the cache's dtype around a float32 softmax
-(`_matmul_batched`, `_matmuls`). They replaced one `F.scaled_dot_product_attention(..., enable_gqa=True)`
-over the gathered, padded contexts, because torch 2.13's CPU flash-attention kernel is slow in bfloat16
-for short queries (4-8x slower than itself in float32 for one stream), while the same memory-bound work
-as two bf16 matmuls is faster than either. One layer's decode attention in bf16, SDPA -> matmuls, ms,
-measured interleaved in one process on the same machine with `python benchmarks/bench_attention.py`:
-
-    batch x context    8 q / 4 kv heads of 64 (llama-50m)    32 q / 8 kv heads of 64 (Llama-3.2-1B)
-    1 x 1024           0.46 -> 0.12                          1.80 -> 0.18
-    8 x 1024           4.08 -> 0.51                          16.1 -> 1.58
-    32 x 2048          54.5 -> 5.6                           200 -> 11.4
-
-A whole bf16 decode step of llama-50m (`... --model llama-50m`) at 8 x 1024: 35 -> 9.4 ms. In float32
-SDPA was fine: the matmuls match it for one stream and small batches, and are 2-6x faster at large
-batch x context, thanks to the gather below. bf16 scores are rounded once before the float32 softmax:
-float32 stays exact (tests/models), and bf16 logits are as far from float32 as they were with SDPA.
-
-Besides the matmuls themselves:
+Without the kernel (no compiler, a failed build, INFER_NO_KERNELS=1), the batched call is two matmuls
+in the cache's dtype around a float32 softmax (`_matmul_batched`, `_matmuls`): torch's CPU
+flash-attention in SDPA is slow in bfloat16 for short queries, while the same memory-bound work as two
+bf16 matmuls is not. This path is also the reference the kernel's tests hold it to. Besides the matmuls:
 - GQA without repeating K/V: q is viewed [n, kv_heads, group * max_q, D], one matrix per kv head.
 - One index_select per K and V, on the flat cache view [num_slots * kv_heads, D], reads only the keys
   some query sees (a sliding window's layers gather the window) in the matmuls' [n, kv_heads, span, D]
@@ -67,48 +36,18 @@ Besides the matmuls themselves:
   at a time: a fresh buffer per layer page-faults for longer than the gather takes once it is large.
 - One stream over consecutive blocks is read in place, a strided view, in float32; small bf16 work
   is converted to float32 (UPCAST_MAX_KEY_ELEMENTS): a bf16 matmul costs ~20 us however small.
-
-There is no switch back to SDPA: its call lives on as `sdpa_batched` in benchmarks/bench_attention.py,
-which swaps it in for the comparison.
+bf16 scores are rounded once before the float32 softmax: float32 stays exact (tests/models).
 
 Prefill: the prefill kernel (infer/kernels/prefill_attention.cpp: flash attention's forward over the
-paged cache, vdpbf16ps for bf16, tiles of 64 keys packed once per call, work items of (sequence, kv
-head, block of queries) over both cores, no tile past the diagonal) serves `loop_seqs` wherever it was
-built with AVX-512 BF16 (`isa()` has "+bf16"), in PREFILL_KERNEL_DTYPES, for a head_dim that is a
-multiple of 16; `_prefill`, one SDPA call per sequence, stays as its fallback (INFER_NO_KERNELS=1, other
-CPUs, no cache) and the tests' reference. On a 2048-token bf16 prompt (4 x heads x head_dim x 2048^2 / 2
-flops, the causal half) torch 2.13's CPU flash attention in SDPA reached ~130 GFLOP/s, the kernel ~720
-(the bf16 linears ~900). One layer's attention(...) call, its cache write included, SDPA -> kernel, ms,
-fresh prompts, measured interleaved in one process on an AMD EPYC Zen 5, 2 cores (AVX-512 BF16, no
-AMX), with `python benchmarks/bench_attention.py --prefill`:
+paged cache, tiles of 64 keys packed once per call, no tile past the diagonal; with AMX its two products
+on the tiles) serves `loop_seqs` wherever it was built with AVX-512 BF16 (`isa()` has "+bf16"), in
+PREFILL_KERNEL_DTYPES, for a head_dim that is a multiple of 16; `_prefill`, one SDPA call per sequence,
+stays as its fallback (INFER_NO_KERNELS=1, other CPUs, no cache) and the tests' reference. A chunk
+riding with decodes goes to the prefill kernel from PREFILL_KERNEL_MIN_QUERY_LEN tokens on: the decode
+kernel would compute all its queries against the whole context, with no causal skip.
 
-    batch x prompt    llama-50m bf16    Llama-3.2-1B bf16   llama-50m fp32    Llama-3.2-1B fp32
-    1 x 128           0.305 -> 0.059    1.11 -> 0.168       0.261 -> 0.083    0.979 -> 0.258
-    4 x 128           1.21 -> 0.197     4.59 -> 0.631       1.05 -> 0.291     4.01 -> 1.00
-    1 x 512           3.49 -> 0.450     14.0 -> 1.68        3.29 -> 0.757     13.1 -> 3.00
-    1 x 1024          9.52 -> 1.56      38.6 -> 6.34        9.23 -> 2.84      37.0 -> 11.5
-    1 x 2048          32.2 -> 6.11      131 -> 24.4         30.4 -> 10.9      124 -> 45.0
-    16 x 32           0.713 -> 0.141    2.01 -> 0.392       0.621 -> 0.183    2.18 -> 1.01
-
-The second half of each prompt as a chunk over the first (`chunk` rows) gains as much: 1 x 2048 bf16
-29.0 -> 4.48 ms (llama-50m), 109 -> 17.9 ms (Llama-3.2-1B). The decode kernel over the same queries
-(`paged`: every query against every key, no causal skip) was slower than SDPA from 1 x 1024 on (1 x
-2048: 60 ms). A whole llama-50m prefill forward with dummy weights (`... --prefill --model llama-50m`):
-bf16 1 x 2048 372 -> 172 ms, 1 x 512 60.9 -> 36.3 ms, 4 x 128 42.2 -> 34.3 ms; fp32 1 x 2048 768 ->
-617 ms.
-
-With AMX the kernel runs bf16's two products on the tiles (Intel Sapphire Rapids on; torch's SDPA uses
-them too, through oneDNN). One layer, bf16, SDPA -> kernel, ms, 2 Sapphire Rapids cores, same command:
-llama-50m 1 x 128 0.112 -> 0.115, 4 x 128 0.475 -> 0.420, 1 x 512 0.859 -> 0.617, 1 x 2048 7.76 -> 5.00,
-16 x 32 0.688 -> 0.402; Llama-3.2-1B 1 x 128 0.330 -> 0.368, 1 x 2048 32.6 -> 19.8 (the kernel on
-vdpbf16ps alone took 21.9 ms at llama-50m's 1 x 2048 there, in session 8's run). Whole llama-50m
-prefill steps 1.04x (4 x 128) to 1.18x (1 x 2000) faster than with SDPA (`bench_layer_ops.py --switch
-prefill_kernel`).
-
-A chunk riding with decodes through paged_attention computes all its queries against the whole
-context; the prefill kernel for the chunk beside the paged kernel for the decodes was faster from
-PREFILL_KERNEL_MIN_QUERY_LEN tokens on (`... --chunk N --batch 8 32 --context 1024 2048`, bf16, `kernel
-/ split`): 1.1-1.6x for a chunk of 8 tokens, 1.4-3.3x for 32, 1.9-4.0x for 128.
+What each path costs and buys, per layer and per step, with the commands (`benchmarks/bench_attention.py
+[--prefill]`): docs/optimizations.md, "C++ attention".
 """
 
 from __future__ import annotations
@@ -140,21 +79,19 @@ UPCAST_MAX_KEY_ELEMENTS = 1 << 18
 
 # The C++ kernel (infer/kernels) serves the batched call when its longest query is at most this long, in
 # these dtypes; the matmuls otherwise (and wherever the kernel is off or could not be built). It won at
-# every point measured (see the module docstring), chunks of up to 128 tokens riding with decodes
-# included (2-6x); longer ones, rare in a batched call (MAX_PADDED_SCORES), were not measured.
+# every point measured, chunks of up to 128 tokens riding with decodes included; longer ones, rare in a
+# batched call (MAX_PADDED_SCORES), were not measured.
 KERNEL_MAX_QUERY_LEN = 128
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The prefill kernel (infer/kernels/prefill_attention.cpp) serves the sequences the batched call leaves
 # out (loop_seqs: prompts, longer chunks), all of them in one call per layer, in these dtypes, wherever
 # it was built with AVX-512 BF16; SDPA one sequence at a time otherwise (see the module docstring). It
-# won at every point measured, in each dtype (2.2-8.3x).
+# won at every point measured, in each dtype.
 PREFILL_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Where the prefill kernel serves, a chunk of at least this many tokens goes to it rather than riding
-# with the step's decodes in the batched call (the module docstring has the figures). At 8 tokens the
-# two were about even beside 32 decodes (0.9-1.1x) and the prefill kernel faster beside fewer (up to
-# 1.8x); chunks of 2-4 tokens were mostly slower apart (0.6-1.0x for llama-50m's heads: a second
-# kernel call's fixed cost), measured with this set lower.
+# with the step's decodes in the batched call: from about 8 tokens the prefill kernel's causal skip
+# pays; shorter chunks were slower apart, a second kernel call's fixed cost (docs/optimizations.md).
 PREFILL_KERNEL_MIN_QUERY_LEN = 8
 
 # An fp8 cache (`--kv-cache-dtype fp8`, infer/runner/kv_cache.py): written with each value rounded and

@@ -15,12 +15,10 @@ from infer.kernels import hugepages
 
 # Weights of up to this many bytes also get the small-batch kernel's copy (infer/kernels/small_linear.cpp),
 # used for steps of up to SMALL_ROWS rows: there oneDNN's cost per call, not the bytes, set the time.
-# Without AMX the kernel's vdpbf16ps won up to 32 rows (AMD EPYC Zen 5: a llama-50m decode step 1.08x at
-# 32 streams). With AMX the kernel runs 7+ rows on tiles and beat oneDNN's prepacked linears at every
-# row count measured up to 128 (and on the llama-50m shapes up to 512: a weight pass per 32 rows, from
-# L2 after the first; docs/benchmarks.md), so decodes and mixed steps go to it and long prefills stay
-# on oneDNN, whose blocked GEMM is still faster for small-K weights at 2048 rows (3072x512: 2.4-2.6 vs
-# 2.9-3.4 ms). Larger weights keep the kernel's copy alone (PrepackedLinear).
+# Without AMX the kernel's vdpbf16ps wins up to 32 rows. With AMX the kernel runs 7+ rows on tiles and
+# beats oneDNN's prepacked linears up to 128 rows, so decodes and mixed steps go to it and long prefills
+# stay on oneDNN, whose blocked GEMM is still faster for small-K weights at 2048 rows. Larger weights keep
+# the kernel's copy alone (PrepackedLinear). Figures: docs/optimizations.md, "The small-batch linear".
 SMALL_WEIGHT_BYTES = 8 * 2**20
 SMALL_ROWS = 128 if kernels.cpu_has_amx() else 32
 
@@ -55,31 +53,25 @@ class PrepackedLinear(nn.Module):
     """A bf16 nn.Linear whose weight oneDNN has reordered once, at load, into its own blocked layout.
 
     F.linear hands oneDNN a plain [out, in] weight and pays for the reorder in every call; prepacked, a
-    decode GEMV runs 1.5-4x faster here (1536x512: 96 -> 47 us; the 32000x512 LM head: 1.9 -> 1.1 ms)
-    and a 512-token prefill matmul ~1.4x (docs/benchmarks.md). In fp32 it is no faster, so it is not used.
+    decode GEMV runs 1.5-4x faster and a prefill matmul ~1.4x (docs/optimizations.md, "Prepacked bf16
+    weights for oneDNN"). In fp32 it is no faster, so it is not used.
     The packed weight is an opaque mkldnn tensor: a plain attribute, not a parameter or a buffer.
 
     A weight of up to SMALL_WEIGHT_BYTES also keeps a second copy in the layout of the small-batch kernel
     (`kernel_weight`, a non-persistent buffer, so weight_bytes counts it), which serves steps of up to
-    SMALL_ROWS rows: a llama-50m layer's linears 1.2-1.8x faster than oneDNN's at one row, 1.06-1.2x at
-    32; the decode step 10-17% faster at 1-8 streams, 3-5% at 16-32 on an AMD EPYC; with AMX (tiles from
-    7 rows up), faster at every batch (docs/benchmarks.md). Larger weights keep one copy.
+    SMALL_ROWS rows, where oneDNN's cost per call, not the weight's bytes, sets the time.
 
-    A larger weight keeps the kernel's copy alone (no oneDNN copy), and every step goes to the kernel:
-    Llama-3.2-1B's linears were as fast as oneDNN or faster at every row count measured, 1 to 2048, and
-    LM heads (which see one row per sampled sequence) at 1 to 128. With AMX (on tiles, where its sizes
-    divide by 32), the llama-50m head at 512 rows, which only an offline evaluation asks of it, is slower
-    (13.0 vs 10.3 ms). Without AMX (vdpbf16ps; AMD EPYC Zen 4), one row 1.3-2.3x oneDNN's, 2048 rows
-    0.97-1.05x: the 1B's decode step 94-112 -> 58-83 ms at one stream, 100-115 -> 80-83 ms at 8
-    (docs/benchmarks.md, session 22).
+    A larger weight keeps the kernel's copy alone (no oneDNN copy), and every step goes to the kernel,
+    with AMX (on tiles, where its sizes divide by 32) or without (vdpbf16ps): Llama-3.2-1B's linears
+    were as fast as oneDNN or faster at every row count measured, 1 to 2048, and LM heads (which see one
+    row per sampled sequence) at 1 to 128. The exception, a head at hundreds of rows, is asked only by
+    prompt logprobs. Figures: docs/optimizations.md, "The small-batch linear".
 
     `gated` (prepack_linears: the gate_up projection of a SiLU MLP), with AMX: the kernel's copy alone,
     its rows interleaved so that each 32-channel tile pair holds 16 outputs' gate and up, and
     `silu_and_mul(x)` applies the activation in the tiles' epilogue (small_linear.cpp
     `small_linear_silu`) at every row count: the [rows, 2 x intermediate] product is never written
-    out and read back. llama-50m engine steps 1.03-1.14x faster (prefill) and 1.06x or more (decode;
-    `bench_layer_ops.py --switch fused_silu`); the race at 32 streams 1.29 -> 1.31-1.36x vLLM's
-    (docs/benchmarks.md, session 10).
+    out and read back (`bench_layer_ops.py --switch fused_silu`; docs/optimizations.md).
     """
 
     def __init__(self, linear: nn.Linear, tied: bool = False, gated: bool = False):

@@ -3,12 +3,9 @@
 RMSNorm runs as one C++ pass over its rows where infer/kernels serves the tensor (layer_ops.cpp), and as
 the torch reference below elsewhere; both give Hugging Face's result (bit-equal in bfloat16, float32 up
 to the order of the sum). `add` is vLLM's fused_add_rms_norm: the residual sum and the norm of it in
-one pass, which is why the decoder layers carry the residual beside the hidden states.
-`python benchmarks/bench_layer_ops.py` (bf16, llama-50m's hidden 512, AMD EPYC Zen 5, 2 cores), one
-norm, us, torch -> kernel: 1 row 13 -> 1.8, 32 rows 20 -> 5.3, 512 rows 88 -> 34 (with the add 133 -> 43),
-2048 rows 577 -> 122. With rotary and SiLU-and-multiply (layer_ops.cpp), whole llama-50m steps:
-4 x 128-token prefill 58 -> 48 ms, a 2000-token prefill 507 -> 467 ms, decode steps of 1 / 8 / 32
-streams 3.4 / 5.1 / 10.6 -> 2.7 / 4.2 / 9.7 ms.
+one pass, which is why the decoder layers carry the residual beside the hidden states. What the kernel
+buys, alone and with rotary and SiLU-and-multiply in whole steps (`python benchmarks/bench_layer_ops.py`):
+docs/optimizations.md, "C++ layer ops". INFER_NO_KERNELS=1 keeps the torch path.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 Where infer/kernels serves the tensors (layer_ops.cpp), q and k are rotated in place in one pass (they
 are views of the qkv projection's output, which nothing else reads): one call per layer instead of ~14
-torch ops, 30 -> 1.5 us for one token and 421 -> 35 us for 512 (bf16, llama-50m's 8 + 4 heads of 64,
-AMD EPYC Zen 5, 2 cores; `python benchmarks/bench_layer_ops.py`). The torch path below is the reference
-it equals (float32 math either way).
+torch ops, an order of magnitude faster (docs/optimizations.md, "C++ layer ops"). The torch path below
+is the reference it equals (float32 math either way).
 """
 
 from __future__ import annotations

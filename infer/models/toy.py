@@ -1,7 +1,7 @@
-"""The NanoGPT-style toy of seeds 000/001: a char-level GPT-2 with a 64-token context.
+"""The NanoGPT-style toy of the micro-benchmarks: a char-level GPT-2 with a 64-token context.
 
-Seed 001's toy has 0.057M parameters (n_embd 32, 4 layers, 4 heads, block_size 64) and is trained
-for a few seconds before each benchmark; so is ours, on the book of Genesis (KJV, public domain)
+The reference engine's toy has 0.057M parameters (n_embd 32, 4 layers, 4 heads, block_size 64) and is
+trained for a few seconds before each benchmark; so is ours, on the book of Genesis (KJV, public domain)
 shipped in infer/assets/toy. It is saved as a standard GPT2LMHeadModel folder with a char-level
 tokenizer.json, so the loader, the engine and transformers all read it like any other model.
 """

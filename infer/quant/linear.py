@@ -11,7 +11,7 @@ Each QuantizedLinear repacks its `QuantizedWeight` for the fastest path this mac
     "dequant" anything else (e.g. int8 in groups, on a CPU without AVX-512 BF16): the weight dequantized
               once into the model's dtype. Correct, but saves neither memory nor time: logged at load.
 
-The measurements behind the choice are in docs/benchmarks.md ("Quantization").
+The measurements behind the choice are in docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from infer.quant.weights import QuantizedWeight, concat, quantize
 logger = logging.getLogger("infer.quant")
 
 GROUP_SIZE = 128  # int4's group: AWQ's and GPTQ's default, what torch's int4 kernel was tuned for
-HEAD_BITS = 8  # the LM head: int8 per channel with either method (docs/benchmarks.md: perplexity)
+HEAD_BITS = 8  # the LM head, int8 per channel either way: int4 costs perplexity (docs/quantization.md)
 # Steps of more than decode_rows(...) rows run with int8 activations (W8A8: rows rounded to 8 bits, each
-# with its own scale; 2.6x the multiply-add rate of bf16 with VNNI, docs/benchmarks.md); decodes of up to
+# with its own scale; 2.6x the multiply-add rate of bf16 with VNNI); decodes of up to
 # DECODE_ROWS rows keep bf16 activations (there the weights' bytes, not the multiply-adds, set the time).
 # With AMX tiles (the kernel's "+amx" builds) W8A8 runs on them, int8 weights at every row count and
 # int4 from 2 rows: there the bf16-activation decodes (vdpbf16ps, slow on those cores) were compute-bound
-# from 1-2 rows, and the tiles read int8 codes at the DRAM's speed (docs/benchmarks.md).
+# from 1-2 rows, and the tiles read int8 codes at the DRAM's speed (docs/quantization.md).
 # INFER_INT8_ACTIVATIONS=0 keeps bf16 activations everywhere (A/B comparisons, tests).
 DECODE_ROWS = 4
 INT8_ACTIVATIONS = os.environ.get("INFER_INT8_ACTIVATIONS", "1") != "0"

@@ -1,31 +1,29 @@
 """Decode steps replayed from captured graphs: the forward without the Python between its ops.
 
 A decode step of a small model spends ~30% of its time in the Python around its ~200 ops (module calls,
-views, dispatch checks; llama-50m, docs/benchmarks.md, session 16). In a step where every request
-decodes one token, what that Python does depends on the batch size alone: the same ops on the same
-shapes, only the values differ (token ids, positions, cache slots, block tables, context lengths). So
-once a batch size has held for STEADY_STEPS such steps, `make_fx` records the forward, embedding to
-logits, run on real tensors, as a flat graph of the C++ kernels and torch ops (infer/kernels registers
-its ops per dispatch key so that a tracer records each call as the op). The graph reads those values
-from static buffers that every later step of that size refills, and the caches and weights by
-reference, as a CUDA graph does. TorchScript's C++ interpreter then runs that graph (`torch.jit.trace`
-of the FX module, which holds no Python to lose): replayed as Python, one line per op, a step still
-paid about half the Python cost it set out to remove (llama-50m decode steps, FX -> TorchScript:
--31 to -36% at 1 stream, -15 to -23% at 32; docs/benchmarks.md, session 17). TorchScript is
-deprecated; a torch that cannot trace the graph replays the FX module.
+views, dispatch checks). In a step where every request decodes one token, what that Python does depends
+on the batch size alone: the same ops on the same shapes, only the values differ (token ids, positions,
+cache slots, block tables, context lengths). So once a batch size has held for STEADY_STEPS such steps,
+`make_fx` records the forward, embedding to logits, run on real tensors, as a flat graph of the C++
+kernels and torch ops (infer/kernels registers its ops per dispatch key so that a tracer records each
+call as the op). The graph reads those values from static buffers that every later step of that size
+refills, and the caches and weights by reference, as a CUDA graph does. TorchScript's C++ interpreter
+then runs that graph (`torch.jit.trace` of the FX module, which holds no Python to lose): replayed as
+Python, one line per op, a step would still pay about half the cost it sets out to remove. TorchScript
+is deprecated; a torch that cannot trace the graph replays the FX module.
 
 A capture is kept only if its replay gives exactly the logits the eager forward gave for the step it was
 captured on and it runs the C++ decode attention (whose Python does not look at the values); otherwise, or
 if the capture raises, graphs stay off for the engine (logged). They also go off where they do not pay:
-the first capture times a replay against the eager forward (a large model's step is its weights' reads:
-Llama-3.2-1B's replayed as Python gained 2-3% and stayed eager; through TorchScript it gains 8-11% and
-keeps them). Only with a KV cache on one rank (the runner decides). A capture costs ~0.15 s on llama-50m,
-~0.75 s on Llama-3.2-1B, once per batch size, at most MAX_GRAPHS; a server captures the sizes up to
-max_num_seqs before it reports ready (`warm_up`), as many as fit in WARM_UP_SECONDS, so that a capture
-stalls no step of its load (a larger size is captured once it has held, as without a warm-up, while
-MAX_GRAPHS and TABLES_MAX_BYTES allow; past them a size stays eager). Those stalls matter: with sizes up
-to 32 warmed up, 64 streams of a short run went slower with 128 running than with 32 (docs/benchmarks.md,
-session 19). The sampler runs eagerly on the graph's logits, so every sampling feature is unchanged."""
+the first capture times a replay against the eager forward (MIN_GAIN; a large model's step is its
+weights' reads). Only with a KV cache on one rank (the runner decides). `--enforce-eager` turns them off.
+
+A capture takes a fraction of a second, once per batch size, at most MAX_GRAPHS; a server captures the
+sizes up to max_num_seqs before it reports ready (`warm_up`), as many as fit in WARM_UP_SECONDS, because
+a capture during a load stalls every stream of that step. A larger size is captured once it has held,
+while MAX_GRAPHS and TABLES_MAX_BYTES allow; past them a size stays eager. The sampler runs eagerly on
+the graph's logits, so every sampling feature is unchanged. What graphs buy per model and batch, and
+what the warm-up costs: docs/optimizations.md, "Decode graphs"."""
 
 from __future__ import annotations
 
@@ -221,8 +219,8 @@ class DecodeGraphs:
 
 def _one_fake_mode():
     """A tracing context holding one FakeTensorMode for make_fx's node metadata, which otherwise builds
-    a new mode (and extracts a stack trace) for every node: the same graph, captures ~1.5-2x faster
-    (llama-50m: make_fx 0.21-0.41 -> 0.14 s). Private torch API: where it is missing, no context."""
+    a new mode (and extracts a stack trace) for every node: the same graph, captures ~1.5-2x faster.
+    Private torch API: where it is missing, no context."""
     try:
         from torch._guards import TracingContext, tracing
         from torch._subclasses.fake_tensor import FakeTensorMode

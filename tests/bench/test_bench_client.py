@@ -1,4 +1,4 @@
-"""Seed 003's client tests end to end against our server, shrunk: counts and cache hits from `usage`."""
+"""`infer bench client` end to end against our server, shrunk: counts and cache hits from `usage`."""
 
 from __future__ import annotations
 

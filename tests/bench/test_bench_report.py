@@ -1,4 +1,4 @@
-"""The offline HTML report (`infer bench report`, issue 12) from small report JSONs built with the
+"""The offline HTML report (`infer bench report`) from small report JSONs built with the
 benchmarks' own functions (no server), the per-request Gantt from a synthetic engine trace, and the page
 opened in a real headless Chromium (skipped, saying why, where there is none)."""
 

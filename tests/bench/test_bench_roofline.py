@@ -1,4 +1,4 @@
-"""Seed 004's roofline: model shapes against known numbers, the ceilings' arithmetic, and the command."""
+"""The roofline: model shapes against known numbers, the ceilings' arithmetic, and the command."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Seed 004's mixed-traffic harness: the YAML config without a server, then one experiment end to end
-that starts our server itself (`launch`), checking every output file and that goodput is computed, not
-typed in (one class with an SLO nothing can meet, one with an SLO everything meets)."""
+"""The mixed-traffic harness (`infer bench traffic`): the YAML config without a server, then one
+experiment end to end that starts our server itself (`launch`), checking every output file and that
+goodput is computed, not typed in (one class with an SLO nothing can meet, one with an SLO everything
+meets)."""
 
 from __future__ import annotations
 

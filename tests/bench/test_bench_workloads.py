@@ -1,4 +1,5 @@
-"""Seed 002's workloads without a server: shapes, scale presets, reproducible prompts, the cache buster."""
+"""The five serving workloads without a server: shapes, scale presets, reproducible prompts, the cache
+buster."""
 
 from __future__ import annotations
 

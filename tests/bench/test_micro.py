@@ -63,7 +63,7 @@ def test_every_benchmark_prints_its_tables_and_one_verdict_per_case(report):
         assert [c["name"] for c in bench["cases"]] == verdict_cases[: len(bench["cases"])], name
         for v in bench["verdicts"]:
             assert v["line"].startswith(("PASS ", "MISS ")) and f"[{name}] {v['line']}" in text
-    assert "method   | tokens | wall_time_s | tokens_per_s | ttft_ms" in text  # seed 001's kv-cache table
+    assert "method   | tokens | wall_time_s | tokens_per_s | ttft_ms" in text  # the reference's table
     assert "##### Verdicts #####" in text
 
 
@@ -90,7 +90,7 @@ def test_continuous_batching_completes_every_request(report):
         n, batch, new = k["num_requests"], k["max_batch_size"], k["max_new_tokens"]
         seq, cont = case["modes"]["single_request_sequential"], case["modes"]["continuous_batching"]
         for m in (seq, cont):
-            assert m["done"] == m["reqs"] == n, case["name"]  # seed 001 completed as few as 9/32
+            assert m["done"] == m["reqs"] == n, case["name"]  # the reference completed as few as 9/32
             assert m["gen_tok"] == n * new and m["prefill_computed"] == n * k["prompt_len"]
             assert m["preempt"] == 0
         assert seq["max_batch"] == 1 and seq["steps"] == n * new

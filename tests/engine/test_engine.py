@@ -302,8 +302,8 @@ def test_slo_classes_give_requests_objectives_and_steps_feed_the_cost_model(tiny
 
 
 def test_default_token_budget_is_vllms_on_every_cpu(monkeypatch):
-    """No budget given: 2048 tokens a step, with AMX or without (docs/benchmarks.md, the race); a given
-    budget is kept, also through dataclasses.replace."""
+    """No budget given: 2048 tokens a step, with AMX or without (docs/optimizations.md, "The step
+    budget"); a given budget is kept, also through dataclasses.replace."""
     import dataclasses
 
     from infer import kernels

@@ -253,7 +253,7 @@ OPS = (
 def test_tracers_record_each_op_as_one_call():
     """Every op's kernel is registered for the CPU dispatch key, not as a catch-all, so that a tracer
     (make_fx, torch.compile) records a call as the op itself instead of tracing into its allocations:
-    what a captured decode step needs (docs/benchmarks.md, session 16)."""
+    what a captured decode step needs (infer/runner/decode_graph.py)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     ops = _ops()

@@ -141,7 +141,7 @@ def model_args(tmp_path_factory) -> list[str]:
 
 @pytest.fixture(scope="session")
 def server(model_args, tmp_path_factory):
-    """The shared server: the seed's batch size (8), priority policy (equal priorities = fcfs), an API key."""
+    """The shared server: a batch size of 8, priority policy (equal priorities = fcfs), an API key."""
     args = [
         *model_args,
         "--max-batch-size",

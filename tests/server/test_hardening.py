@@ -1,5 +1,5 @@
-"""Regressions of the review's defects (issue 14, items 1-8): one client's request never fails or stalls
-another's, bad values are refused at the edge, and no internals reach a client."""
+"""Hardening: one client's request never fails or stalls another's, bad values are refused at the
+edge, and no internals reach a client."""
 
 from __future__ import annotations
 

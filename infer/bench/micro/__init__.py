@@ -1,11 +1,17 @@
-"""In-process micro-benchmarks that reproduce seeds 000 and 001 on our engine (issue 6).
+"""In-process micro-benchmarks: each engine mechanism (KV cache, continuous batching, chunked prefill,
+priority scheduling, prefix caching) against its baseline, on the cases of a reference engine.
+
+The reference is a minimal NanoGPT server (one request at a time, its KV cache grown by torch.cat) whose
+cases, knobs and table layout these benchmarks reproduce; its figure for each case is printed beside
+ours as `reference`. Results: docs/engine.md.
 
     python -m infer.bench.micro {kv-cache,continuous-batching,chunked-prefill,scheduling,prefix-caching,all}
         [--model toy|embedded|FOLDER|PRESET] [--load-format dummy] [--dtype auto] [--json FILE]
         [--scale small] [--repeats N]
 
-Each benchmark prints the seed's table per case (baseline and optimized rows, the seed's columns), the
-ratio columns, a summary table, and one PASS/MISS verdict line per case against the issue's expectation.
+Each benchmark prints the reference's table per case (baseline and optimized rows, its columns), the
+ratio columns, a summary table, and one PASS/MISS verdict line per case against the expectation its
+module's docstring states.
 Baseline and optimized runs are interleaved and each timing is the best of --repeats runs; counts
 (tokens, cached tokens, preemptions, evictions) must agree between repeats. `add_micro_parser` plugs the
 same command into a CLI as `... micro`.
@@ -20,7 +26,7 @@ from pathlib import Path
 
 # the benchmark modules (and torch) are imported when a benchmark runs: `infer --help` stays fast
 BENCHMARKS = ("kv-cache", "continuous-batching", "chunked-prefill", "scheduling", "prefix-caching")
-TOY = "toy"  # --model for the seeds' NanoGPT
+TOY = "toy"  # --model for the reference's NanoGPT
 
 
 def benchmark_modules() -> dict:
@@ -37,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=TOY,
-        help="'toy' (default: the seeds' 0.057M NanoGPT, trained once for a few seconds and cached), "
+        help="'toy' (default: the reference's 0.057M NanoGPT, trained once for a few seconds and cached), "
         "'embedded', a model folder, or a preset with --load-format dummy",
     )
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
@@ -81,7 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_micro_parser(subparsers) -> argparse.ArgumentParser:
     """Register `micro` on an argparse subparsers object (e.g. `infer bench micro ...`)."""
     p = subparsers.add_parser(
-        "micro", help="in-process micro-benchmarks of seeds 000/001", description=__doc__.split("\n")[0]
+        "micro",
+        help="in-process micro-benchmarks: each engine mechanism against its baseline",
+        description=__doc__.split("\n")[0],
     )
     add_arguments(p)
     p.set_defaults(func=cmd_micro)

@@ -1,4 +1,4 @@
-"""Chunked prefill (seed 001, part 3): whole-prompt prefill vs chunks under a token budget, with long
+"""Chunked prefill: whole-prompt prefill vs chunks under a token budget, with long
 prompts arriving while short requests decode.
 
     normal_prefill    enable_chunked_prefill=False and no effective budget: an arriving prompt is
@@ -9,8 +9,8 @@ prompts arriving while short requests decode.
 Both run every request in one batch (max_num_seqs = all requests). Short requests arrive at step 0, long
 ones at long_arrival_step. Decode gaps are the inter-token gaps of every request.
 
-Expectation (issue 6): in the pressure cases the worst decode gap falls; everywhere throughput stays at
-least 0.95x of unchunked (seed 001: 0.74-0.91x) and TTFT is not multiplied (seed 001: 4-13x), read as
+Expectation: in the pressure cases the worst decode gap falls; everywhere throughput stays at
+least 0.95x of unchunked (reference: 0.74-0.91x) and TTFT is not multiplied (reference: 4-13x), read as
 an average-TTFT ratio below 2x.
 
 Two columns say how far the budget itself bounds those ratios. A budget of token_budget tokens, decodes
@@ -69,8 +69,8 @@ SMALL_CASES = {
     "late_long_prompt_interruptions": (4, 8, 10, 2, 30, 3, 5, 16, 8),
 }
 PRESSURE_CASES = ("decode_heavy_pressure", "late_long_prompt_interruptions")
-# seed 001: (throughput ratio, avg TTFT ratio, max gap ratio) of chunked vs normal
-SEED = {
+# reference: (throughput ratio, avg TTFT ratio, max gap ratio) of chunked vs normal
+REFERENCE = {
     "small_smoke_test": (0.91, 5.62, 1.25),
     "more_long_prompts": (0.74, 9.77, 1.23),
     "smaller_chunks_smoother_decode": (0.79, 13.09, 0.97),
@@ -103,7 +103,7 @@ COLUMNS = [
 
 
 def workload(ctx: Context, knobs: dict) -> list[RequestSpec]:
-    """The seed's prefill stress workload: short decode-heavy requests first, long prompts later."""
+    """The reference's prefill stress workload: short decode-heavy requests first, long prompts later."""
     gen = torch.Generator().manual_seed(PROMPT_SEED)
     k = knobs
     shorts = random_prompts(gen, k["num_short_requests"], k["short_prompt_len"], ctx.vocab_size)
@@ -201,19 +201,19 @@ def verdicts(cases: list[CaseResult]) -> list[Verdict]:
     out = []
     for c in cases:
         r = c.ratios
-        tput, ttft, gap = SEED[c.name]
+        tput, ttft, gap = REFERENCE[c.name]
         passed = r["throughput_ratio"] >= MIN_THROUGHPUT_RATIO and r["ttft_ratio"] < MAX_TTFT_RATIO
         text = (
-            f"throughput {r['throughput_ratio']:.2f}x (target >= {MIN_THROUGHPUT_RATIO:.2f}x; seed 001: "
+            f"throughput {r['throughput_ratio']:.2f}x (target >= {MIN_THROUGHPUT_RATIO:.2f}x; reference: "
             f"{tput:.2f}x; step-count ceiling {r['step_ceiling']:.2f}x), avg TTFT {r['ttft_ratio']:.2f}x "
-            f"(target < {MAX_TTFT_RATIO:.1f}x; seed 001: {ttft:.2f}x; {r['ttft_steps_ratio']:.2f}x in "
+            f"(target < {MAX_TTFT_RATIO:.1f}x; reference: {ttft:.2f}x; {r['ttft_steps_ratio']:.2f}x in "
             f"steps), max decode gap {r['max_gap_ratio']:.2f}x"
         )
         if c.name in PRESSURE_CASES:
             passed = passed and r["max_gap_ratio"] < 1.0
-            text += f" (pressure case, target < 1.00x; seed 001: {gap:.2f}x)"
+            text += f" (pressure case, target < 1.00x; reference: {gap:.2f}x)"
         else:
-            text += f" (seed 001: {gap:.2f}x; judged in the pressure cases only)"
+            text += f" (reference: {gap:.2f}x; judged in the pressure cases only)"
         out.append(Verdict(c.name, passed, text))
     return out
 

@@ -1,11 +1,11 @@
-"""Continuous batching (seed 001, part 2): one request at a time vs all of them batched.
+"""Continuous batching: one request at a time vs all of them batched.
 
     single_request_sequential   max_num_seqs=1, each request added when the previous one finished
-                                (so its TTFT and latency start when it is served, as in the seed)
+                                (so its TTFT and latency start when it is served, as in the reference)
     continuous_batching         every request arrives at step 0; max_num_seqs = the case's max_batch_size,
                                 requests join and leave the running batch every step
 
-Expectation (issue 6): every case completes all its requests (seed 001 completed 5/8 to 9/32), and
+Expectation: every case completes all its requests (the reference completed 5/8 to 9/32), and
 throughput rises with the batch size.
 """
 
@@ -43,7 +43,7 @@ SMALL_CASES = {
     "heavier_prompt": (6, 16, 4, 4),
     "stress_batch_capacity": (10, 8, 4, 4),
 }
-SEED_SPEEDUP = {
+REFERENCE_SPEEDUP = {
     "small_smoke_test": 1.93,
     "more_requests_small_batch": 1.79,
     "more_requests_larger_batch": 3.53,
@@ -137,8 +137,8 @@ def verdicts(cases: list[CaseResult], sweep: list[CaseResult]) -> list[Verdict]:
         s = c.ratios["speedup"]
         text = (
             f"completion {cont['done']}/{cont['reqs']} batched, {seq['done']}/{seq['reqs']} sequential "
-            f"(target N/N; seed 001: {_SEED_COMPLETION[c.name]}); speedup {s:.2f}x (target > 1.00x; "
-            f"seed 001: {SEED_SPEEDUP[c.name]:.2f}x)"
+            f"(target N/N; reference: {_REFERENCE_COMPLETION[c.name]}); speedup {s:.2f}x (target > 1.00x; "
+            f"reference: {REFERENCE_SPEEDUP[c.name]:.2f}x)"
         )
         out.append(Verdict(c.name, complete and s > 1.0, text))
     by_name = {c.name: c for c in cases}
@@ -162,7 +162,7 @@ def verdicts(cases: list[CaseResult], sweep: list[CaseResult]) -> list[Verdict]:
     return out
 
 
-_SEED_COMPLETION = {
+_REFERENCE_COMPLETION = {
     "small_smoke_test": "5/8",
     "more_requests_small_batch": "5/16",
     "more_requests_larger_batch": "9/16",

@@ -3,9 +3,9 @@ metrics of one run, and best-of-N interleaved repeats.
 
 A workload is a list of RequestSpec that `drive` feeds to a fresh LLMEngine in one of two ways:
 
-    arrivals  spec.arrival_step = k: added just before engine step k (the seeds' scheduler steps);
+    arrivals  spec.arrival_step = k: added just before engine step k (the reference's scheduler steps);
               an idle engine jumps to the next arrival instead of running empty steps
-    serial    each request is added when the previous one has finished (the seeds' one-at-a-time loops)
+    serial    each request is added when the previous one has finished (the reference's one-at-a-time loops)
 
 All timestamps are the engine's own (`Request.arrival_time`, `first_token_time`, `token_times`,
 `finished_time`, time.monotonic): TTFT = first token - arrival, latency = finished - arrival, and the
@@ -35,7 +35,7 @@ from infer.engine.llm_engine import LLMEngine, StepTiming
 from infer.sampling_params import SamplingParams
 
 TOY_TRAIN_SECONDS = 5.0
-PROMPT_SEED = 1337  # the seeds' workload seed
+PROMPT_SEED = 1337  # the reference's workload seed
 
 
 def toy_dir() -> Path:
@@ -46,9 +46,9 @@ def toy_dir() -> Path:
 def prepare_model(
     model: str, dtype: str, threads: int | None = None, retrain: bool = False
 ) -> tuple[str, str, int]:
-    """Resolve --model, --dtype and --threads. "toy" trains the seeds' NanoGPT once (a few seconds) into
-    toy_dir(); its "auto" settings are the fastest measured on this machine (docs/benchmarks.md, "Toy
-    settings"): float32, since at 0.057M parameters bf16 only adds conversions, and one thread, since its
+    """Resolve --model, --dtype and --threads. "toy" trains the reference's NanoGPT once (a few seconds) into
+    toy_dir(); its "auto" settings are the fastest measured (docs/engine.md, "Micro-benchmarks"):
+    float32, since at 0.057M parameters bf16 only adds conversions, and one thread, since its
     32-wide matrices leave nothing to split and every parallel region must wake the second thread.
 
     Other models keep the engine's dtype and torch's thread count unless told otherwise.
@@ -69,7 +69,7 @@ class RequestSpec:
     prompt_ids: tuple[int, ...]
     max_tokens: int
     arrival_step: int = 0
-    priority: int = 0  # lower is more urgent; the seeds' "high priority" is priority 0
+    priority: int = 0  # lower is more urgent; the reference's "high priority" is priority 0
     group: str = ""
 
 
@@ -203,7 +203,7 @@ def token_steps(run: Run) -> tuple[list[int], list[int]]:
 
 
 def percentile(values: list[float], pct: float) -> float:
-    """The seeds' percentile: the value at index round((n - 1) * pct) of the sorted values."""
+    """The reference's percentile: the value at index round((n - 1) * pct) of the sorted values."""
     if not values:
         return 0.0
     return sorted(values)[round((len(values) - 1) * pct)]
@@ -215,7 +215,7 @@ def mean(values) -> float:
 
 
 def metrics(run: Run) -> dict:
-    """Every column any seed table prints, from one run. Times in ms except wall_s and forward_s."""
+    """Every column any reference table prints, from one run. Times in ms except wall_s and forward_s."""
     reqs, specs = run.requests, run.specs
     ttft = [r.first_token_time - r.arrival_time for r in reqs]
     latency = [r.finished_time - r.arrival_time for r in reqs]

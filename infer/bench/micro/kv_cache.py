@@ -1,11 +1,11 @@
-"""KV cache (seed 001, part 1): full recompute every step vs the paged KV cache, one request at a time.
+"""KV cache: full recompute every step vs the paged KV cache, one request at a time.
 
     no_cache   use_kv_cache=False: each step runs the whole sequence so far through the model
     kv_cache   use_kv_cache=True: the prompt once, then one token per step against the cached keys/values
 
-Expectation (issue 6): the cache is faster in every case, and its advantage grows with the generated
+Expectation: the cache is faster in every case, and its advantage grows with the generated
 length, so near_context_limit (8 + 56 = the toy's whole 64-token context) is not the weak case it was in
-seed 001 (1.11x, its cache grew by torch.cat).
+the reference (1.11x, its cache grew by torch.cat).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from infer.bench.micro.report import BenchResult, CaseResult, Verdict, mode_tabl
 
 NAME = "kv-cache"
 MODES = ("no_cache", "kv_cache")
-# name: (prompt_len, generated tokens N); seed 001's speedups for reference
+# name: (prompt_len, generated tokens N); the reference's speedups for reference
 CASES = {
     "small_smoke_test": (8, 16),
     "medium_generation": (16, 32),
@@ -32,7 +32,7 @@ SMALL_CASES = {
     "heavier_prompt": (32, 6),
     "near_context_limit": (8, 56),
 }
-SEED_SPEEDUP = {
+REFERENCE_SPEEDUP = {
     "small_smoke_test": 1.47,
     "medium_generation": 2.60,
     "longer_generation": 1.93,
@@ -42,7 +42,7 @@ SEED_SPEEDUP = {
 SWEEP_PROMPT_LEN = 8
 SWEEP = (8, 16, 32, 48, 56)
 SMALL_SWEEP = (8, 16)
-SEED_SWEEP_SPEEDUP = {8: 1.24, 16: 1.76, 32: 1.01, 48: 1.79, 56: 1.46}
+REFERENCE_SWEEP_SPEEDUP = {8: 1.24, 16: 1.76, 32: 1.01, 48: 1.79, 56: 1.46}
 COLUMNS = [
     ("tokens", "gen_tok", ""),
     ("wall_time_s", "wall_s", ".4f"),
@@ -114,7 +114,10 @@ def verdicts(cases: list[CaseResult], sweep: list[CaseResult]) -> list[Verdict]:
     weakest = min(cases, key=lambda c: c.ratios["speedup"])
     for c in cases:
         s = c.ratios["speedup"]
-        text = f"KV cache {s:.2f}x the no-cache tok/s (target > 1.00x; seed 001: {SEED_SPEEDUP[c.name]:.2f}x)"
+        text = (
+            f"KV cache {s:.2f}x the no-cache tok/s (target > 1.00x; "
+            f"reference: {REFERENCE_SPEEDUP[c.name]:.2f}x)"
+        )
         passed = s > 1.0
         if c.name == "near_context_limit":
             passed = passed and c is not weakest

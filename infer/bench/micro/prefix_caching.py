@@ -1,15 +1,15 @@
-"""Prefix caching (seed 000, part 2): every prompt prefilled in full vs reusing cached prefix blocks.
+"""Prefix caching: every prompt prefilled in full vs reusing cached prefix blocks.
 
     no_prefix_cache   enable_prefix_caching=False
     prefix_cache      enable_prefix_caching=True: full blocks are hashed (chained) and reused
 
-block_size = the seed's prefix_block_size, num_kv_blocks = its max_cache_blocks (the whole KV pool, so
+block_size = the reference's prefix_block_size, num_kv_blocks = its max_cache_blocks (the whole KV pool, so
 eviction_pressure's 8 blocks cannot keep 6 groups' prefixes). Requests run one after another, as in
-the seed. hit_rate counts block lookups as the seed does: a request looks up its full prompt blocks in
-order until the first miss.
+the reference. hit_rate counts block lookups as the reference does: a request looks up its full prompt
+blocks in order until the first miss.
 
-Expectation (issue 6): prefill savings equal to seed 000's (112, 552 and 320 cached tokens), wall-clock
-throughput and TTFT better with the cache wherever it hits (seed 000: 0.94x and 2.4-3.5x worse), and
+Expectation: prefill savings equal to the reference's (112, 552 and 320 cached tokens), wall-clock
+throughput and TTFT better with the cache wherever it hits (reference: 0.94x and 2.4-3.5x worse), and
 throughput no worse than 0.98x where it cannot hit (low_reuse_control, eviction_pressure).
 """
 
@@ -31,7 +31,7 @@ KNOBS = (
     "prefix_block_size",
     "max_cache_blocks",
 )
-# low_reuse: shared_prefix_len = 0 and unique_suffix_len = the seed's prompt_len
+# low_reuse: shared_prefix_len = 0 and unique_suffix_len = the reference's prompt_len
 CASES = {
     "shared_prefix_basic": ("shared_prefix", 8, 16, 8, 6, 1, 4, 64),
     "high_reuse_many_requests": ("shared_prefix", 24, 24, 4, 4, 1, 4, 64),
@@ -46,8 +46,8 @@ SMALL_CASES = {
     "low_reuse_control": ("low_reuse", 4, 0, 12, 2, 1, 4, 64),
     "eviction_pressure": ("shared_prefix", 6, 8, 4, 2, 3, 4, 5),
 }
-# seed 000: (cached tokens, throughput ratio, TTFT ratio)
-SEED = {
+# reference: (cached tokens, throughput ratio, TTFT ratio)
+REFERENCE = {
     "shared_prefix_basic": (112, 0.95, 2.85),
     "high_reuse_many_requests": (552, 0.94, 3.49),
     "multi_prefix_groups": (320, 0.94, 2.39),
@@ -75,7 +75,7 @@ COLUMNS = [
 
 
 def workload(knobs: dict, vocab_size: int) -> list[RequestSpec]:
-    """The seed's workloads: group i % num_groups prefix + a unique suffix, or unique prompts."""
+    """The reference's workloads: group i % num_groups prefix + a unique suffix, or unique prompts."""
     gen = torch.Generator().manual_seed(PROMPT_SEED)
     k = knobs
 
@@ -96,7 +96,7 @@ def workload(knobs: dict, vocab_size: int) -> list[RequestSpec]:
 
 
 def cache_counts(run: Run, block_size: int) -> dict:
-    """The seed's block lookups and hits (lookups stop at the first miss), and the cached blocks left."""
+    """The reference's block lookups and hits (lookups stop at the first miss), and the cached blocks left."""
     lookups = hits = 0
     for req in run.requests:
         num_hit = req.num_cached_tokens // block_size
@@ -180,20 +180,20 @@ def verdicts(cases: list[CaseResult], small: bool) -> list[Verdict]:
     out = []
     for c in cases:
         r, cached = c.ratios, c.modes["prefix_cache"]["cached_tok"]
-        seed_cached, seed_tput, seed_ttft = SEED[c.name]
-        saved = f"cached {cached} tokens (seed 000: {seed_cached})"
-        same_savings = small or cached == seed_cached
-        if seed_cached:
+        ref_cached, ref_tput, ref_ttft = REFERENCE[c.name]
+        saved = f"cached {cached} tokens (reference: {ref_cached})"
+        same_savings = small or cached == ref_cached
+        if ref_cached:
             passed = same_savings and r["throughput_ratio"] > 1.0 and r["ttft_ratio"] < 1.0
             text = (
-                f"{saved}, throughput {r['throughput_ratio']:.2f}x (target > 1.00x; seed 000: "
-                f"{seed_tput:.2f}x), TTFT {r['ttft_ratio']:.2f}x (target < 1.00x; seed 000: {seed_ttft:.2f}x)"
+                f"{saved}, throughput {r['throughput_ratio']:.2f}x (target > 1.00x; reference: "
+                f"{ref_tput:.2f}x), TTFT {r['ttft_ratio']:.2f}x (target < 1.00x; reference: {ref_ttft:.2f}x)"
             )
         else:
             passed = same_savings and cached == 0 and r["throughput_ratio"] >= NO_HIT_MIN_THROUGHPUT_RATIO
             text = (
                 f"{saved}, cannot hit: throughput {r['throughput_ratio']:.2f}x (target >= "
-                f"{NO_HIT_MIN_THROUGHPUT_RATIO:.2f}x; seed 000: {seed_tput:.2f}x), "
+                f"{NO_HIT_MIN_THROUGHPUT_RATIO:.2f}x; reference: {ref_tput:.2f}x), "
                 f"TTFT {r['ttft_ratio']:.2f}x, "
                 f"{c.modes['prefix_cache']['evictions']} evictions"
             )

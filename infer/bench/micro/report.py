@@ -1,4 +1,4 @@
-"""Tables in the seeds' layout, ratio formatting, verdict lines and the JSON report."""
+"""Tables in the reference's layout, ratio formatting, verdict lines and the JSON report."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def render_table(headers: list[str], rows: list[list[str]]) -> str:
-    """The seeds' plain-text table: `a | b | c`, a `-+-` rule, columns padded to the widest cell."""
+    """The reference's plain-text table: `a | b | c`, a `-+-` rule, columns padded to the widest cell."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:

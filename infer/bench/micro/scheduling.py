@@ -1,4 +1,4 @@
-"""Scheduling (seed 000, part 1): FCFS vs priority, with the seed's four workloads and knobs.
+"""Scheduling: FCFS vs priority, with the reference's four workloads and knobs.
 
     fcfs       policy="fcfs": requests are served in arrival order
     priority   policy="priority": lower priority value first; an urgent request may preempt a less
@@ -6,12 +6,12 @@
 
 Knobs: max_num_seqs = max_batch_size, max_num_batched_tokens = token_budget, prefill_chunk_size, and a
 KV pool of max_kv_tokens in blocks of 4 tokens (num_kv_blocks = max_kv_tokens / 4). Requests arrive at
-the seed's scheduler steps. High priority = priority 0, as in the seed.
+the reference's scheduler steps. High priority = priority 0, as in the reference.
 
-Expectation (issue 6): high-priority latency cut at least as much as in seed 000 (to 0.37x, 0.46x and
+Expectation: high-priority latency cut at least as much as in the reference (to 0.37x, 0.46x and
 0.65x of FCFS) with throughput at least 0.97x of FCFS, and the equal-priority control identical to FCFS.
-Where our FCFS is already faster for the urgent requests than the seed's, the ratio cannot reach the
-seed's; the case then passes when the urgent requests take no more engine steps than they take alone
+Where our FCFS is already faster for the urgent requests than the reference's, the ratio cannot reach the
+reference's; the case then passes when the urgent requests take no more engine steps than they take alone
 (the same knobs and arrivals with every less urgent request removed): no policy can do better.
 """
 
@@ -41,8 +41,8 @@ CASES = {
     "memory_pressure_preemption": ("memory_pressure", 3, 12, 8, 32),
     "equal_priority_control": ("equal_priority_control", 4, 16, 8, 64),
 }
-# seed 000: (high-priority latency ratio, throughput ratio) of priority vs FCFS
-SEED = {
+# reference: (high-priority latency ratio, throughput ratio) of priority vs FCFS
+REFERENCE = {
     "priority_inversion_serial": (0.37, 0.96),
     "priority_mix_small_batch": (0.46, 1.02),
     "memory_pressure_preemption": (0.65, 0.94),
@@ -72,7 +72,7 @@ COLUMNS = [
 
 
 def workload(name: str, vocab_size: int) -> list[RequestSpec]:
-    """The seed's workloads: (prompt_len, max_new_tokens, arrival_step, priority) per request."""
+    """The reference's workloads: (prompt_len, max_new_tokens, arrival_step, priority) per request."""
     gen = torch.Generator().manual_seed(PROMPT_SEED)
     if name == "priority_inversion":
         rows = [(10, 18, 0, 8), (4, 6, 2, 0), (5, 8, 3, 0), (8, 10, 4, 5)]
@@ -180,7 +180,7 @@ def verdicts(cases: list[CaseResult]) -> list[Verdict]:
     out = []
     for c in cases:
         r = c.ratios
-        seed_hi, seed_tput = SEED[c.name]
+        ref_hi, ref_tput = REFERENCE[c.name]
         if c.name == "equal_priority_control":
             out.append(
                 Verdict(
@@ -192,18 +192,18 @@ def verdicts(cases: list[CaseResult]) -> list[Verdict]:
                 )
             )
             continue
-        # Our FCFS baseline may already be faster than the seed's; then the ratio cannot fall as far, and
+        # Our FCFS baseline may already be faster than the reference's; then the ratio cannot fall as far, and
         # the test is whether the urgent requests finish as fast as if they were alone.
         at_floor = c.modes["priority"]["hi_lat_steps"] <= r["hi_floor_steps"]
-        cut = r["hi_lat_ratio"] <= seed_hi or at_floor
+        cut = r["hi_lat_ratio"] <= ref_hi or at_floor
         passed = cut and r["throughput_ratio"] >= MIN_THROUGHPUT_RATIO
         text = (
-            f"high-priority latency {r['hi_lat_ratio']:.2f}x of FCFS (target <= {seed_hi:.2f}x, seed 000, "
+            f"high-priority latency {r['hi_lat_ratio']:.2f}x of FCFS (target <= {ref_hi:.2f}x, reference, "
             f"or no slower than alone; {r['hi_lat_steps_ratio']:.2f}x in engine steps, "
             f"{c.modes['priority']['hi_lat_steps']:.2f} steps vs {r['hi_floor_steps']:.2f} alone"
             f"{': at the floor' if at_floor else ''}), "
-            f"throughput {r['throughput_ratio']:.2f}x (target >= {MIN_THROUGHPUT_RATIO:.2f}x; seed 000: "
-            f"{seed_tput:.2f}x), preemptions {c.modes['priority']['preempt']}"
+            f"throughput {r['throughput_ratio']:.2f}x (target >= {MIN_THROUGHPUT_RATIO:.2f}x; reference: "
+            f"{ref_tput:.2f}x), preemptions {c.modes['priority']['preempt']}"
         )
         out.append(Verdict(c.name, passed, text))
     return out
