@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import re
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -212,6 +213,13 @@ def validation_error(errors) -> APIError:
             continue
         if err.get("type") == "missing" and not loc:
             parts.append("the body is empty: send a JSON object")
+            continue
+        if err.get("type") == "value_error" and not loc:  # a check of the whole request, named by its field
+            message = str(err.get("ctx", {}).get("error", err.get("msg")))
+            field = re.split(r"[\s:\[.]", message, maxsplit=1)[0]
+            if isinstance(err.get("input"), dict) and field in err["input"]:
+                param = param or field
+            parts.append(message)
             continue
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
