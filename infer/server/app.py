@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import re
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from infer.server import chat, completions, responses, tokenization
 from infer.server.args import ServerArgs
 from infer.server.protocol import ERROR_RESPONSES, APIError, bad_request
+from infer.server.request_body import RequestBody, is_json
 from infer.server.serving import ServerState, check_model
 
 logger = logging.getLogger("infer.server")
@@ -75,7 +77,7 @@ def create_app(
     _add_error_handlers(app)
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
-    app.add_middleware(BodySizeLimit, max_bytes=args.max_request_bytes)
+    app.add_middleware(RequestBody, max_bytes=args.max_request_bytes)
 
     @app.get("/health")
     async def health() -> Response:
@@ -166,7 +168,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         content_type = request.headers.get("content-type", "")
-        if not _is_json(content_type) and any(e.get("loc") == ("body",) for e in exc.errors()):
+        if not is_json(content_type) and any(e.get("loc") == ("body",) for e in exc.errors()):
             # FastAPI leaves such a body unparsed, and pydantic would only say "not a dictionary"
             got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
             message = f"send the body as JSON with Content-Type: application/json (got {got})"
@@ -185,11 +187,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s", request.url.path)  # the details stay in the log
         return APIError(500, "internal error; see the server log", "server_error").response()
-
-
-def _is_json(content_type: str) -> bool:
-    subtype = content_type.split(";", 1)[0].strip().lower()
-    return subtype == "application/json" or (subtype.startswith("application/") and subtype.endswith("+json"))
 
 
 def _unparsable_body(cause: BaseException) -> str:
@@ -217,42 +214,17 @@ def validation_error(errors) -> APIError:
         if err.get("type") == "missing" and not loc:
             parts.append("the body is empty: send a JSON object")
             continue
+        if err.get("type") == "value_error" and not loc:  # a check of the whole request, named by its field
+            message = str(err.get("ctx", {}).get("error", err.get("msg")))
+            field = re.split(r"[\s:\[.]", message, maxsplit=1)[0]
+            if isinstance(err.get("input"), dict) and field in err["input"]:
+                param = param or field
+            parts.append(message)
+            continue
         where = ".".join(loc) or "body"
         param = param or (loc[0] if loc else None)
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
     return APIError(400, "; ".join(parts) or "invalid request", param=param)
-
-
-class BodySizeLimit:
-    """413 for a request body over max_bytes, refused before it is read whole: at once by its
-    Content-Length, or as soon as a chunked body passes the bound (a pure ASGI middleware)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-        self.error = StarletteHTTPException(
-            413, f"the request body is larger than the server's --max-request-bytes ({max_bytes} bytes)"
-        )
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.max_bytes:
-            kind = "invalid_request_error"
-            message = f"{scope['method']} {scope['path']}: {self.error.detail}"
-            return await APIError(413, message, kind).response()(scope, receive, send)
-        received = 0
-
-        async def receive_limited():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_bytes:
-                raise self.error  # FastAPI passes an HTTPException from reading the body through
-            return message
-
-        await self.app(scope, receive_limited, send)
 
 
 # Routes behind --api-key: the API (vLLM's /tokenize and /detokenize too, which sit outside /v1), and what

@@ -43,6 +43,7 @@ class ServerArgs:
     api_key: str | None = None
     max_queued_requests: int = 1024
     max_request_bytes: int = 4 * 2**20  # a 4 MiB body holds ~1M tokens of text, beyond any context here
+    header_timeout: float = 5.0  # to send a request's headers (nginx: 60 s; a client sends them at once)
     trust_request_chat_template: bool = False
     responses_store_mb: int = 64  # /v1/responses kept for GET and previous_response_id
     drain_timeout: float = 30.0
@@ -77,6 +78,12 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         type=int,
         default=ServerArgs.max_request_bytes,
         help="larger request bodies get 413 before they are read whole",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=ServerArgs.header_timeout,
+        help="seconds a client may take to send a request's headers; past it the connection is closed",
     )
     parser.add_argument(
         "--trust-request-chat-template",
@@ -332,6 +339,8 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         raise ValueError(f"--responses-store-mb must be >= 0, got {args.responses_store_mb}")
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
+    if not args.header_timeout > 0:
+        raise ValueError(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
     if not 1 <= args.port <= 65535 and args.port != 0:
         raise ValueError(f"--port must be in [1, 65535] (or 0 for any free port), got {args.port}")
     if args.cuda_graphs:
@@ -344,6 +353,7 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
+        header_timeout=args.header_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
         responses_store_mb=args.responses_store_mb,
         drain_timeout=args.drain_timeout,

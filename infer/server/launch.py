@@ -18,10 +18,12 @@ import sys
 import time
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from infer.server import tcmalloc
 from infer.server.app import create_app
 from infer.server.args import ServerArgs
+from infer.server.header_timeout import with_header_timeout
 from infer.server.serving import ServerState
 
 logger = logging.getLogger("infer.server")
@@ -131,6 +133,7 @@ def run(args: ServerArgs, state: ServerState | None = None) -> int:
         app,
         host=args.host,
         port=args.port,
+        http=with_header_timeout(AutoHTTPProtocol, args.header_timeout),
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         access_log=args.log_level == "debug",

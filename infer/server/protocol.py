@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infer.sampling_params import INT64_MAX, INT64_MIN, MAX_BAD_WORDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from infer.server.tools import check_tools
+from infer.server.tools import check_tools, check_unique_names
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
 MAX_N = 128
@@ -336,6 +336,7 @@ class ResponsesRequest(_SamplingFields):
         if self.n != 1:
             raise ValueError("n: a response has one output; send several requests, or use chat completions")
         if self.tools:
+            check_unique_names([tool.get("name") for tool in self.tools])
             raise ValueError("tools: this server does not call tools; send the conversation as text")
         if self.tool_choice not in ("none", "auto"):
             raise ValueError("tool_choice: there are no tools to call; send auto or none")

@@ -495,14 +495,13 @@ def _constraints(body) -> tuple[list[tuple[str, dict]], dict]:
 
 def structured_outputs(body) -> StructuredOutputs | None:
     """The request's output constraint: from response_format, structured_outputs or a guided_* field, at
-    most one of them (ValueError, its message starting with the field, otherwise)."""
+    most one of them (ValueError, its message starting with the field, otherwise). structured_outputs'
+    options without a constraint to apply to (tool_choice "none", say) apply to nothing: free text."""
     found, options = _constraints(body)
     if len(found) > 1:
         raise ValueError(f"{found[0][0]} and {found[1][0]} both constrain the output; send one of them")
     if not found:
-        if body.structured_outputs is None:
-            return None
-        found = [("structured_outputs", {})]  # options alone: StructuredOutputs names what is missing
+        return None
     name, fields = found[0]
     try:
         return StructuredOutputs(**fields, **options)

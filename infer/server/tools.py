@@ -35,6 +35,7 @@ def check_tools(tools: list[dict] | None, tool_choice) -> None:
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema (an object)")
     if tools is not None and len(tools) > MAX_TOOLS:
         raise ValueError(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}")
+    check_unique_names([tool["function"]["name"] for tool in tools or ()])
     if tool_choice in (None, "none"):
         return
     if not tools:
@@ -46,6 +47,17 @@ def check_tools(tools: list[dict] | None, tool_choice) -> None:
                              '"function": {"name": ...}}')  # fmt: skip
         if function.get("name") not in {tool["function"]["name"] for tool in tools}:
             raise ValueError(f"tool_choice names {function.get('name')!r}, which is not among the tools")
+
+
+def check_unique_names(names: list) -> None:
+    """Two tools of one name: a call, which names its function, could not say which one it means."""
+    first = {}
+    for i, name in enumerate(names):
+        if name is not None and first.setdefault(name, i) != i:
+            raise ValueError(
+                f"tools: the name {name!r} is used by tools[{first[name]}] and tools[{i}]; "
+                "each tool needs a name of its own"
+            )
 
 
 def named_function(body) -> str | None:

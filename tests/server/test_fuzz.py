@@ -154,10 +154,17 @@ def _raw(body: dict) -> bytes:
     return json.dumps(body).encode()
 
 
+HI = '{"prompt": "hi"}'
 SENT_WRONG = [
     # bytes that are not JSON text
     (CMPL, b'{"prompt": "\xff\xfe", "max_tokens": 2}', JSON, 400, "not valid UTF-8 (byte 0xff at offset 12)"),
     (CMPL, b"[" * 5000 + b"]" * 5000, JSON, 400, "nested too deeply"),
+    # JSON in another encoding than UTF-8 (RFC 8259), said so or not: Python's json would decode it
+    (CMPL, _raw({"prompt": "hi"}), JSON + "; charset=latin-1", 415, "charset=latin-1 is not supported"),
+    (CMPL, HI.encode("utf-16"), JSON + "; charset=UTF-16", 415, "charset=utf-16"),
+    (CMPL, HI.encode("utf-16"), JSON, 415, "starts with bytes ff fe 7b 00"),
+    (CMPL, HI.encode("utf-16-be"), JSON, 415, "as UTF-16 or UTF-32"),
+    (CMPL, HI.encode("utf-32-le"), JSON, 415, "as UTF-16 or UTF-32"),
     (CMPL, b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", JSON, 400, "5001 digits"),
     (CMPL, b"", JSON, 400, "the body is empty"),
     # JSON, but not said so (curl -d sends a form's content type)
@@ -214,6 +221,16 @@ def test_what_people_send_that_is_accepted(fuzz_server):
         # unknown fields are ignored (OpenAI's forward compatibility), nested or not
         resp = http.post(CMPL, json={"prompt": "hi", "max_tokens": 2, "frobnicate": {"x": [1, None]}})
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] <= 2
+        # JSON under any application/*+json type (as FastAPI and OpenAI's API), UTF-8 said so or not
+        for content_type in (
+            JSON + "; charset=UTF-8",
+            'application/json; charset="utf8"',
+            "application/vnd.api+json",
+        ):
+            resp = http.post(
+                CMPL, content=_raw({"prompt": "hi", "max_tokens": 2}), headers={"content-type": content_type}
+            )
+            assert resp.status_code == 200, (content_type, resp.text)
         # an empty prompt is the tokenizer's BOS alone, when it has one
         resp = http.post(CMPL, json={"prompt": "", "max_tokens": 2})
         assert resp.status_code == 200 or "empty" in resp.json()["error"]["message"], resp.text

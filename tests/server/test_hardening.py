@@ -4,7 +4,10 @@ edge, and no internals reach a client."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import urllib.error
+import urllib.request
 
 import httpx
 import pytest
@@ -137,8 +140,10 @@ def test_a_failed_request_is_a_500_without_internals():
 
 @pytest.fixture(scope="module")
 def small_server(model_args, tmp_path_factory):
-    """A server with a small body bound that trusts request templates (and caps what they render)."""
-    args = [*model_args, "--max-request-bytes", "65536", "--trust-request-chat-template"]
+    """A server with a small body bound and header timeout, that trusts request templates (and caps what
+    they render)."""
+    args = [*model_args, "--max-request-bytes", "65536", "--header-timeout", "2"]
+    args += ["--trust-request-chat-template"]
     proc = ServerProcess(args, tmp_path_factory.mktemp("small") / "server.log").start()
     yield proc
     proc.stop()
@@ -160,6 +165,36 @@ def test_bodies_over_the_bound_get_413_before_they_are_read(small_server):
         assert http.get("/health").status_code == 200
         resp = http.post(CMPL, json={"prompt": "x" * 60_000, "max_tokens": 1})
         _check_error(resp, 400, "max_model_len")  # under the bound: read, tokenized, refused by length
+
+
+def test_a_body_over_the_bound_sent_in_one_go_gets_its_413(small_server):
+    """urllib sends the whole body before it reads the answer, with `Connection: close`: the server reads
+    the rest of the body after its 413, so that the client reads it instead of a reset connection."""
+    prompt = json.dumps({"prompt": "x" * 20_000_000}).encode()
+    chunks = [prompt[i : i + 2**20] for i in range(0, len(prompt), 2**20)]
+    for data in (prompt, iter(chunks)):  # with a Content-Length, then chunked
+        request = urllib.request.Request(
+            small_server.url + CMPL, data=data, headers={"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=60)
+        assert err.value.code == 413
+        error = json.loads(err.value.read())["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert "--max-request-bytes" in error["message"]
+    assert httpx.get(small_server.url + "/health").status_code == 200
+
+
+def test_incomplete_headers_are_closed_at_the_header_timeout(small_server):
+    """A request line sent in part and then nothing (slowloris), or nothing at all, is closed after
+    --header-timeout (2 s), well before the 60 s this test waits; a complete request is answered."""
+    for sent in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-", b""):
+        with socket.create_connection(("127.0.0.1", small_server.port), timeout=60) as sock:
+            sock.sendall(sent)
+            assert sock.recv(1024) == b""  # closed, not answered: nothing came that could be
+    with socket.create_connection(("127.0.0.1", small_server.port), timeout=60) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(1024).startswith(b"HTTP/1.1 200")
 
 
 def test_request_templates_when_trusted_are_bounded(small_server):

@@ -426,6 +426,15 @@ def test_structured_outputs_through_the_client(client, model):
     assert text == expected.text and re.fullmatch("say [a-z]+!", text)
 
 
+def test_structured_outputs_options_alone_apply_to_nothing(client, model):
+    """structured_outputs' options, or an empty structured_outputs, with no constraint to apply to: free
+    text, the same as without them (not a 400)."""
+    kwargs = dict(model=model, prompt="The color is", max_tokens=8, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    for extra in (COMPACT, {"structured_outputs": {}}):
+        assert client.completions.create(**kwargs, extra_body=extra).choices[0].text == plain
+
+
 def test_a_grammar_that_fails_while_generating_is_the_clients_400(client, model):
     """A regex that counts to a million compiles but exceeds llguidance's lexer limits once generating:
     the request ends alone, and the client reads why (not a 500)."""

@@ -265,3 +265,11 @@ def test_what_responses_refuse(server, fields, param):
         server.url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2}, headers=headers
     )
     assert ok.status_code == 200 and ok.json()["status"] in ("completed", "incomplete")
+
+
+def test_duplicate_tool_names_are_named(server):
+    tool = {"type": "function", "name": "f", "parameters": {}}
+    body = {"input": "Hi", "tools": [tool, {**tool, "description": "another f"}]}
+    r = httpx.post(server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "'f' is used by tools[0] and tools[1]" in r.json()["error"]["message"]

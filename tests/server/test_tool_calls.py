@@ -127,30 +127,37 @@ def test_echo_beside_calls_is_the_same_streamed_or_not(client, model):
 
 
 def test_auto_and_none_leave_text(client, model):
+    """The structured-outputs options (COMPACT, sent by _create) have no grammar to apply to: free text,
+    the same as without them."""
     for tool_choice in ("auto", "none", None):
         kwargs = {"tool_choice": tool_choice} if tool_choice else {}
-        resp = _create(client, model, tools=[WEATHER], max_tokens=8, extra_body={}, **kwargs)
+        resp = _create(client, model, tools=[WEATHER], max_tokens=8, **kwargs)
         assert resp.choices[0].message.tool_calls is None and resp.choices[0].message.content is not None
+        plain = _create(client, model, tools=[WEATHER], max_tokens=8, extra_body={}, **kwargs)
+        assert resp.choices[0].message.content == plain.choices[0].message.content
 
 
 @pytest.mark.parametrize(
-    "kwargs, fragment",
+    "kwargs, fragment, param",
     [
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "not among",
+            "tool_choice",
         ),
-        ({"tool_choice": "required"}, "needs tools"),
-        ({"tools": []}, "empty array"),
-        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name"),
-        ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+        ({"tool_choice": "required"}, "needs tools", "tool_choice"),
+        ({"tools": []}, "empty array", "tools"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name", "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0]", "tools"),
+        ({"tools": [WEATHER, TIME, WEATHER]}, "'get_weather' is used by tools[0] and tools[2]", "tools"),
         (
             {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
             "send one",
+            "response_format",
         ),
     ],
 )
-def test_bad_tools_are_400s(client, model, kwargs, fragment):
+def test_bad_tools_are_400s(client, model, kwargs, fragment, param):
     with pytest.raises(openai.BadRequestError, match=None) as err:
         _create(client, model, max_tokens=4, **kwargs)
-    assert fragment in err.value.body["message"]
+    assert fragment in err.value.body["message"] and err.value.body["param"] == param
