@@ -101,8 +101,8 @@ def call_parser(body) -> NamedCallParser | CallListParser:
 
 
 def finish_reason(parser: NamedCallParser | CallListParser, reason: str | None) -> str | None:
-    """ "tool_calls" for "required" calls whose list ended on its own, as OpenAI and vLLM ("stop" for a
-    named call; cut short by max_tokens, "length")."""
+    """The finish_reason: "tool_calls" for "required" calls whose list ended on its own, as OpenAI and
+    vLLM ("stop" for a named call; cut short by max_tokens, "length")."""
     if isinstance(parser, CallListParser) and parser.complete and reason == "stop":
         return "tool_calls"
     return reason
