@@ -204,12 +204,15 @@ class _Chat:
         return {"content": [e for e in entries if e is not None], "refusal": None}
 
     def _message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
-        """A choice's message and finish_reason: its tool calls when tool_choice forced them and the
-        output holds them (infer.server.tools), else its text. What echo repeats stays the content
-        beside the calls (vLLM's; the stream sends it as a content chunk)."""
+        """A choice's message and finish_reason: its tool calls when tool_choice forced them
+        (infer.server.tools), else its text. What echo repeats stays the content beside the calls
+        (vLLM's; the stream sends it as a content chunk). Forced output cut short before any call's
+        name is complete has no call, and its partial JSON is no content (vLLM's: content empty)."""
         calls, reason = tools.calls_and_reason(self.body, text, reason)
         if calls is None:
             return {"role": self.role, "content": self.echo + text}, reason
+        if not calls:
+            return {"role": self.role, "content": self.echo}, reason
         return {"role": self.role, "content": self.echo or None, "tool_calls": calls}, reason
 
     def _head(self, kind: str) -> dict:
@@ -270,7 +273,7 @@ class _Chat:
                 if calls is not None:
                     delta, reason = calls.delta(index, out)
                     if not (delta or reason or per_token):
-                        continue  # "required" calls held until their list is complete
+                        continue  # text that is no call's (brackets, a name not yet complete)
                 choice = {
                     "index": index,
                     "delta": delta,
@@ -291,30 +294,16 @@ class _Chat:
 
 
 class _StreamedCalls:
-    """Each choice's tool calls as deltas: a named function's arguments as they come (its id and name in
-    the first), "required" calls all at the end, once their list is complete (before that, the text
-    could still be anything the schema allows)."""
+    """Each choice's tool calls as deltas, read out of its output as it is generated: a call's id and
+    name once (with its name complete), then its arguments as they come (infer.server.tool_call_parser)."""
 
     def __init__(self, body: ChatCompletionRequest):
-        self.body, self.name = body, tools.named_function(body)
-        self.started: set[int] = set()  # choices whose named call has been opened
-        self.texts: dict[int, list[str]] = {}
+        self.body = body
+        self.parsers: dict[int, tools.NamedCallParser | tools.CallListParser] = {}
 
     def delta(self, index: int, out) -> tuple[dict, str | None]:
-        if self.name is not None:
-            if not out.text:
-                return {}, out.finish_reason
-            call = {"index": 0, "function": {"arguments": out.text}}
-            if index not in self.started:
-                self.started.add(index)
-                call = {"index": 0, "id": tools.call_id(), "type": "function",
-                        "function": {"name": self.name, "arguments": out.text}}  # fmt: skip
-            return {"tool_calls": [call]}, out.finish_reason
-        self.texts.setdefault(index, []).append(out.text)
-        if not out.finished:
-            return {}, None
-        text = "".join(self.texts.pop(index))
-        calls, reason = tools.calls_and_reason(self.body, text, out.finish_reason)
-        if calls is None:
-            return {"content": text} if text else {}, reason
-        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}, reason
+        if index not in self.parsers:
+            self.parsers[index] = tools.call_parser(self.body)
+        parser = self.parsers[index]
+        calls = [tools.streamed_call(d) for d in parser.feed(out.text)]
+        return ({"tool_calls": calls} if calls else {}), tools.finish_reason(parser, out.finish_reason)

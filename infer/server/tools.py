@@ -5,8 +5,10 @@ the same grammar machinery as response_format): the named function's arguments (
 schema), or a list of calls `[{"name": ..., "parameters": {...}}, ...]` whose items are any of the
 tools (vLLM's schema; at most one with `parallel_tool_calls: false`). The response then carries that
 JSON as the message's `tool_calls`, `content` null (OpenAI's shape), and finish_reason "tool_calls" for
-"required" ("stop" for a named one, as OpenAI and vLLM). Streamed, a named call's arguments stream as
-they come; "required" calls come in one chunk at the end (they are known once the list is complete).
+"required" ("stop" for a named one, as OpenAI and vLLM). A call's `arguments` are the text generated
+for them (for "required", the `parameters` value as written). Streamed, each call is announced once its
+name is complete and its arguments follow as they are generated (infer.server.tool_call_parser), so the
+stream accumulates to the response that is not streamed; JSON that is no call's never becomes content.
 
 "auto" (the default when tools are sent) and "none" leave the output as text: the tools reach the chat
 template, and nothing reads calls out of the text (vLLM does that only with a model-specific
@@ -15,8 +17,9 @@ template, and nothing reads calls out of the text (vLLM does that only with a mo
 
 from __future__ import annotations
 
-import json
 import secrets
+
+from infer.server.tool_call_parser import CallDelta, CallListParser, NamedCallParser, parse_calls
 
 MAX_TOOLS = 128
 
@@ -103,27 +106,38 @@ def call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def calls_and_reason(body, text: str, reason: str | None) -> tuple[list[dict] | None, str | None]:
-    """A finished output's tool calls (None: it holds none) and its finish_reason: "tool_calls" for
-    "required" calls that ended on their own, as OpenAI and vLLM ("stop" for a named call)."""
-    calls = tool_calls(body, text) if forces_calls(body) else None
-    if calls is not None and body.tool_choice == "required" and reason == "stop":
-        reason = "tool_calls"
-    return calls, reason
-
-
-def tool_calls(body, text: str) -> list[dict] | None:
-    """The calls in a finished output; None if it is not a complete list (cut short by max_tokens)."""
+def call_parser(body) -> NamedCallParser | CallListParser:
+    """A parser of one choice's forced output (forces_calls(body) holds)."""
     name = named_function(body)
-    if name is not None:
-        return [_call(name, text)]
-    try:
-        calls = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
-        return None
-    return [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in calls]
+    return NamedCallParser(name) if name is not None else CallListParser()
+
+
+def finish_reason(parser: NamedCallParser | CallListParser, reason: str | None) -> str | None:
+    """The finish_reason: "tool_calls" for "required" calls whose list ended on its own, as OpenAI and
+    vLLM ("stop" for a named call; cut short by max_tokens, "length")."""
+    if isinstance(parser, CallListParser) and parser.complete and reason == "stop":
+        return "tool_calls"
+    return reason
+
+
+def calls_and_reason(body, text: str, reason: str | None) -> tuple[list[dict] | None, str | None]:
+    """A finished output's tool calls (None when tool_choice does not force them; empty when the output
+    was cut short before a call's name was complete) and its finish_reason. They are what the stream of
+    the same output accumulates to, ids aside."""
+    if not forces_calls(body):
+        return None, reason
+    parser = call_parser(body)
+    calls = [_call(c["name"], c["arguments"]) for c in parse_calls(parser, text)]
+    return calls, finish_reason(parser, reason)
+
+
+def streamed_call(delta: CallDelta) -> dict:
+    """A CallDelta as an entry of a chunk's `delta.tool_calls`: the id, type and name in the call's
+    first entry only (clients concatenate what repeats)."""
+    if delta.name is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    function = {"name": delta.name, "arguments": delta.arguments}
+    return {"index": delta.index, "id": call_id(), "type": "function", "function": function}
 
 
 def _call(name: str, arguments: str) -> dict:

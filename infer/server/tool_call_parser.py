@@ -1,0 +1,253 @@
+"""Tool calls read out of forced output as it is generated, one text delta at a time.
+
+Under a forced tool_choice the output is JSON (infer.server.tools): a named function's arguments, or a
+list of calls `[{"name": ..., "parameters": {...}}, ...]`. A parser is fed the output's text deltas and
+returns what each adds to the calls, as the OpenAI stream carries it:
+
+    [{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time", ...
+                   name complete: CallDelta(0, name="get_weather")
+                                    {"city":"Paris"}  arguments of call 0, as they arrive
+                                                                  CallDelta(1, name="get_time") ...
+
+A call's arguments are the text of its `parameters` value exactly as generated (whitespace included), so
+the deltas of a call concatenate to what a response that is not streamed returns. A call is announced
+once its name is complete; arguments generated before that (a `parameters` key ahead of `name`) wait for
+it. Text outside the calls (brackets, commas, other keys) is no call's and is never returned.
+
+The scan is one pass over each character, in O(1) state besides the open brackets of the current value
+and the text of a name or key being read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+_WHITESPACE = " \t\n\r"
+_CLOSING = {"{": "}", "[": "]"}
+
+
+@dataclass
+class CallDelta:
+    """What one fed text adds to call `index`: its name in the call's first delta only (with the id a
+    server gives it), then argument text."""
+
+    index: int
+    name: str | None = None
+    arguments: str = ""
+
+
+class NamedCallParser:
+    """A named tool_choice: the whole output is the one call's arguments."""
+
+    def __init__(self, name: str):
+        self.name, self.started = name, False
+
+    def feed(self, text: str) -> list[CallDelta]:
+        if self.started:
+            return [CallDelta(0, arguments=text)] if text else []
+        self.started = True
+        return [CallDelta(0, name=self.name, arguments=text)]
+
+
+class _Call:
+    def __init__(self):
+        self.index = -1  # given when the name is complete: an object without one is no call
+        self.name: str | None = None
+        self.has_parameters = False
+        self.pending = ""  # arguments generated before the name was complete
+
+
+class CallListParser:
+    """tool_choice "required": a JSON list of {"name", "parameters"} objects, fed as it is generated.
+    `complete` once the list has closed; text after it, or after anything that is not such a list,
+    is ignored."""
+
+    def __init__(self):
+        self._state = self._before_list
+        self.complete = False
+        self.failed = False
+        self._call = _Call()
+        self._num_calls = 0  # calls announced
+        self._target: str | None = None  # what the value being scanned is: "name", "parameters" or neither
+        self._key = ""  # raw text of the key being read, then its decoded value
+        self._value: list[str] = []  # raw text of a `name` value being read
+        self._value_stack: list[str] = []  # open brackets of the value being scanned
+        self._in_string = self._escaped = False
+        self._out: list[CallDelta] = []
+
+    def feed(self, text: str) -> list[CallDelta]:
+        for char in text:
+            if self.complete or self.failed:
+                break
+            self._state(char)
+        out, self._out = self._out, []
+        return _merged(out)
+
+    # each state takes one character
+
+    def _before_list(self, char: str) -> None:
+        if char == "[":
+            self._state = self._list_start
+        elif char not in _WHITESPACE:
+            self.failed = True
+
+    def _list_start(self, char: str) -> None:
+        if char == "]":
+            self.complete = True
+        else:
+            self._item_start(char)
+
+    def _item_start(self, char: str) -> None:
+        if char == "{":
+            self._call = _Call()
+            self._state = self._key_or_end
+        elif char not in _WHITESPACE:
+            self.failed = True
+
+    def _key_or_end(self, char: str) -> None:
+        if char == "}":
+            self._end_call()
+        else:
+            self._key_start(char)
+
+    def _key_start(self, char: str) -> None:
+        if char == '"':
+            self._key, self._escaped, self._state = "", False, self._key_text
+        elif char not in _WHITESPACE:
+            self.failed = True
+
+    def _key_text(self, char: str) -> None:
+        if self._escaped:
+            self._escaped = False
+        elif char == "\\":
+            self._escaped = True
+        elif char == '"':
+            self._key = _decoded(f'"{self._key}"')
+            self._state = self._colon
+            return
+        self._key += char
+
+    def _colon(self, char: str) -> None:
+        if char == ":":
+            self._state = self._value_start
+        elif char not in _WHITESPACE:
+            self.failed = True
+
+    def _value_start(self, char: str) -> None:
+        if char in _WHITESPACE:
+            return
+        call = self._call
+        self._target = None
+        if self._key == "name" and call.name is None:
+            self._target, self._value = "name", []
+        elif self._key == "parameters" and not call.has_parameters:
+            self._target, call.has_parameters = "parameters", True
+        self._value_stack, self._in_string, self._escaped = [], False, False
+        self._state = self._value_text
+        self._value_text(char)
+
+    def _value_text(self, char: str) -> None:
+        """One character of a value; a scalar ends at the first character not its own, which then
+        belongs to what follows the value."""
+        stack = self._value_stack
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self._in_string = False
+        elif char == '"':
+            self._in_string = True
+        elif char in _CLOSING:
+            stack.append(_CLOSING[char])
+        elif char in "]}" and stack:
+            if stack.pop() != char:
+                self.failed = True
+                return
+        elif not stack and (char in _WHITESPACE or char in ",]}"):
+            self._end_value()
+            self._after_value(char)
+            return
+        self._value_char(char)
+        if not (stack or self._in_string) and (char == '"' or char in "]}"):
+            self._end_value()  # a string, object or list just closed
+
+    def _value_char(self, char: str) -> None:
+        if self._target == "name":
+            self._value.append(char)
+        elif self._target == "parameters":
+            self._arguments(char)
+
+    def _end_value(self) -> None:
+        self._state = self._after_value
+        if self._target != "name":
+            return
+        name = _decoded("".join(self._value))
+        if not isinstance(name, str):
+            self.failed = True  # not a call: the grammar's schema makes names strings
+            return
+        call = self._call
+        call.name, call.index = name, self._num_calls
+        self._num_calls += 1
+        self._out.append(CallDelta(call.index, name=name, arguments=call.pending))
+
+    def _after_value(self, char: str) -> None:
+        if char == ",":
+            self._state = self._key_start
+        elif char == "}":
+            self._end_call()
+        elif char not in _WHITESPACE:
+            self.failed = True
+
+    def _end_call(self) -> None:
+        call = self._call
+        if call.name is not None and not call.has_parameters:  # no parameters: none, as an empty object
+            self._out.append(CallDelta(call.index, arguments="{}"))
+        self._state = self._after_item
+
+    def _after_item(self, char: str) -> None:
+        if char == ",":
+            self._state = self._item_start
+        elif char == "]":
+            self.complete = True
+        elif char not in _WHITESPACE:
+            self.failed = True
+
+    def _arguments(self, text: str) -> None:
+        call = self._call
+        if call.name is None:
+            call.pending += text
+        else:
+            self._out.append(CallDelta(call.index, arguments=text))
+
+
+def _decoded(text: str):
+    """A JSON string's value (None if it is not one, which the grammar does not let through)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _merged(deltas: list[CallDelta]) -> list[CallDelta]:
+    """One delta per call, in order: a name and the argument text after it in the same feed go
+    together."""
+    merged: list[CallDelta] = []
+    for delta in deltas:
+        if merged and merged[-1].index == delta.index and delta.name is None:
+            merged[-1].arguments += delta.arguments
+        else:
+            merged.append(delta)
+    return merged
+
+
+def parse_calls(parser: NamedCallParser | CallListParser, text: str) -> list[dict]:
+    """A whole output's calls, [{"name", "arguments"}], exactly as its deltas accumulate."""
+    calls: list[dict] = []
+    for delta in parser.feed(text):
+        if delta.name is not None:
+            calls.append({"name": delta.name, "arguments": ""})
+        calls[-1]["arguments"] += delta.arguments
+    return calls
