@@ -40,7 +40,7 @@ MAX_GBNF_CHARS = 8192
 # +250 MB; * 40,000: 37-47 s and 6.6 GB), eagerly for a regex and Lark's terminals, lazily at the first
 # mask for a JSON schema's patterns (also Lark's %json), which _compile then computes. Bounds: a regex and
 # a schema's patterns together 8 KiB (~0.5 s at worst), a Lark grammar 16 KiB (~2 s at worst, off the
-# engine thread; docs/benchmarks.md, session 21).
+# engine thread; docs/structured-outputs.md).
 MAX_REGEX_CHARS = 8192
 MAX_LARK_CHARS = 16384
 # llguidance compiles a grammar recursively, 3-7 KB of stack per level of rules that refer to rules:

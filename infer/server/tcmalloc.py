@@ -2,10 +2,9 @@
 
 vLLM's CPU docs recommend preloading tcmalloc (LD_PRELOAD) for the same reason: torch's CPU tensors,
 oneDNN's scratch buffers and the tokenizer allocate and free in every step, and glibc's malloc is slower
-at it. Our server with and without it, alternated in one race (`infer bench race` with the variant as
-the peer, 2 rounds, llama-50m, 2-core Intel Sapphire Rapids; docs/benchmarks.md): +7% output
-throughput at concurrency 1, +15% at 8, +7% at 32. glibc's own knobs (mallopt: no mmap or trim of
-freed memory) did not give it in-process, so this is about the allocator, not page faults.
+at it: 7-15% more output throughput (docs/optimizations.md, "Memory: tcmalloc and huge pages", has the
+race). glibc's own knobs (mallopt: no mmap or trim of freed memory) did not give it in-process, so this
+is about the allocator, not page faults.
 
 A library must be preloaded before the process starts, hence the re-exec (same PID, so a supervisor
 or `ServerProcess` sees nothing); it happens before any model is loaded, costs ~0.3 s, and is skipped
