@@ -109,12 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_replica_args(serve)  # --replicas N: infer.deploy (Ray Serve, an optional extra)
     serve.set_defaults(func=cmd_serve)
 
-    from infer.bench import missing_requirement
+    from infer.bench.cli import add_bench_parsers, missing_requirement
 
     missing = missing_requirement()
     if missing is None:
-        from infer.bench.cli import add_bench_parsers
-
         add_bench_parsers(sub)
     else:
         add_missing_extra_parser(sub, "bench", "benchmarks against a server", extra="bench", missing=missing)

@@ -55,6 +55,11 @@ class CacheConfig:
 DEFAULT_TOKEN_BUDGET = 2048
 
 
+# Running streams at most 2x slower while a prompt is prefilled beside them: docs/engine.md, "Long prompts
+# beside running streams", has the tradeoff against the long prompt's time to first token.
+DEFAULT_MAX_DECODE_SLOWDOWN = 2.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """What one engine step may contain and in which order requests are served.
@@ -77,6 +82,16 @@ class SchedulerConfig:
     batching_mode: "continuous" (admit and retire every step) or "static" (admit up to max_num_seqs,
         run them all to completion, then admit the next batch; for benchmarks).
     max_model_len: prompt + max_tokens of one request at most.
+    max_decode_slowdown: a step that carries decodes takes at most about this many times a decode-only
+        step: its prefill tokens are cut to fit, so a long prompt does not stall running streams
+        (infer/core/prefill_pacer.py); 0 (or 1) = off, every step takes the whole budget. Off here, the
+        mechanism alone; EngineConfig's default (DEFAULT_MAX_DECODE_SLOWDOWN) turns it on.
+    long_prefill_token_threshold: vLLM's: a prompt longer than this is "long", and gets at most this many
+        tokens a step; 0 = none, or 4% of max_model_len when max_num_partial_prefills > 1 (as vLLM).
+    max_num_partial_prefills: vLLM's: requests whose prefill is under way at once, at most; 0 = no bound
+        (as vLLM v1's scheduler).
+    max_long_partial_prefills: vLLM's: of those, long ones at most (0 = no bound); a shorter prompt may be
+        admitted past a long one that waits for this, so short requests keep their time to first token.
     """
 
     max_num_seqs: int = 64
@@ -88,9 +103,14 @@ class SchedulerConfig:
     max_model_len: int = 2048
     slo_max_wait_s: float = 30.0
     slo_reject_late: bool = False
+    max_decode_slowdown: float = 0.0
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 0
+    max_long_partial_prefills: int = 0
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
+        _check_prefill_sharing(self)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_model_len", self.max_model_len)
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -103,6 +123,8 @@ class SchedulerConfig:
             raise ValueError(f"enable_chunked_prefill must be a bool, got {self.enable_chunked_prefill!r}")
         if self.prefill_chunk_size is None:
             object.__setattr__(self, "prefill_chunk_size", self.max_num_batched_tokens)
+        if self.long_prefill_token_threshold == 0 and self.max_num_partial_prefills > 1:
+            object.__setattr__(self, "long_prefill_token_threshold", max(1, int(0.04 * self.max_model_len)))
         _positive_int("prefill_chunk_size", self.prefill_chunk_size)
         if self.prefill_chunk_size > self.max_num_batched_tokens:
             raise ValueError(
@@ -120,6 +142,30 @@ class SchedulerConfig:
     def max_batch_size(self) -> int:
         """The micro-benchmarks' name for max_num_seqs."""
         return self.max_num_seqs
+
+
+def _check_prefill_sharing(cfg) -> None:
+    """Validate the fields that share steps between prefills and decodes (SchedulerConfig's and
+    EngineConfig's names); SchedulerConfig then sets vLLM's default threshold."""
+    slowdown = cfg.max_decode_slowdown
+    if (
+        isinstance(slowdown, bool)
+        or not isinstance(slowdown, int | float)
+        or not 0 <= slowdown < float("inf")
+    ):
+        raise ValueError(f"max_decode_slowdown must be a number >= 0 (0: off), got {slowdown!r}")
+    threshold = cfg.long_prefill_token_threshold
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise ValueError(f"long_prefill_token_threshold must be an int >= 0 (0: none), got {threshold!r}")
+    for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0 (0: no bound), got {value!r}")
+    if 0 < cfg.max_num_partial_prefills < cfg.max_long_partial_prefills:
+        raise ValueError(
+            f"max_long_partial_prefills ({cfg.max_long_partial_prefills}) cannot exceed "
+            f"max_num_partial_prefills ({cfg.max_num_partial_prefills})"
+        )
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -163,6 +209,8 @@ class EngineConfig:
     trace_steps: the trace keeps the events of this many last steps (a ring), so its memory is bounded.
     slo_config: a YAML file of request classes with default TTFT / TPOT objectives (infer.core.slo.
         SloClasses), for requests that bring none; slo_max_wait_s, slo_reject_late: SchedulerConfig's.
+    max_decode_slowdown, long_prefill_token_threshold, max_num_partial_prefills,
+        max_long_partial_prefills: SchedulerConfig's (how prefills share steps with running streams).
     enforce_eager: run every forward eagerly; by default a batch size that decodes steadily is replayed
         from a captured graph (infer.runner.decode_graph), as vLLM's flag turns off its CUDA graphs.
     tensor_parallel_size: ranks that each hold a shard of every layer (infer.runner.parallel); 1 = one
@@ -194,6 +242,10 @@ class EngineConfig:
     slo_config: str | None = None
     slo_max_wait_s: float = 30.0
     slo_reject_late: bool = False
+    max_decode_slowdown: float = DEFAULT_MAX_DECODE_SLOWDOWN
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 0
+    max_long_partial_prefills: int = 0
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
 
@@ -212,6 +264,26 @@ class EngineConfig:
             _positive_int("max_model_len", self.max_model_len)
         _one_of("quantization", self.quantization, QUANTIZATION_METHODS)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_prefill_sharing(self)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's part of this configuration, for a model of max_model_len (built in one place:
+        the engine, and the server's check of its flags before the model loads)."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            prefill_chunk_size=self.prefill_chunk_size,
+            policy=self.policy,
+            batching_mode=self.batching_mode,
+            max_model_len=max_model_len,
+            slo_max_wait_s=self.slo_max_wait_s,
+            slo_reject_late=self.slo_reject_late,
+            max_decode_slowdown=self.max_decode_slowdown,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            max_long_partial_prefills=self.max_long_partial_prefills,
+        )
 
 
 # vLLM's CPU default. Against 32: waiting requests no longer queue behind the running 32, so more

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import sys
 from pathlib import Path
+
+# The bench client's libraries: the `bench` extra, not needed to serve.
+REQUIREMENTS = ("aiohttp", "httpx", "matplotlib", "tqdm")
+
+
+def missing_requirement() -> str | None:
+    """The first of the bench extra's libraries that is not installed, or None."""
+    return next((name for name in REQUIREMENTS if importlib.util.find_spec(name) is None), None)
 
 
 def add_bench_parsers(subparsers) -> argparse.ArgumentParser:

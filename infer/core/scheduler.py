@@ -58,6 +58,7 @@ from collections.abc import Callable, Iterable
 from infer.config import CacheConfig, SchedulerConfig
 from infer.core.kv_cache_manager import make_kv_cache_manager
 from infer.core.outputs import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput, StepStats
+from infer.core.prefill_pacer import PrefillPacer
 from infer.core.request import Request, RequestStatus
 from infer.core.slo import LateRequest, StepCostModel
 
@@ -71,14 +72,27 @@ class _StepPlan:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.num_new_tokens: dict[Request, int] = {}  # insertion order: decodes, prefill chunks, admissions
+        self.cost: dict[Request, int] = {}  # what each grant took from the budget
         self.preempted_req_ids: list[str] = []
+        self.paced: int | None = None  # prefill tokens the pacer leaves to running prompts' chunks
+        self.paced_admissions = False  # and to admissions too (beside decodes)
 
-    def grant(self, req: Request, num_new_tokens: int) -> None:
+    def available(self, admission: bool) -> int:
+        """Budget for the next prefill grant: a running prompt's chunk, or an admission."""
+        if self.paced is None or (admission and not self.paced_admissions):
+            return self.budget
+        return min(self.budget, self.paced)
+
+    def grant(self, req: Request, num_new_tokens: int, cost: int | None = None) -> None:
         self.num_new_tokens[req] = num_new_tokens
-        self.budget -= num_new_tokens
+        self.cost[req] = num_new_tokens if cost is None else cost
+        self.budget -= self.cost[req]
+        if self.paced is not None and num_new_tokens > 1:  # a prefill chunk (a decode is 1 token)
+            self.paced = max(0, self.paced - self.cost[req])
 
     def revoke(self, req: Request) -> None:
-        self.budget += self.num_new_tokens.pop(req, 0)
+        self.num_new_tokens.pop(req, None)
+        self.budget += self.cost.pop(req, 0)
 
 
 class Scheduler:
@@ -118,6 +132,13 @@ class Scheduler:
         self._wave_slots = 0  # static batching: admissions left in the current wave
         self._finished_req_ids: list[str] = []  # since the last schedule()
         self._last_decodes: list[Request] = []  # "slo": the decodes of the last step, for observe_step
+        self.pacer = PrefillPacer(
+            scheduler_config.max_decode_slowdown, scheduler_config.max_num_batched_tokens
+        )
+        self._last_step = (0, 0)  # (decode, prefill) tokens of the last step, for observe_step
+        # What a prompt token whose logprobs are asked for costs in the budget, in tokens: its row of the
+        # LM head (and the log-softmax over the vocabulary) comes on top. Set by the engine from the model.
+        self.prompt_logprob_token_cost = 1.0
 
     def _key(self, req: Request) -> tuple[int, float, int]:
         if self._slo:
@@ -132,7 +153,8 @@ class Scheduler:
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """The last step, of num_tokens, took seconds: what the "slo" policy's cost model learns from,
         and a slow gap for each of its decodes whose TPOT objective it exceeded. Nothing under the other
-        policies (no work on their steps)."""
+        policies (no work on their steps). The prefill pacer learns from every step."""
+        self.pacer.observe(*self._last_step, seconds)
         if not self._slo:
             return
         self.cost_model.observe(num_tokens, seconds)
@@ -227,25 +249,49 @@ class Scheduler:
         return self._emit(plan, self.kv_cache_manager.num_evictions - num_evictions)
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
-        """Tokens req may feed now (0 = none): a chunk if chunking, else all remaining or nothing."""
+        """Tokens req may feed now (0 = none): a chunk if chunking, else all remaining or nothing. A long
+        prompt's chunk is at most long_prefill_token_threshold; prompt-logprob tokens cost more."""
         num_new = req.num_tokens - num_computed
+        budget = int(budget // self._token_cost(req, num_computed))
         if self.config.enable_chunked_prefill:
+            threshold = self.config.long_prefill_token_threshold
+            if 0 < threshold < num_new:
+                num_new = threshold
             return min(num_new, self.config.prefill_chunk_size, budget)
         return num_new if num_new <= budget else 0
+
+    def _token_cost(self, req: Request, start: int) -> float:
+        return self.prompt_logprob_token_cost if _wants_prompt_logprobs(req, start) else 1.0
+
+    def _grant(self, plan: _StepPlan, req: Request, num_new: int, start: int) -> None:
+        plan.grant(req, num_new, min(plan.budget, -int(-num_new * self._token_cost(req, start) // 1)))
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Decodes first, then prefill chunks of running requests, each pass best key first."""
         for decode_pass in (True, False):
-            if not decode_pass and self._slo:
-                self._cap_prefill(plan)
+            if not decode_pass:
+                self._pace_prefill(plan)
+                if self._slo:
+                    self._cap_prefill(plan)
             for req in list(self.running):
-                if plan.budget == 0:
+                if plan.available(admission=False) == 0:
                     return
                 if req.status != RequestStatus.RUNNING or req.is_prefill == decode_pass:
                     continue  # preempted earlier in this loop, or not this pass's kind
-                num_new = self._num_new_tokens(req, req.num_computed_tokens, plan.budget)
+                budget = plan.budget if decode_pass else plan.available(admission=False)
+                num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
                 if num_new and self._allocate_or_preempt(req, num_new, plan):
-                    plan.grant(req, num_new)
+                    self._grant(plan, req, num_new, req.num_computed_tokens)
+
+    def _pace_prefill(self, plan: _StepPlan) -> None:
+        """Beside running decodes, leave the step only the prefill the pacer allows (prefill_pacer.py).
+        With no decode but requests waiting, running prompts' chunks get that much too, and the rest of
+        the budget goes to the waiting: a new request does not wait behind a long prompt's whole chunk."""
+        num_decodes = len(plan.num_new_tokens)  # the decodes granted so far
+        limit = self.pacer.prefill_limit(num_decodes if num_decodes else (1 if self.waiting else 0))
+        if limit is not None:
+            plan.paced = limit
+            plan.paced_admissions = num_decodes > 0
 
     def _cap_prefill(self, plan: _StepPlan) -> None:
         """ "slo": leave the step only the prefill tokens that let it end within the tightest TPOT
@@ -275,37 +321,63 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests in key order while the budget, max_num_seqs and the pool allow.
-        Stops at the first request that cannot be admitted (head-of-line blocking, see module doc)."""
+        Stops at the first request that cannot be admitted (head-of-line blocking, see module doc), but
+        for a long prompt held back by max_long_partial_prefills, which shorter prompts may pass."""
         kv = self.kv_cache_manager
-        order = self._slo_order() if self._slo else None
-        while self.waiting and plan.budget > 0 and not (self._static and self._wave_slots == 0):
-            req = order[0] if order is not None else self.waiting[0]
+        order = self._slo_order() if self._slo else list(self.waiting)
+        partial, long_partial = self._partial_prefills(plan)
+        i = 0
+        wave_full = self._static and self._wave_slots == 0
+        while i < len(order) and plan.available(admission=True) > 0 and not wave_full:
+            req = order[i]
             if len(self.running) >= self.config.max_num_seqs:
                 if self._preempt_for(req, plan):
+                    order = self._slo_order() if self._slo else list(self.waiting)
                     continue
                 return
             computed_blocks, num_hit = kv.get_computed_blocks(req)
-            num_new = self._num_new_tokens(req, num_hit, plan.budget)
+            num_new = self._num_new_tokens(req, num_hit, plan.available(admission=True))
             if num_new == 0:
                 return
+            if num_hit + num_new < req.num_tokens:  # its prefill goes on after this step
+                if 0 < self.config.max_num_partial_prefills <= partial:
+                    return
+                if self._is_long(req) and 0 < self.config.max_long_partial_prefills <= long_partial:
+                    i += 1  # a shorter prompt behind it may go first
+                    continue
             if kv.allocate_slots(req, num_new, computed_blocks) is None:
                 if self._preempt_for(req, plan):
+                    order = self._slo_order() if self._slo else list(self.waiting)
                     continue  # look up the prefix again: the victim's blocks may now be hits
                 return
-            if order is not None:
-                order.pop(0)
-                self.waiting.remove(req)
-            else:
-                self.waiting.pop(0)
+            order.pop(i)
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = self.clock()
                 req.num_cached_tokens = num_hit
             insort(self.running, req, key=self._key)
-            plan.grant(req, num_new)
+            self._grant(plan, req, num_new, num_hit)
+            if num_hit + num_new < req.num_tokens:
+                partial += 1
+                long_partial += self._is_long(req)
             if self._static:
                 self._wave_slots -= 1
+                wave_full = self._wave_slots == 0
+
+    def _is_long(self, req: Request) -> bool:
+        threshold = self.config.long_prefill_token_threshold
+        return 0 < threshold < req.num_prompt_tokens
+
+    def _partial_prefills(self, plan: _StepPlan) -> tuple[int, int]:
+        """Running requests whose prefill goes on after this step's grants: (all, long ones)."""
+        partial = [
+            r
+            for r in self.running
+            if r.num_computed_tokens + plan.num_new_tokens.get(r, 0) < r.num_tokens - 1
+        ]
+        return len(partial), sum(self._is_long(r) for r in partial)
 
     def _slo_order(self) -> list[Request]:
         """ "slo" admission order: waited slo_max_wait_s or more (arrival order), then able to meet the
@@ -373,6 +445,7 @@ class Scheduler:
                 num_prefill += num_new
                 req.num_prefill_tokens_computed += num_new
             req.num_computed_tokens = end
+        self._last_step = (num_decode, num_prefill)
         stats = StepStats(
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from infer.config import CacheConfig, EngineConfig, SchedulerConfig
+from infer.config import CacheConfig, EngineConfig
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats
 from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
@@ -86,6 +86,15 @@ def run_tensor_parallel_worker(config: EngineConfig) -> int:
     return run_worker(config)
 
 
+def prompt_logprob_token_cost(model, model_config) -> float:
+    """A prompt token whose logprobs are computed, in the cost of a plain one: its row of the LM head and
+    a pass over its vocabulary's logits (log-softmax, top-N) on top of the model's per-token work."""
+    head = model_config.vocab_size * model_config.hidden_size
+    total = sum(p.numel() for p in model.parameters())
+    body = max(total - head, 1)  # the embedding's lookup costs nothing per token; a tied one is counted once
+    return 1.0 + 2 * head / body
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -116,18 +125,9 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             kv_cache_backend=config.kv_cache_backend,
         )
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            prefill_chunk_size=config.prefill_chunk_size,
-            policy=config.policy,
-            batching_mode=config.batching_mode,
-            max_model_len=self.max_model_len,
-            slo_max_wait_s=config.slo_max_wait_s,
-            slo_reject_late=config.slo_reject_late,
-        )
+        self.scheduler_config = config.scheduler_config(self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.scheduler.prompt_logprob_token_cost = prompt_logprob_token_cost(model, self.model_config)
         self.slo_classes = SloClasses.from_file(config.slo_config) if config.slo_config else None
         self.runner = ModelRunner(
             model,

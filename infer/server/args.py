@@ -24,7 +24,6 @@ from infer.config import (
     QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
-    SchedulerConfig,
     check_local_ranks,
 )
 from infer.core.slo import SloClasses
@@ -242,6 +241,34 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help="slo: refuse (429) a request that cannot meet its TTFT objective even on an idle step",
     )
     parser.add_argument(
+        "--max-decode-slowdown",
+        type=float,
+        default=d["max_decode_slowdown"],
+        help="a step that carries decodes takes at most about this many times a decode-only step: "
+        "prefill tokens beside running streams are cut to fit, so a long prompt does not stall them; "
+        "0: off, every step takes the whole token budget",
+    )
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=d["long_prefill_token_threshold"],
+        help="vLLM's: a prompt longer than this is long and gets at most this many tokens a step; "
+        "0: none (4%% of --max-model-len with --max-num-partial-prefills > 1)",
+    )
+    parser.add_argument(
+        "--max-num-partial-prefills",
+        type=int,
+        default=d["max_num_partial_prefills"],
+        help="vLLM's: prompts prefilled at once, at most; 0: no bound",
+    )
+    parser.add_argument(
+        "--max-long-partial-prefills",
+        type=int,
+        default=d["max_long_partial_prefills"],
+        help="vLLM's: long prompts prefilled at once, at most (0: no bound); shorter prompts may be "
+        "admitted past a long one that waits",
+    )
+    parser.add_argument(
         "--batching-mode", default=d["batching_mode"], choices=BATCHING_MODES, help="static: for benchmarks"
     )
     parser.add_argument(
@@ -313,17 +340,9 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
     fields = {k: getattr(args, k) for k in _ENGINE_DEFAULTS if hasattr(args, k)}
     model = getattr(args, "model_arg", None) or args.model
     engine = EngineConfig(**{**fields, "model": model})
-    SchedulerConfig(  # fail on an impossible combination now, not after loading the model
-        max_num_seqs=engine.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        enable_chunked_prefill=engine.enable_chunked_prefill,
-        prefill_chunk_size=engine.prefill_chunk_size,
-        policy=engine.policy,
-        batching_mode=engine.batching_mode,
-        max_model_len=engine.max_model_len or 1,
-        slo_max_wait_s=engine.slo_max_wait_s,
-        slo_reject_late=engine.slo_reject_late,
-    )
+    engine.scheduler_config(
+        engine.max_model_len or 1
+    )  # an impossible combination fails now, not after loading
     check_local_ranks(engine.tensor_parallel_size)
     if engine.slo_config is not None:  # a bad file fails now, not after loading the model
         SloClasses.from_file(engine.slo_config)

@@ -1,0 +1,177 @@
+"""Prefills beside running decodes: the pacer's step-time bound, vLLM's long-prefill threshold and
+partial-prefill counts, and prompt-logprob tokens counted in the budget. Steps are timed by a cost model
+of a CPU (a weight read per step, a cost per token, attention growing with the context), not a clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.config import CacheConfig, SchedulerConfig
+from infer.core.prefill_pacer import MIN_PREFILL_TOKENS, PrefillPacer
+from infer.core.scheduler import Scheduler
+from infer.sampling_params import SamplingParams
+from tests.unit.core_fakes import FakeRunner, make_request, step
+
+READ_S, TOKEN_S, ATTENTION_S = 0.010, 0.001, 2e-7  # per step, per token, per token x context position
+
+
+def step_seconds(out) -> float:
+    """A CPU-like step: one read of the weights, then per token, plus attention over the context."""
+    seconds = READ_S + TOKEN_S * out.num_batched_tokens
+    for s in out.scheduled:
+        seconds += ATTENTION_S * len(s.token_ids) * (s.start_pos + len(s.token_ids))
+    return seconds
+
+
+def scheduler(slowdown: float, budget: int = 2048, **fields) -> Scheduler:
+    cfg = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        max_model_len=16384,
+        max_decode_slowdown=slowdown,
+        **fields,
+    )
+    clock = iter(range(1, 10**9))
+    return Scheduler(cfg, CacheConfig(num_blocks=2048, block_size=16), clock=lambda: float(next(clock)))
+
+
+def run(s: Scheduler, arrivals: dict[int, list], max_steps=100_000) -> dict[str, float]:
+    """Step to the end with simulated time, adding arrivals[k] before step k; returns each request's
+    time from its arrival to its last token."""
+    runner, now, arrived, done = FakeRunner(s), 0.0, {}, {}
+    for k in range(max_steps):
+        for req in arrivals.get(k, []):
+            s.add_request(req)
+            arrived[req.req_id] = now
+        if not s.has_unfinished():
+            return done
+        out, outputs = step(s, runner)
+        seconds = step_seconds(out)
+        now += seconds
+        s.observe_step(out.num_batched_tokens, seconds)
+        for o in outputs:
+            if o.finished:
+                done[o.req_id] = now - arrived[o.req_id]
+    raise AssertionError("did not finish")
+
+
+def bystander_and_long(slowdown: float, long_first: bool, long_prompt: int = 8000):
+    """(bystander alone, bystander beside the long prompt, the long prompt's time beside it), the long
+    prompt sent one step after the bystander or the other way round."""
+
+    def bystander():
+        return make_request("b", 16, max_tokens=200, ignore_eos=True)
+
+    def long():
+        return make_request("long", long_prompt, max_tokens=1, ignore_eos=True)
+
+    alone = run(scheduler(slowdown), {0: [bystander()]})["b"]
+    both = run(
+        scheduler(slowdown),
+        {0: [long()], 1: [bystander()]} if long_first else {0: [bystander()], 1: [long()]},
+    )
+    return alone, both["b"], both["long"]
+
+
+@pytest.mark.parametrize("long_first", [False, True])
+def test_without_pacing_a_long_prompt_stalls_the_stream(long_first):
+    alone, beside, _ = bystander_and_long(slowdown=0, long_first=long_first)
+    assert beside > 3 * alone
+
+
+@pytest.mark.parametrize("long_first", [False, True])
+def test_pacing_keeps_the_stream_within_its_bound_and_the_long_prompt_progresses(long_first):
+    alone, beside, long_time = bystander_and_long(slowdown=2, long_first=long_first)
+    assert beside <= 2.2 * alone  # the bound, with the steps the pacer spends learning
+    _, _, long_unpaced = bystander_and_long(slowdown=0, long_first=long_first)
+    assert long_time <= 1.5 * long_unpaced
+
+
+def test_a_prompt_alone_is_not_paced():
+    s = scheduler(slowdown=2)
+    s.add_request(make_request("long", 5000, max_tokens=1))
+    out, _ = step(s, FakeRunner(s))
+    assert out.num_batched_tokens == 2048
+
+
+def test_the_pacer_probes_decode_only_steps_and_backs_off_slow_steps():
+    pacer = PrefillPacer(max_decode_slowdown=2, max_tokens=2048)
+    assert pacer.prefill_limit(num_decodes=0) is None
+    assert pacer.prefill_limit(num_decodes=1) == 0  # nothing known of a decode alone: learn it first
+    pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
+    assert pacer.prefill_limit(num_decodes=1) == 64  # a small start, learned up
+    pacer.observe(num_decodes=1, num_prefill=64, seconds=0.012)  # well within 2x a decode
+    assert pacer.allowed == 128  # doubled at most per step
+    pacer.observe(num_decodes=1, num_prefill=128, seconds=2.0)  # 200x a decode: far over the target
+    assert pacer.allowed == 64  # halved at most per step
+    for _ in range(20):
+        pacer.observe(num_decodes=1, num_prefill=pacer.allowed, seconds=0.010 + 0.001 * pacer.allowed)
+    assert pacer.allowed == pytest.approx(10, abs=1) or pacer.allowed == MIN_PREFILL_TOKENS
+    limits = [pacer.prefill_limit(num_decodes=1) for _ in range(40)]
+    assert limits.count(0) == 1  # one decode-only step in a while keeps the decode cost current
+
+
+def test_long_prefill_token_threshold_caps_a_long_prompts_chunk():
+    s = scheduler(slowdown=0, long_prefill_token_threshold=256)
+    s.add_request(make_request("long", 3000, max_tokens=1))
+    s.add_request(make_request("short", 100, max_tokens=1))
+    out, _ = step(s, FakeRunner(s))
+    assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("long", 256), ("short", 100)]
+
+
+@pytest.mark.parametrize("max_partial, admitted", [(1, [("a", 256)]), (2, [("a", 256), ("b", 256)])])
+def test_max_num_partial_prefills_bounds_prompts_in_progress(max_partial, admitted):
+    s = scheduler(
+        slowdown=0,
+        budget=512,
+        long_prefill_token_threshold=256,
+        max_num_partial_prefills=max_partial,
+        max_long_partial_prefills=max_partial,
+    )
+    for name in ("a", "b"):
+        s.add_request(make_request(name, 1000, max_tokens=1))
+    out, _ = step(s, FakeRunner(s))
+    assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == admitted
+
+
+def test_a_short_prompt_passes_a_long_one_held_by_max_long_partial_prefills():
+    s = scheduler(
+        slowdown=0,
+        long_prefill_token_threshold=512,
+        max_num_partial_prefills=4,
+        max_long_partial_prefills=1,
+    )
+    r = FakeRunner(s)
+    for name in ("long1", "long2", "short"):
+        s.add_request(make_request(name, 3000 if name.startswith("long") else 200, max_tokens=1))
+    out, _ = step(s, r)
+    assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("long1", 512), ("short", 200)]
+    s.check_integrity()
+
+
+def test_vllms_default_threshold_with_several_partial_prefills():
+    cfg = SchedulerConfig(max_model_len=10_000, max_num_partial_prefills=2)
+    assert cfg.long_prefill_token_threshold == 400  # 4% of max_model_len
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"max_decode_slowdown": -1},
+        {"long_prefill_token_threshold": -5},
+        {"max_num_partial_prefills": 2, "max_long_partial_prefills": 3},
+    ],
+)
+def test_bad_values_are_refused(fields):
+    with pytest.raises(ValueError):
+        SchedulerConfig(**fields)
+
+
+def test_prompt_logprob_tokens_cost_more_of_the_budget():
+    s = scheduler(slowdown=0, budget=1024)
+    s.prompt_logprob_token_cost = 2.0
+    req = make_request("p", 3000, max_tokens=1)
+    req.sampling_params = SamplingParams(max_tokens=1, prompt_logprobs=5)
+    s.add_request(req)
+    out, _ = step(s, FakeRunner(s))
+    assert [len(x.token_ids) for x in out.scheduled] == [512]
