@@ -88,7 +88,7 @@ def tool_schema(body) -> dict | None:
 
 
 def call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
+    return f"call_{secrets.token_hex(16)}"  # 128 random bits, as every id the server makes
 
 
 def calls_and_reason(body, text: str, reason: str | None) -> tuple[list[dict] | None, str | None]:
