@@ -1,4 +1,5 @@
-"""The FastAPI app: routes, OpenAI-shaped errors for everything (never FastAPI's 422), the API key check.
+"""The FastAPI app: routes, OpenAI-shaped errors for everything (never FastAPI's 422), the API keys
+(infer.server.auth).
 
     GET  /openapi.json         the OpenAPI schema: request bodies as the routes validate them, errors
     GET  /health               200 once the model is loaded; 503 while loading or draining
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import re
 import time
@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer.server import chat, completions, responses, tokenization
 from infer.server.args import ServerArgs
+from infer.server.auth import APIKeyMiddleware
 from infer.server.protocol import ERROR_RESPONSES, APIError, bad_request
 from infer.server.request_body import RequestBody, is_json
 from infer.server.serving import ServerState, check_model
@@ -75,8 +76,8 @@ def create_app(
     app.state.responses = responses.ResponseStore(args.responses_store_mb * 2**20)
     app.include_router(tokenization.router)
     _add_error_handlers(app)
-    if args.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    if args.api_key_owners:
+        app.add_middleware(APIKeyMiddleware, owners=args.api_key_owners)
     app.add_middleware(RequestBody, max_bytes=args.max_request_bytes)
 
     @app.get("/health")
@@ -104,7 +105,7 @@ def create_app(
         """The effective configuration (as vLLM's dev route), so benchmark reports can record it."""
         server = dataclasses.asdict(args)
         engine = server.pop("engine")
-        server.pop("api_key")
+        server.pop("api_key_owners")
         info = {"engine": engine, "server": server}
         if state.ready:
             info["kv_capacity_tokens"] = state.llm.kv_capacity_tokens
@@ -225,36 +226,3 @@ def validation_error(errors) -> APIError:
         param = param or (loc[0] if loc else None)
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
     return APIError(400, "; ".join(parts) or "invalid request", param=param)
-
-
-# Routes behind --api-key: the API (vLLM's /tokenize and /detokenize too, which sit outside /v1), and what
-# shows the server's configuration or its traffic (/debug/trace).
-_KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/server_info", "/debug")
-
-
-class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on every route of _KEYED_PREFIXES (a pure ASGI middleware: streaming
-    untouched)."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["path"].startswith(_KEYED_PREFIXES)
-            and scope["method"] != "OPTIONS"
-        ):
-            auth = dict(scope["headers"]).get(b"authorization")
-            if auth is None or not hmac.compare_digest(auth, self.expected):
-                message = "missing API key" if auth is None else "incorrect API key provided"
-                error = APIError(
-                    401,
-                    f"{message}: send `Authorization: Bearer KEY` with the server's --api-key",
-                    "authentication_error",
-                    code="invalid_api_key",
-                )
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

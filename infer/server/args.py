@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from infer.config import (
@@ -27,6 +27,7 @@ from infer.config import (
     check_local_ranks,
 )
 from infer.core.slo import SloClasses
+from infer.server.auth import check_keys, owner_of, read_key_file, split_keys
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -39,7 +40,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None  # None: the --model string, or "embedded"
-    api_key: str | None = None
+    # the SHA-256 of each API key (the raw keys are not kept); none: the API is open (infer.server.auth)
+    api_key_owners: tuple[str, ...] = field(default=(), repr=False)
     max_queued_requests: int = 1024
     max_request_bytes: int = 4 * 2**20  # a 4 MiB body holds ~1M tokens of text, beyond any context here
     header_timeout: float = 5.0  # to send a request's headers (nginx: 60 s; a client sends them at once)
@@ -65,7 +67,20 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    parser.add_argument(
+        "--api-key",
+        action=_Keys,
+        default=None,
+        metavar="KEY[,KEY...]",
+        help="require `Authorization: Bearer KEY` on /v1 with one of these keys (comma-separated, "
+        "repeatable); a response stored through /v1/responses answers only the key that stored it",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        default=None,
+        help="more keys, one a line (blank lines and # comments left out), as --api-key",
+    )
     parser.add_argument(
         "--max-queued-requests",
         type=int,
@@ -293,6 +308,26 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     )
 
 
+class _Keys(argparse.Action):
+    """--api-key, repeatable: the values add up, and replace the keys of a --config file (flags override
+    the file, which sets this flag's default)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        current = getattr(namespace, self.dest, None)
+        keys = [] if current is self.default else current
+        setattr(namespace, self.dest, [*keys, values])
+
+
+def api_key_owners(args: argparse.Namespace) -> tuple[str, ...]:
+    """The owners (digests) of the keys of --api-key (a list of values, or a --config file's string or
+    list) and --api-key-file."""
+    given = [] if args.api_key is None else args.api_key
+    keys = split_keys([str(v) for v in (given if isinstance(given, list) else [given])])
+    if args.api_key_file is not None:
+        keys += read_key_file(Path(args.api_key_file))
+    return tuple(owner_of(key.encode()) for key in check_keys(keys))
+
+
 def parse_server_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> ServerArgs:
     """Parse argv, with the defaults taken from --config first so that flags override the file.
     Raises ValueError for a bad file, a bad value or an impossible combination."""
@@ -364,12 +399,13 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         raise ValueError(f"--port must be in [1, 65535] (or 0 for any free port), got {args.port}")
     if args.cuda_graphs:
         check_cuda_graphs()
+    owners = api_key_owners(args)
     return ServerArgs(
         engine=engine,
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        api_key=args.api_key,
+        api_key_owners=owners,
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         header_timeout=args.header_timeout,

@@ -49,6 +49,7 @@ from infer.server.serving import (
     choice_params,
     continuous_usage,
     engine_error,
+    new_id,
     objectives,
     prompt_logprobs_json,
     prompt_logprobs_of,
@@ -83,7 +84,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     slo = objectives(state, body)
     jobs = [Job(prompt_ids, choice_params(params, j), body.priority, slo) for j in range(body.n)]
     state.admit(len(jobs), fits=state.fits(len(prompt_ids), max_tokens))
-    chat_id = state.new_id("chatcmpl")
+    chat_id = new_id("chatcmpl")
     fanout = Fanout(state, jobs, chat_id, arrival)
     chat = _Chat(state, body, chat_id, prompt_ids)
     return await answer(request, fanout, chat, body.stream, "messages")

@@ -32,6 +32,7 @@ from infer.server.serving import (
     continuous_usage,
     engine_error,
     floor_logprob,
+    new_id,
     objectives,
     prompt_logprobs_json,
     prompt_logprobs_of,
@@ -79,7 +80,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     slo = objectives(state, body)
     jobs = [Job(ids, choice_params(params, j), body.priority, slo) for ids in prompts for j in range(body.n)]
     state.admit(len(jobs), fits=all(state.fits(len(ids), params.max_tokens) for ids in prompts))
-    cmpl_id = state.new_id("cmpl")
+    cmpl_id = new_id("cmpl")
     fanout = Fanout(state, jobs, cmpl_id, arrival)
     completion = _Completion(state, body, cmpl_id, prompts, echo_text)
     return await answer(request, fanout, completion, body.stream, "prompt")

@@ -27,6 +27,11 @@ a client sizes), so that the bound counts what is held. Messages are shared betw
 ones that continue it, so a chain of N turns holds each turn's text once; the bound counts each
 response's whole conversation, so it errs high (an evicted turn's text stays alive while a stored response
 continues it).
+
+A stored response is its owner's: the API key that stored it (infer.server.auth; with no key, every client
+is the one anonymous owner). For another key, GET, DELETE and previous_response_id answer the same 404 as
+an id never stored, so that they do not tell that it exists. Its id is 128 random bits: there is no
+counting one's way to another's.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from infer.engine.llm_engine import StepOutput
+from infer.server.auth import request_owner, same_owner
 from infer.server.chat import chat_prompt_ids
 from infer.server.protocol import (
     GENERATE_RESPONSES,
@@ -60,6 +66,7 @@ from infer.server.serving import (
     check_model,
     check_priority,
     engine_error,
+    new_id,
     objectives,
     sampled_logprobs,
     sampling_params,
@@ -76,6 +83,7 @@ _LOGPROBS = "message.output_text.logprobs"
 @dataclass
 class Stored:
     id: str
+    owner: str  # the digest of the API key that stored it (infer.server.auth)
     body: bytes  # the response's JSON, as GET returns it
     conversation: list[dict]  # the messages that produced it, instructions left out (OpenAI's rule)
     text: str  # its output
@@ -101,20 +109,21 @@ class ResponseStore:
             self.num_bytes -= old.size
         return True
 
-    def get(self, response_id: str, param: str = "response_id") -> Stored:
+    def get(self, response_id: str, owner: str, param: str = "response_id") -> Stored:
+        """The owner's response; another owner's is not found, as one never stored."""
         entry = self.entries.get(response_id)
-        if entry is None:
+        if entry is None or not same_owner(entry.owner, owner):
             raise APIError(
                 404,
-                f"no stored response with id {response_id!r}: never stored (store false), deleted, or "
-                "evicted (--responses-store-mb bounds the store)",
+                f"no stored response with id {response_id!r}: never stored (store false), stored with "
+                "another API key, deleted, or evicted (--responses-store-mb bounds the store)",
                 param=param,
                 code="response_not_found",
             )
         return entry
 
-    def delete(self, response_id: str) -> None:
-        self.num_bytes -= self.get(response_id).size
+    def delete(self, response_id: str, owner: str) -> None:
+        self.num_bytes -= self.get(response_id, owner).size
         del self.entries[response_id]
 
 
@@ -123,13 +132,14 @@ async def create_response(body: ResponsesRequest, request: Request):
     arrival = time.monotonic()
     state: ServerState = request.app.state.server
     store: ResponseStore = request.app.state.responses
+    owner = request_owner(request)
     check_model(state, body.model)
     check_fields(body)
     state.check_open()
     check_priority(state, body.priority)
     conversation = _input_messages(body.input)
     if body.previous_response_id is not None:
-        previous = store.get(body.previous_response_id, param="previous_response_id")
+        previous = store.get(body.previous_response_id, owner, param="previous_response_id")
         reply = {"role": "assistant", "content": previous.text}
         conversation = [*previous.conversation, reply, *conversation]
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
@@ -151,20 +161,21 @@ async def create_response(body: ResponsesRequest, request: Request):
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     state.admit(1, fits=state.fits(len(prompt_ids), max_tokens))
-    response_id = state.new_id("resp")
+    response_id = new_id("resp")
     fanout = Fanout(state, [Job(prompt_ids, params, body.priority, slo)], response_id, arrival)
-    run = _Response(state, store, body, response_id, conversation)
+    run = _Response(state, store, body, response_id, conversation, owner)
     return await answer(request, fanout, run, body.stream, "input")
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request) -> Response:
-    return Response(request.app.state.responses.get(response_id).body, media_type="application/json")
+    stored = request.app.state.responses.get(response_id, request_owner(request))
+    return Response(stored.body, media_type="application/json")
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> JSONResponse:
-    request.app.state.responses.delete(response_id)
+    request.app.state.responses.delete(response_id, request_owner(request))
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
@@ -210,11 +221,13 @@ def _is_text_part(part) -> bool:
 
 
 class _Response:
-    def __init__(self, state: ServerState, store: ResponseStore, body, response_id: str, conversation):
+    def __init__(
+        self, state: ServerState, store: ResponseStore, body, response_id: str, conversation, owner: str
+    ):
         self.state, self.store, self.body, self.id = state, store, body, response_id
-        self.conversation = conversation
+        self.conversation, self.owner = conversation, owner
         self.created = int(time.time())
-        self.item_id = f"msg-{response_id.removeprefix('resp-')}"
+        self.item_id = new_id("msg")
         self.include_logprobs = _wants_logprobs(body)
 
     def _logprobs(self, out: StepOutput) -> list[dict]:
@@ -285,7 +298,8 @@ class _Response:
             # the body holds the output, the instructions, metadata and logprobs: all sized by the client
             body = orjson.dumps(response)
             size = len(body) + len(text.encode()) + sum(len(m["content"].encode()) for m in self.conversation)
-            response["store"] = self.store.put(Stored(self.id, body, self.conversation, text, size + 1024))
+            stored = Stored(self.id, self.owner, body, self.conversation, text, size + 1024)
+            response["store"] = self.store.put(stored)
         return response
 
     async def collect(self, fanout: Fanout) -> dict:

@@ -22,10 +22,9 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
-import itertools
 import json
 import logging
-import time
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -59,7 +58,6 @@ class ServerState:
         self.draining = False
         self.num_in_flight = 0  # engine requests admitted and not yet finished
         self.fanouts: set[Fanout] = set()
-        self._ids = itertools.count()
 
     async def load(self, on_fatal=None) -> None:
         """Load the model off the event loop (so /health can answer 503 meanwhile): on the engine thread,
@@ -90,9 +88,6 @@ class ServerState:
     @property
     def llm(self) -> MeteredEngine:
         return self.engine.engine
-
-    def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 10**8}"
 
     @property
     def max_request_len(self) -> int:
@@ -161,6 +156,12 @@ class ServerState:
         """End every running choice with finish_reason "abort" (the drain timed out)."""
         for fanout in list(self.fanouts):
             fanout.close()
+
+
+def new_id(prefix: str) -> str:
+    """An id a client sees: 128 random bits (as vLLM's random_uuid), so that no id tells another: an id
+    with a counter or a clock in it let one client count its way to another's stored response."""
+    return f"{prefix}-{secrets.token_hex(16)}"
 
 
 def check_model(state: ServerState, model: str | None) -> None:

@@ -103,7 +103,7 @@ def tool_schema(body) -> dict | None:
 
 
 def call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
+    return f"call_{secrets.token_hex(16)}"  # 128 random bits, as every id the server makes
 
 
 def call_parser(body) -> NamedCallParser | CallListParser:

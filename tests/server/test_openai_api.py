@@ -35,7 +35,7 @@ def test_models_and_health(server, client, model):
 def test_server_info_reports_the_effective_configuration(server):
     info = httpx.get(server.url + "/server_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert info["engine"]["policy"] == "priority" and info["engine"]["kv_cache_backend"] == "paged"
-    assert "api_key" not in info["server"] and info["kv_capacity_tokens"] > 0
+    assert "api_key_owners" not in info["server"] and info["kv_capacity_tokens"] > 0
 
 
 def test_completion_usage_is_exact(client, model):

@@ -147,12 +147,12 @@ def _user(text: str) -> dict:
 def test_the_store_evicts_the_oldest_beyond_its_bound():
     store = ResponseStore(max_bytes=100)
     for i in range(4):
-        assert store.put(Stored(f"r{i}", b"{}", [], "", 30))
+        assert store.put(Stored(f"r{i}", "", b"{}", [], "", 30))
     assert list(store.entries) == ["r1", "r2", "r3"] and store.num_bytes == 90
-    assert not store.put(Stored("big", b"{}", [], "", 101)) and "big" not in store.entries
-    store.delete("r2")
+    assert not store.put(Stored("big", "", b"{}", [], "", 101)) and "big" not in store.entries
+    store.delete("r2", "")
     assert list(store.entries) == ["r1", "r3"] and store.num_bytes == 60
-    assert not ResponseStore(max_bytes=0).put(Stored("x", b"{}", [], "", 1))
+    assert not ResponseStore(max_bytes=0).put(Stored("x", "", b"{}", [], "", 1))
 
 
 @pytest.mark.parametrize(
@@ -171,11 +171,11 @@ def test_the_store_counts_what_a_stored_response_holds(fields):
     body = ResponsesRequest(input="Hi", **fields)
     last = StepOutput("r", "", [], True, "stop", 3, 1, 0)
     for i in range(2):
-        _Response(state, store, body, f"resp-{i}", [_user("Hi")])._finish("out", [], last)
+        _Response(state, store, body, f"resp-{i}", [_user("Hi")], "")._finish("out", [], last)
     assert list(store.entries) == ["resp-1"] and store.num_bytes > 300_000
-    assert json.loads(store.get("resp-1").body)["id"] == "resp-1"
+    assert json.loads(store.get("resp-1", "").body)["id"] == "resp-1"
     small = ResponseStore(max_bytes=100_000)  # one that cannot hold it at all: the response says so
-    response = _Response(state, small, body, "resp-2", [_user("Hi")])._finish("out", [], last)
+    response = _Response(state, small, body, "resp-2", [_user("Hi")], "")._finish("out", [], last)
     assert response["store"] is False and not small.entries
 
 
