@@ -2,33 +2,38 @@
 everyone's stream.
 
 A decode step on a CPU costs about one read of the weights; a step that also carries a 2048-token prefill
-chunk costs many times that, and every running stream waits for it. The pacer keeps a step with decodes
-within `max_decode_slowdown` times what a decode-only step of the same decodes costs, by the number of
-prefill tokens it lets in:
+chunk costs many times that, and every running stream waits for it. The pacer keeps the time of the steps
+that carry decodes within `max_decode_slowdown` times what decode-only steps of the same decodes cost:
 
-    target  = max_decode_slowdown * decode_cost(num_decodes)       decode_cost: fit on decode-only steps
-    allowed = allowed * ((target - decode) / (observed - decode))  after each step with both, damped
+  - a step's prefill is at most `allowed` tokens, learned from measured step times so that one step
+    takes about STEP_FACTOR times a decode-only one: what a linear model misses (attention over a long
+    context, prompt logprobs, an eager step beside a replayed decode graph, a busy machine) counts as
+    the time it takes. Chunks that size keep a step's fixed costs small beside its prefill, so the
+    prompt's own time to first token suffers little, and bound a stream's longest gap;
+  - the time over max_decode_slowdown times a decode-only step is a debt that decode-only steps pay
+    back (each earns its time times max_decode_slowdown - 1): prefill and decode-only steps alternate,
+    so that the streams' pace holds on average;
+  - the decode cost is the median of recent decode-only steps with about as many decodes, one of which
+    the pacer asks for every PROBE_EVERY paced steps (a stream that joined while a long prompt was
+    prefilled has never been seen alone).
 
-The allowance follows measured step times rather than a model of them, so that what a linear model misses
-(attention over a long context, prompt logprobs, a busy machine) is counted as the time it takes. Steps
-without decodes are not paced: a prompt alone gets the whole budget. With a streak of paced steps and no
-decode-only step to learn from, one step in `PROBE_EVERY` runs without prefill, so that the decode cost
-follows the batch (a stream that joins while a long prompt is prefilled has never been seen alone).
-
-A bystander's time is then at most about max_decode_slowdown times its time alone, and the long prompt's
-own time to first token grows by about the bystanders' time alone (each paced step carries about
-(max_decode_slowdown - 1) decode steps' worth of prefill). docs/engine.md, "Long prompts beside running
-streams", has the measured tradeoff.
+Steps without decodes are not paced: a prompt alone gets the whole budget. A bystander's time is then at
+most about max_decode_slowdown times its time alone, and the long prompt's time to first token grows by
+about the bystanders' time alone. docs/engine.md, "Long prompts beside running streams", has the
+measured tradeoff.
 """
 
 from __future__ import annotations
 
-from infer.core.slo import StepCostModel
+import statistics
+from collections import deque
 
-MIN_PREFILL_TOKENS = 1  # a step with decodes keeps at least this much prefill: prompts always progress
-PROBE_EVERY = 32  # paced steps between decode-only steps that refresh the decode cost
+STEP_FACTOR = 4.0  # a paced step's time, in decode-only steps (at least max_decode_slowdown)
+MIN_PREFILL_TOKENS = 32  # a paced chunk at least: smaller ones cost a step's overhead for little progress
 INITIAL_PREFILL_TOKENS = 64  # learned up by doubling: a chunk too small costs less than one too big
 MAX_CHANGE = 2.0  # the allowance moves at most this factor per step (damping one noisy step)
+PROBE_EVERY = 32  # paced steps between decode-only steps that refresh the decode cost
+DECODE_SAMPLES = 32  # recent decode-only steps kept
 
 
 class PrefillPacer:
@@ -36,35 +41,49 @@ class PrefillPacer:
         self.slowdown = max_decode_slowdown
         self.max_tokens = max_tokens
         self.allowed = min(INITIAL_PREFILL_TOKENS, max_tokens)
-        self.decode_cost = StepCostModel(min_steps=1)
+        self.decode_steps: deque[tuple[int, float]] = deque(maxlen=DECODE_SAMPLES)  # (decodes, seconds)
+        self.debt = 0.0  # seconds over the target that decode-only steps have yet to pay back
         self.steps_since_decode_only = 0  # paced steps since the last decode-only one
 
     @property
     def enabled(self) -> bool:
         return self.slowdown > 1
 
+    def decode_seconds(self, num_decodes: int) -> float | None:
+        """What a decode-only step of num_decodes costs: the median of recent ones of about that size."""
+        if not self.decode_steps:
+            return None
+        near = [t for n, t in self.decode_steps if num_decodes / 2 <= n <= num_decodes * 2]
+        if near:
+            return statistics.median(near)
+        n, t = min(self.decode_steps, key=lambda s: abs(s[0] - num_decodes))
+        return t * num_decodes / n if n < num_decodes else t
+
     def prefill_limit(self, num_decodes: int) -> int | None:
         """The prefill tokens a step with num_decodes decodes may carry; None = not paced."""
         if not self.enabled or num_decodes == 0:
             return None
         self.steps_since_decode_only += 1
-        if self.steps_since_decode_only > PROBE_EVERY or self.decode_cost.num_steps == 0:
+        if self.debt > 1e-6 or self.steps_since_decode_only > PROBE_EVERY or not self.decode_steps:
             self.steps_since_decode_only = 0
-            return 0  # a decode-only step, to learn what these decodes cost alone
+            return 0  # a decode-only step: pays back the debt, or measures what the decodes cost alone
         return self.allowed
 
     def observe(self, num_decodes: int, num_prefill: int, seconds: float) -> None:
         if not self.enabled or num_decodes == 0 or seconds <= 0:
             return
         if num_prefill == 0:
-            self.decode_cost.observe(num_decodes, seconds)
+            decode = self.decode_seconds(num_decodes)
+            self.decode_steps.append((num_decodes, seconds))
+            self.debt = max(0.0, self.debt - (self.slowdown - 1) * (decode or seconds))
             return
-        if self.decode_cost.num_steps == 0:
+        decode = self.decode_seconds(num_decodes)
+        if decode is None:
             return  # nothing to compare with yet
-        decode = self.decode_cost.seconds(num_decodes)
-        target_prefill = (self.slowdown - 1) * decode
+        self.debt = max(0.0, self.debt + seconds - self.slowdown * decode)
+        target = max(self.slowdown, STEP_FACTOR) * decode
         observed_prefill = max(seconds - decode, 1e-6)
-        fitting = num_prefill * target_prefill / observed_prefill  # the tokens that would have met the target
+        fitting = num_prefill * (target - decode) / observed_prefill  # the tokens that would have met it
         if num_prefill < self.allowed and fitting >= self.allowed:
             return  # a short chunk (a prompt's last) within the target says nothing against the allowance
         fitting = min(self.allowed * MAX_CHANGE, max(self.allowed / MAX_CHANGE, fitting))

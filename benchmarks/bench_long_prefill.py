@@ -1,0 +1,125 @@
+"""A running stream beside one long prompt: what the stream loses and what the long prompt pays.
+
+    python benchmarks/bench_long_prefill.py --model Qwen3-0.6B --load-format dummy \
+        --prompt-lens 2048 8192 --variants "--max-decode-slowdown 0" "--max-decode-slowdown 2"
+
+For each server variant (flags added to `infer serve`) and each long-prompt length: a bystander (a
+streamed greedy completion of --bystander-tokens tokens, ignore_eos) alone, then again with a long prompt
+(max_tokens 1) sent --long-delay seconds after it. Reports the bystander's time (and its ratio to alone),
+its inter-token latency p50/p99 while the long prompt is prefilled, and the long prompt's time to first
+token (and its ratio to the first variant's). The variants run alternated, one server at a time.
+docs/engine.md, "Long prompts beside running streams", has the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from infer.bench.launch import LaunchedServer
+
+WORDS = "The quick brown fox jumps over the lazy dog. "
+
+
+def stream_times(url: str, body: dict) -> list[float]:
+    """The arrival time of every streamed chunk that carries text, from the request's start."""
+    start, times = time.perf_counter(), []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=3600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def long_prompt(url: str, num_tokens: int) -> list[int]:
+    text = WORDS * (num_tokens // 10 + 1)
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
+    return ids[:num_tokens]
+
+
+def measure(url: str, prompt_len: int, bystander_tokens: int, delay: float) -> dict:
+    bystander = {
+        "prompt": "Once upon a time",
+        "max_tokens": bystander_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    stream_times(url, {**bystander, "max_tokens": 4})  # warm
+    alone = stream_times(url, bystander)
+    prompt = long_prompt(url, prompt_len)
+    found: dict = {}
+
+    def send_long():
+        time.sleep(delay)
+        start = time.perf_counter()
+        found["ttft"] = stream_times(url, {"prompt": prompt, "max_tokens": 1, "temperature": 0})[0]
+        found["start"] = start
+
+    worker = threading.Thread(target=send_long)
+    begin = time.perf_counter()
+    worker.start()
+    beside = stream_times(url, bystander)
+    worker.join()
+    long_start = found["start"] - begin
+    long_end = long_start + found["ttft"]
+    gaps = [b - a for a, b in zip(beside, beside[1:], strict=False) if long_start <= a <= long_end]
+    gaps.sort()
+    return {
+        "prompt_len": prompt_len,
+        "bystander_alone_s": round(alone[-1], 3),
+        "bystander_beside_s": round(beside[-1], 3),
+        "bystander_ratio": round(beside[-1] / alone[-1], 2),
+        "itl_p50_ms": round(1000 * statistics.median(gaps), 1) if gaps else None,
+        "itl_p99_ms": round(1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], 1) if gaps else None,
+        "long_ttft_s": round(found["ttft"], 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="Qwen3-0.6B")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--bystander-tokens", type=int, default=200)
+    p.add_argument("--long-delay", type=float, default=0.5, help="seconds between the bystander and the long")
+    p.add_argument("--variants", nargs="+", default=["--max-decode-slowdown 0", "--max-decode-slowdown 2"])
+    p.add_argument("--out", type=Path, default=None, help="JSON file for the results")
+    args = p.parse_args()
+    max_len = max(args.prompt_lens) + args.bystander_tokens + 64
+    rows = []
+    for prompt_len in args.prompt_lens:
+        for variant in args.variants:
+            flags = [
+                "--model",
+                args.model,
+                "--load-format",
+                args.load_format,
+                "--max-model-len",
+                str(max_len),
+            ]
+            flags += shlex.split(variant)
+            with LaunchedServer.ours(flags, Path("/tmp/bench_long_prefill.log"), timeout=600) as s:
+                row = {
+                    "variant": variant,
+                    **measure(s.url, prompt_len, args.bystander_tokens, args.long_delay),
+                }
+            base = next((r for r in rows if r["prompt_len"] == prompt_len), row)
+            row["long_ttft_ratio"] = round(row["long_ttft_s"] / base["long_ttft_s"], 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"# {platform.processor() or platform.machine()}, {args.model} ({args.load_format})")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
