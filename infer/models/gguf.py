@@ -179,8 +179,27 @@ def open_gguf(path: Path) -> GGUFModel:
     return GGUFModel(files, metadata, tensors)
 
 
+def _reader(file: Path):
+    """llama.cpp's GGUFReader, which says where a file is too short rather than failing on a reshape."""
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            end = offset + np.dtype(dtype).itemsize * int(count)
+            if end > len(self.data):
+                part = "tensor data" if hasattr(self, "data_offset") else "header"
+                raise ValueError(
+                    f"{file.name} is truncated: it has {len(self.data)} bytes and its {part} needs bytes "
+                    f"up to {end}"
+                )
+            return super()._get(offset, dtype, count, override_order)
+
+    # copy-on-write: torch wants writable arrays, and the file is never written
+    return Reader(file, "c")
+
+
 def _read_file(file: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
-    from gguf import GGML_QUANT_SIZES, GGUFReader
+    from gguf import GGML_QUANT_SIZES
 
     size = file.stat().st_size
     with open(file, "rb") as f:
@@ -195,10 +214,13 @@ def _read_file(file: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
             f"{file.name} is GGUF version {version}; supported: {', '.join(map(str, SUPPORTED_VERSIONS))}"
         )
     try:
-        # copy-on-write: torch wants writable arrays, and the file is never written
-        reader = GGUFReader(file, "c")
-    except Exception as e:  # the reader fails on short reads with numpy's own errors
-        raise ValueError(f"{file.name} cannot be read as GGUF (truncated or corrupt?): {e}") from e
+        reader = _reader(file)
+    except ValueError as e:
+        if str(e).startswith(file.name):
+            raise
+        raise ValueError(f"{file.name} cannot be read as GGUF: {e}") from e
+    except Exception as e:  # anything else the reader meets in a corrupt file
+        raise ValueError(f"{file.name} cannot be read as GGUF (corrupt?): {type(e).__name__}: {e}") from e
     fields = {}
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):
@@ -212,12 +234,6 @@ def _read_file(file: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
         type_name = t.tensor_type.name
         block, type_size = GGML_QUANT_SIZES[t.tensor_type]
         expected = int(np.prod(t.shape)) * type_size // block
-        end = t.data_offset + expected
-        if end > size:
-            raise ValueError(
-                f"{file.name} is truncated: tensor {t.name!r} ({type_name}, shape "
-                f"{list(map(int, t.shape))}) needs bytes up to {end}, the file has {size}"
-            )
         if t.data.nbytes != expected:
             raise ValueError(
                 f"{file.name}: tensor {t.name!r} holds {t.data.nbytes} bytes where its shape "
