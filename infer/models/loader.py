@@ -8,7 +8,6 @@ parallelism each rank reads only its slice of each tensor (LazyTensor), as the m
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -29,7 +28,6 @@ from infer.quant.linear import quantize_model, summarize, swap_quantized
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED_MODEL = ASSETS / "embedded"
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
-logger = logging.getLogger("infer.models")
 
 
 def resolve_model_path(model: str | None, load_format: str = "auto") -> Path:
@@ -143,7 +141,6 @@ def load_model(
     if gguf_model is not None:
         hf_config = gguf.hf_config(gguf_model)  # refuses quantized tensors before anything is allocated
         cfg = gguf.model_config(gguf_model, hf_config)
-        logger.info("%s: %s", path.name, gguf_model.summary())
     else:
         hf_config = read_config(path)
         cfg = ModelConfig.from_hf(hf_config)
