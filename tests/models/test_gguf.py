@@ -299,3 +299,17 @@ def test_llm_serves_the_gguf_as_its_folder(files):
     assert gguf["architecture"] == "llama" and gguf["tensor_types"]["BF16"] > 0
     overridden = LLM(str(gguf_file), tokenizer=str(folder), dtype="float32", num_kv_blocks=64)
     assert overridden.engine.tokenizer.name == folder.name
+
+
+@pytest.mark.parametrize("name", ["embedded-f32", "qwen2-bf16"])
+def test_tensor_parallel_shards_of_a_gguf_are_the_folders(files, name):
+    """Each rank reads its slice of every GGUF tensor (q/k rows put back first), as from safetensors."""
+    from infer.layers.parallel import TensorParallel
+
+    folder, gguf_file = files[name]
+    for rank in (0, 1):
+        tp = TensorParallel(rank, 2)
+        ours, _, _ = load_model(str(gguf_file), dtype="float32", prepack=False, tp=tp)
+        ref, _, _ = load_model(str(folder), dtype="float32", prepack=False, tp=tp)
+        for (key, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items(), strict=True):
+            assert torch.equal(a, b), (rank, key)

@@ -127,3 +127,11 @@ def test_server_exits_2_with_the_message_and_no_traceback(tmp_path):
     assert result.returncode == 2
     assert "tensor 'blk.0.attn_q.weight' is Q8_0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_load_format_must_match_the_file(tmp_path):
+    path = write_gguf(tmp_path / "ok.gguf")
+    with pytest.raises(ValueError, match="--load-format safetensors does not read ok.gguf"):
+        load_model(str(path), load_format="safetensors")
+    with pytest.raises(ValueError, match="--load-format gguf does not read embedded"):
+        load_model(None, load_format="gguf")
