@@ -23,7 +23,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from infer.engine.tokenizer import Tokenizer, _bos_eos_processor
+from infer.engine.tokenizer import Tokenizer, bos_eos_processor
 from infer.models.gguf import CONTROL, NORMAL, UNKNOWN, USER_DEFINED, GGUFModel, end_ids, token_id
 
 _LLAMA3 = (
@@ -72,7 +72,7 @@ def gguf_tokenizer(model: GGUFModel) -> Tokenizer:
     if kind == "gpt2":
         backend = _byte_level_bpe(model, tokens)
     elif kind == "llama":
-        backend = _sentencepiece_bpe(model, tokens, types)
+        backend = _sentencepiece_bpe(model, tokens)
     else:
         raise ValueError(
             f"{model.name}: tokenizer model {kind!r} is not supported (gpt2 and llama are): "
@@ -83,7 +83,7 @@ def gguf_tokenizer(model: GGUFModel) -> Tokenizer:
             AddedToken(tokens[i], special=t in (CONTROL, UNKNOWN), normalized=False)
             for i, t in enumerate(types)
             if t in (CONTROL, UNKNOWN, USER_DEFINED)
-        ]  # fmt: skip
+        ]
     )
     special = {
         name: tokens[i] for name, key in NAMED_IDS.items() if (i := token_id(meta, key, tokens)) is not None
@@ -91,7 +91,7 @@ def gguf_tokenizer(model: GGUFModel) -> Tokenizer:
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and "bos_token" in special
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and "eos_token" in special
     if add_bos or add_eos:
-        backend.post_processor = _bos_eos_processor(backend, special, add_bos, add_eos)
+        backend.post_processor = bos_eos_processor(backend, special, add_bos, add_eos)
     return Tokenizer(backend, special, _chat_templates(meta), end_ids(meta), name=model.name)
 
 
@@ -118,7 +118,7 @@ def _split_merge(merge: str) -> tuple[str, str]:
     return merge[:at], merge[at + 1 :]
 
 
-def _sentencepiece_bpe(model: GGUFModel, tokens: list[str], types: list[int]) -> Backend:
+def _sentencepiece_bpe(model: GGUFModel, tokens: list[str]) -> Backend:
     scores = list(model.metadata.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))])
     vocab = {token: i for i, token in enumerate(tokens)}
     unk = token_id(model.metadata, "unknown_token_id", tokens)

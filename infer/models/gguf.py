@@ -345,7 +345,7 @@ def _rope_scaling(model: GGUFModel) -> dict[str, Any] | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(model.get("rope.scaling.factor", 1.0))}
-    raise ValueError(f"{model.name}: rope scaling {kind!r} is not supported; supported: none, linear, llama3")
+    raise ValueError(f"{model.name}: rope scaling {kind!r} is not supported; supported: none, linear")
 
 
 def _gemma3(model: GGUFModel, cfg: dict[str, Any]) -> dict[str, Any]:

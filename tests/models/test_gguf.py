@@ -54,10 +54,30 @@ LLAMA2_CHAT = (
     "eos_token }}{% else %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% endif %}{% endfor %}"
 )
 QWEN_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
+
+
+def save_llama3_tokenizer(path) -> None:
+    """The embedded model's vocabulary under Llama 3's pre-tokenizer: its split regex (digits in threes),
+    byte-level without a regex of its own, ignore_merges (a word in the vocabulary is one token)."""
+    spec = json.loads((EMBEDDED_MODEL / "tokenizer.json").read_text())
+    spec["model"]["ignore_merges"] = True
+    spec["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        ],
+    }
+    (path / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    shutil.copy(EMBEDDED_MODEL / "tokenizer_config.json", path)
 
 
 def save_qwen_tokenizer(path) -> int:
@@ -145,9 +165,9 @@ def files(tmp_path_factory) -> dict:
     save_random_model(folders["qwen3"], "Qwen3Config", vocab, head_dim=32, eos_token_id=vocab - 1)
     vocab = save_sentencepiece_tokenizer(folders["spm"])
     save_random_model(folders["spm"], "LlamaConfig", vocab, bos_token_id=1, eos_token_id=2)
-    for name in ("gemma3", "llama3_rope"):
-        for file in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(EMBEDDED_MODEL / file, folders[name])
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_MODEL / file, folders["gemma3"])
+    save_llama3_tokenizer(folders["llama3_rope"])
     # 7 layers: llama.cpp's Gemma 3 has every 6th layer global, as transformers' default layer_types
     save_random_model(folders["gemma3"], "Gemma3TextConfig", 8192, num_hidden_layers=7, head_dim=32,
                       query_pre_attn_scalar=32, sliding_window=5, final_logit_softcapping=3.0)  # fmt: skip
@@ -157,7 +177,7 @@ def files(tmp_path_factory) -> dict:
                       tie_word_embeddings=True)  # fmt: skip
     jobs = [("embedded", t) for t in ("f32", "f16", "bf16", "q8_0")]
     jobs += [("qwen2", "bf16"), ("qwen3", "f32"), ("gemma3", "f32"), ("llama3_rope", "f32"), ("spm", "f32")]
-    pre = {"qwen2": "qwen2", "qwen3": "qwen2"}
+    pre = {"qwen2": "qwen2", "qwen3": "qwen2", "llama3_rope": "llama-bpe"}
     out = {f"{name}-{outtype}": (folders[name], root / f"{name}-{outtype}.gguf") for name, outtype in jobs}
     convert(
         [
@@ -204,7 +224,7 @@ def test_gguf_logits_equal_the_hf_folders(files, name):
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-@pytest.mark.parametrize("name", ["embedded-bf16", "qwen2-bf16"])
+@pytest.mark.parametrize("name", ["embedded-bf16", "qwen2-bf16", "llama3_rope-f32"])
 def test_gguf_tokenizer_encodes_and_renders_as_the_original(files, name):
     folder, gguf_file = files[name]
     ours, ref = load_tokenizer(gguf_file), Tokenizer.from_pretrained(folder)
