@@ -53,6 +53,12 @@ LLAMA2_CHAT = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{{ ' ' + m['content'] + ' ' + "
     "eos_token }}{% else %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% endif %}{% endfor %}"
 )
+GEMMA_TURNS = ["<start_of_turn>", "<end_of_turn>"]
+GEMMA_CHAT = (
+    "{{ bos_token }}{% for m in messages %}{{ '<start_of_turn>' + m['role'] + '\\n' + m['content'] + "
+    "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
+    "{% endif %}"
+)
 QWEN_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -116,24 +122,44 @@ def save_qwen_tokenizer(path) -> int:
     return len(vocab)
 
 
-def save_sentencepiece_tokenizer(path) -> int:
-    """A SentencePiece BPE model with byte fallback (Llama 2's kind) trained here on this project's README,
-    as transformers reads it (LlamaTokenizer, tokenizer.json) beside its tokenizer.model (which llama.cpp's
-    converter reads). Returns the vocabulary size."""
+def save_sentencepiece_tokenizer(path, gemma: bool = False) -> int:
+    """A SentencePiece BPE model with byte fallback trained here on this project's README, as transformers
+    reads it (tokenizer.json) beside its tokenizer.model (which llama.cpp's converter reads): Llama 2's
+    kind, or with gemma Gemma's (no "▁" prepended, turn markers as user-defined pieces). Returns the
+    vocabulary size."""
     import sentencepiece
     import transformers
 
     corpus = [line for line in (ROOT / "README.md").read_text().splitlines() if line.strip()]
+    # Gemma's special pieces: <pad> 0, <eos> 1, <bos> 2, <unk> 3; Llama 2's: <unk> 0, <s> 1, </s> 2
+    ids = (
+        dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3)
+        if gemma
+        else dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    )
+    names = dict(pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>") if gemma else {}
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(corpus), model_prefix=str(path / "sp"), vocab_size=400, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, minloglevel=2,
+        byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, minloglevel=2, add_dummy_prefix=not gemma,
+        user_defined_symbols=GEMMA_TURNS if gemma else [], **ids, **names,
     )  # fmt: skip
     (path / "sp.model").rename(path / "tokenizer.model")
     (path / "sp.vocab").unlink()
-    tokenizer = transformers.LlamaTokenizer.from_pretrained(path, add_bos_token=True)  # as Llama 2's
-    tokenizer.chat_template = LLAMA2_CHAT
+    kind = transformers.GemmaTokenizer if gemma else transformers.LlamaTokenizer
+    tokenizer = kind.from_pretrained(path, add_bos_token=True)  # as Llama 2's and Gemma's
+    tokenizer.chat_template = GEMMA_CHAT if gemma else LLAMA2_CHAT
+    if gemma:
+        tokenizer.add_special_tokens({"additional_special_tokens": GEMMA_TURNS})
     tokenizer.save_pretrained(path)
+    if (
+        gemma
+    ):  # Gemma's tokenizer_config.json (transformers 4's) lists them, where llama.cpp's converter looks
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        config["added_tokens_decoder"] = {
+            str(tokenizer.convert_tokens_to_ids(t)): {"content": t, "special": True} for t in GEMMA_TURNS
+        }
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
     return tokenizer.backend_tokenizer.get_vocab_size()
 
 
@@ -156,7 +182,7 @@ def files(tmp_path_factory) -> dict:
     """name -> (Hugging Face folder, GGUF file made from it by llama.cpp's converter)."""
     root = tmp_path_factory.mktemp("gguf")
     folders = {"embedded": EMBEDDED_MODEL}
-    for name in ("qwen2", "qwen3", "gemma3", "llama3_rope", "spm"):
+    for name in ("qwen2", "qwen3", "gemma3", "llama3_rope", "spm", "gemma3_spm"):
         folders[name] = root / name
         folders[name].mkdir()
     vocab = save_qwen_tokenizer(folders["qwen2"])
@@ -165,6 +191,9 @@ def files(tmp_path_factory) -> dict:
     save_random_model(folders["qwen3"], "Qwen3Config", vocab, head_dim=32, eos_token_id=vocab - 1)
     vocab = save_sentencepiece_tokenizer(folders["spm"])
     save_random_model(folders["spm"], "LlamaConfig", vocab, bos_token_id=1, eos_token_id=2)
+    vocab = save_sentencepiece_tokenizer(folders["gemma3_spm"], gemma=True)
+    save_random_model(folders["gemma3_spm"], "Gemma3TextConfig", vocab, bos_token_id=2, eos_token_id=1,
+                      pad_token_id=0, head_dim=32, query_pre_attn_scalar=32, sliding_window=5)  # fmt: skip
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(EMBEDDED_MODEL / file, folders["gemma3"])
     save_llama3_tokenizer(folders["llama3_rope"])
@@ -176,7 +205,14 @@ def files(tmp_path_factory) -> dict:
     save_random_model(folders["llama3_rope"], "LlamaConfig", 8192, rope_scaling=llama3, rope_theta=500000.0,
                       tie_word_embeddings=True)  # fmt: skip
     jobs = [("embedded", t) for t in ("f32", "f16", "bf16", "q8_0")]
-    jobs += [("qwen2", "bf16"), ("qwen3", "f32"), ("gemma3", "f32"), ("llama3_rope", "f32"), ("spm", "f32")]
+    jobs += [
+        ("qwen2", "bf16"),
+        ("qwen3", "f32"),
+        ("gemma3", "f32"),
+        ("llama3_rope", "f32"),
+        ("spm", "f32"),
+        ("gemma3_spm", "f32"),
+    ]
     pre = {"qwen2": "qwen2", "qwen3": "qwen2", "llama3_rope": "llama-bpe"}
     out = {f"{name}-{outtype}": (folders[name], root / f"{name}-{outtype}.gguf") for name, outtype in jobs}
     convert(
@@ -194,7 +230,7 @@ def files(tmp_path_factory) -> dict:
 
 
 UNQUANTIZED = ["embedded-f32", "embedded-f16", "embedded-bf16", "qwen2-bf16", "qwen3-f32", "gemma3-f32",
-               "llama3_rope-f32", "spm-f32"]  # fmt: skip
+               "llama3_rope-f32", "spm-f32", "gemma3_spm-f32"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", UNQUANTIZED)
@@ -244,23 +280,26 @@ def test_gguf_tokenizer_encodes_and_renders_as_the_original(files, name):
         assert ours.apply_chat_template(MESSAGES, generation) == ref.apply_chat_template(MESSAGES, generation)
 
 
-def test_sentencepiece_vocabulary_encodes_as_sentencepiece(files):
+@pytest.mark.parametrize("name", ["spm-f32", "gemma3_spm-f32"])
+def test_sentencepiece_vocabulary_encodes_as_sentencepiece(files, name):
     """A `llama` (SentencePiece) vocabulary: ids as the tokenizer.model it was converted from gives them,
-    as llama.cpp does. (transformers 5's own reading of that folder differs on text that starts with
-    spaces: its Metaspace adds no "▁" before one, SentencePiece and llama.cpp do.)"""
+    as llama.cpp does, with Llama 2's "▁" prepended or Gemma's without. (transformers 5's own reading of
+    a Llama 2 folder differs on text that starts with spaces: its Metaspace adds no "▁" before one,
+    SentencePiece and llama.cpp do.)"""
     import sentencepiece
 
-    folder, gguf_file = files["spm-f32"]
+    folder, gguf_file = files[name]
     ours = load_tokenizer(gguf_file)
     original = sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
-    assert ours.vocab_size == original.vocab_size()
-    for text in TEXTS:
+    ref = Tokenizer.from_pretrained(folder)
+    assert ours.vocab_size == ref.vocab_size >= original.vocab_size()  # transformers may add tokens
+    for text in [*TEXTS, "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"]:
         ids = original.encode(text)
         assert ours.encode(text, add_special_tokens=False) == ids, text
         assert ours.encode(text) == [original.bos_id(), *ids]
-        assert ours.decode(ids) == original.decode(ids), text
-    ref = Tokenizer.from_pretrained(folder)
-    assert ours.eos_token_ids == ref.eos_token_ids == {original.eos_id()}
+        assert ours.decode(ids, skip_special_tokens=False) == original.decode(ids), text
+    assert ours.eos_token_ids >= ref.eos_token_ids >= {original.eos_id()}
+    assert {ours.id_to_token(i) for i in ours.eos_token_ids - ref.eos_token_ids} <= EOG_TEXTS
     assert ours.apply_chat_template(MESSAGES) == ref.apply_chat_template(MESSAGES)
 
 
