@@ -372,3 +372,25 @@ def test_tensor_parallel_shards_of_a_gguf_are_the_folders(files, name):
         ref, _, _ = load_model(str(folder), dtype="float32", prepack=False, tp=tp)
         for (key, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items(), strict=True):
             assert torch.equal(a, b), (rank, key)
+
+
+def test_server_says_what_the_file_held(files, tmp_path):
+    """The start-up log and /server_info: the architecture and the tensor types with their counts."""
+    import httpx
+
+    from tests.server.conftest import ServerProcess
+
+    _, gguf_file = files["embedded-bf16"]
+    args = ["--model", str(gguf_file), "--enforce-eager", "--num-kv-blocks", "64"]
+    server = ServerProcess(args, tmp_path / "server.log").start()
+    try:
+        held = httpx.get(server.url + "/server_info").json()["quantization"]["gguf"]
+        body = {"model": str(gguf_file), "prompt": "And the LORD said", "max_tokens": 8, "temperature": 0}
+        completion = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        log = server.log_tail(100_000)
+    finally:
+        server.stop()
+    assert held["architecture"] == "llama" and held["file"] == "embedded-bf16.gguf"
+    assert held["tensor_types"] == {"BF16": 43, "F32": 13}  # matrices in bf16, norms kept in f32
+    assert "GGUF embedded-bf16.gguf: architecture llama, tensors BF16 x43, F32 x13" in log
+    assert completion["choices"][0]["text"] == " unto Moses, Go up, and let"  # the embedded model's words
