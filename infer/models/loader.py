@@ -127,8 +127,9 @@ def load_model(
     quantization: str = "none",
     tp: TensorParallel = SINGLE,
 ) -> tuple[nn.Module, ModelConfig, Path]:
-    """Returns (model in eval mode on CPU, its config, its folder). `quantization` int8 or int4 swaps the
-    linear layers for quantized ones (infer.quant; `model.quantization` summarises what was done). With
+    """Returns (model in eval mode on CPU, its config, its folder or GGUF file). `quantization` int8 or
+    int4 swaps the linear layers for quantized ones (infer.quant; `model.quantization` summarises what was
+    done; `model.gguf` what a GGUF file held). With
     `prepack`, the remaining bf16 linear layers get their weights reordered once for oneDNN where the CPU
     supports it (infer.layers.linear). `tp`: this rank's shard of the model (infer.layers.parallel); random
     weights (load_format dummy) are then drawn per shard, so they differ from the unsharded model's."""
