@@ -10,13 +10,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="model folder, hub id, or preset name (see `infer presets`); default: the embedded model",
+        help="model folder, hub id, preset (see `infer presets`) or GGUF file; default: the embedded model",
     )
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder instead of the model's")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
         "--load-format",
         default="auto",
-        choices=["auto", "safetensors", "dummy"],
+        choices=["auto", "safetensors", "gguf", "dummy"],
         help="dummy: random weights in the model's shape (presets need no download)",
     )
     p.add_argument("--seed", type=int, default=0)
@@ -28,7 +29,9 @@ def cmd_generate(args) -> int:
     from infer.engine.llm import LLM
     from infer.sampling_params import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed)
+    llm = LLM(
+        args.model, tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format, seed=args.seed
+    )
     tokenizer = llm.engine.tokenizer
     prompt = args.prompt
     if args.chat:

@@ -178,6 +178,10 @@ QUANTIZATION_METHODS = ("none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
+# auto: safetensors for a folder, GGUF for a .gguf file (infer.models.gguf); dummy: random weights
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
 def _one_of(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
@@ -188,7 +192,8 @@ class EngineConfig:
     """Everything `LLMEngine` needs, with the server's flags as field names. Defaults are the best
     configuration: continuous batching over a paged cache with chunked prefill and prefix caching.
 
-    model: folder, hub id or preset; None = the embedded model.
+    model: folder, hub id or preset, or a GGUF file (infer.models.gguf); None = the embedded model.
+    tokenizer: a tokenizer folder to use instead of the model's own (its tokenizer.json, template...).
     num_kv_blocks: KV pool size in blocks; None = as many as fit in kv_cache_memory_gb.
     max_num_seqs: running requests at most; None = DEFAULT_MAX_NUM_SEQS (vLLM's CPU server's), or the
         token budget if that is smaller.
@@ -218,6 +223,7 @@ class EngineConfig:
     """
 
     model: str | None = None
+    tokenizer: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
     seed: int = 0

@@ -38,8 +38,7 @@ from infer.core.slo import LateRequest, Objectives
 from infer.deploy.routing import ROUTERS
 from infer.engine.async_engine import RequestFailed
 from infer.engine.llm_engine import StepOutput
-from infer.engine.tokenizer import Tokenizer
-from infer.models.loader import resolve_model_path, tokenizer_folder
+from infer.models.loader import load_tokenizer, resolve_model_path
 from infer.runner.grammar import GrammarCompiler
 from infer.sampling_params import SamplingParams
 from infer.server.args import ServerArgs
@@ -72,7 +71,7 @@ class EngineView:
         self.scheduler = SimpleNamespace(kv_cache_manager=kv)
         self.trace = None  # refused at start with --replicas (infer.deploy.args)
         path = resolve_model_path(self.config.model, self.config.load_format)
-        self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder(path))  # as LLMEngine finds it
+        self.tokenizer = load_tokenizer(path, self.config.tokenizer)  # as LLMEngine finds it
         self.grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
 
 

@@ -32,10 +32,9 @@ from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
 from infer.core.slo import Objectives, SloClasses
 from infer.engine.detokenizer import IncrementalDetokenizer
-from infer.engine.tokenizer import Tokenizer
 from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
-from infer.models.loader import load_engine_model, tokenizer_folder, weight_bytes
+from infer.models.loader import load_engine_model, load_tokenizer, weight_bytes
 from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
@@ -109,7 +108,7 @@ class LLMEngine:
     def _build(self, config: EngineConfig, ranks, workers) -> None:
         tp = ranks.tp if ranks else SINGLE
         model, self.model_config, path = load_engine_model(config, tp)
-        self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder(path))
+        self.tokenizer = load_tokenizer(path, config.tokenizer)
         self.grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
         model_dtype = next(model.parameters()).dtype
@@ -145,6 +144,8 @@ class LLMEngine:
             ranks.broadcast(num_blocks)
             self.runner = ParallelRunner(self.runner, ranks, workers)
         self.quantization = {**model.quantization, "weight_mib": round(weight_bytes(model) / 2**20, 1)}
+        if model.gguf is not None:  # what the GGUF file held
+            self.quantization["gguf"] = model.gguf
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs: dict[str, dict[int, tuple]] = {}  # req_id -> prompt position -> entry

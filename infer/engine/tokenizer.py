@@ -125,7 +125,7 @@ class Tokenizer:
             add_bos = bool(config.get("add_bos_token")) and "bos_token" in special_tokens
             add_eos = bool(config.get("add_eos_token")) and "eos_token" in special_tokens
             if add_bos or add_eos:
-                backend.post_processor = _bos_eos_processor(backend, special_tokens, add_bos, add_eos)
+                backend.post_processor = bos_eos_processor(backend, special_tokens, add_bos, add_eos)
 
         return cls(
             backend,
@@ -327,7 +327,7 @@ def _as_ids(value: Any) -> list[int]:
     return []
 
 
-def _bos_eos_processor(
+def bos_eos_processor(
     backend: _Backend, special_tokens: dict[str, str], add_bos: bool, add_eos: bool
 ) -> processors.TemplateProcessing:
     bos, eos = special_tokens.get("bos_token"), special_tokens.get("eos_token")

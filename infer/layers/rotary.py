@@ -19,6 +19,8 @@ from infer.models.config import RopeConfig
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope.freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float64)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":

@@ -23,6 +23,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # one divisor per frequency, applied after the above: how a GGUF file stores Llama 3.1's scaling
+    freq_factors: tuple[float, ...] | None = None
 
     SUPPORTED = ("default", "linear", "llama3")
 

@@ -15,8 +15,10 @@ from safetensors import safe_open
 from torch import nn
 
 from infer import kernels
+from infer.config import LOAD_FORMATS
 from infer.layers.linear import MergedLinear, can_prepack, prepack_linears
 from infer.layers.parallel import COLUMN, ROW, SINGLE, TensorParallel, shard_range
+from infer.models import gguf
 from infer.models.config import ModelConfig
 from infer.models.dtypes import to_torch_dtype
 from infer.models.registry import model_class
@@ -29,7 +31,8 @@ HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 
 
 def resolve_model_path(model: str | None, load_format: str = "auto") -> Path:
-    """A local folder holding config.json. `None` or "embedded" is the project's own model.
+    """A local folder holding config.json, or a GGUF file (infer.models.gguf: a .gguf, the first of its
+    splits, or a folder holding one). `None` or "embedded" is the project's own model.
 
     With load_format "dummy", a preset name (see infer.models.presets) or hub id with a preset needs
     no download: the preset's folder holds its config.json.
@@ -37,10 +40,14 @@ def resolve_model_path(model: str | None, load_format: str = "auto") -> Path:
     if model in (None, "", "embedded"):
         return EMBEDDED_MODEL
     path = Path(model).expanduser()
+    if (gguf_file := gguf.find_gguf(path)) is not None:
+        return gguf_file
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"{path} has no config.json: not a Hugging Face model folder")
+            raise ValueError(f"{path} has no config.json nor .gguf file: not a model folder")
         return path
+    if path.suffix == ".gguf":
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
     if load_format == "dummy":
         from infer.models.presets import preset_path
 
@@ -68,6 +75,20 @@ def tokenizer_folder(path: Path) -> Path:
     """Where the tokenizer of the model in `path` is read: its own tokenizer.json, else the embedded
     model's (random-weight presets ship a config.json only)."""
     return path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
+
+
+def load_tokenizer(path: Path, tokenizer: str | None = None):
+    """The tokenizer of the model at `path` (resolve_model_path's): `tokenizer`, a folder, overrides it;
+    a GGUF file's is built from its metadata (infer.engine.gguf_tokenizer)."""
+    from infer.engine.tokenizer import Tokenizer
+
+    if tokenizer:
+        return Tokenizer.from_pretrained(Path(tokenizer).expanduser())
+    if gguf.is_gguf(path):
+        from infer.engine.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(gguf.open_gguf(path))
+    return Tokenizer.from_pretrained(tokenizer_folder(path))
 
 
 def read_config(path: Path) -> dict:
@@ -106,16 +127,24 @@ def load_model(
     quantization: str = "none",
     tp: TensorParallel = SINGLE,
 ) -> tuple[nn.Module, ModelConfig, Path]:
-    """Returns (model in eval mode on CPU, its config, its folder). `quantization` int8 or int4 swaps the
-    linear layers for quantized ones (infer.quant; `model.quantization` summarises what was done). With
+    """Returns (model in eval mode on CPU, its config, its folder or GGUF file). `quantization` int8 or
+    int4 swaps the linear layers for quantized ones (infer.quant; `model.quantization` summarises what was
+    done; `model.gguf` what a GGUF file held). With
     `prepack`, the remaining bf16 linear layers get their weights reordered once for oneDNN where the CPU
     supports it (infer.layers.linear). `tp`: this rank's shard of the model (infer.layers.parallel); random
     weights (load_format dummy) are then drawn per shard, so they differ from the unsharded model's."""
-    if load_format not in ("auto", "safetensors", "dummy"):
-        raise ValueError(f"unknown load format {load_format!r}; choose auto, safetensors or dummy")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     path = resolve_model_path(model, load_format)
-    hf_config = read_config(path)
-    cfg = ModelConfig.from_hf(hf_config)
+    gguf_model = gguf.open_gguf(path) if gguf.is_gguf(path) else None
+    if (gguf_model is not None) != (load_format == "gguf") and load_format not in ("auto", "dummy"):
+        raise ValueError(f"--load-format {load_format} does not read {path.name}")
+    if gguf_model is not None:
+        hf_config = gguf.hf_config(gguf_model)  # refuses quantized tensors before anything is allocated
+        cfg = gguf.model_config(gguf_model, hf_config)
+    else:
+        hf_config = read_config(path)
+        cfg = ModelConfig.from_hf(hf_config)
     torch_dtype = pick_dtype(cfg, dtype)
     with torch.device("meta"):
         net = model_class(cfg.architecture)(cfg, tp)
@@ -137,13 +166,30 @@ def load_model(
     swapped = {}
     if load_format == "dummy":
         init_dummy_weights(net, seed)
+    elif gguf_model is not None:
+        tensors = gguf.hf_tensors(gguf_model, cfg.num_heads, cfg.num_kv_heads)
+        held = ((name, LazyTensor(HeldTensor(t))) for name, t in tensors)
+        check_complete(net, copy_weights(net, held, path.name, tp), path.name)
     else:
         swapped = load_weights(net, path, quant, tp)
     net = net.eval().requires_grad_(False)
+    net.gguf = gguf_model.summary() if gguf_model is not None else None
     net.quantization = summarize(quant, swapped) if quant else quantize_model(net, quantization)
     if prepack and can_prepack(torch_dtype):
         prepack_linears(net)
     return net, cfg, path
+
+
+def check_model_files(model: str | None, load_format: str = "auto") -> None:
+    """Fail early (ValueError) on a GGUF file that cannot load: unreadable, an unknown architecture, a
+    quantized tensor. Reads the metadata and tensor table only; other models are checked at load."""
+    if load_format == "dummy" or model in (None, "", "embedded"):
+        return
+    gguf_file = gguf.find_gguf(Path(model).expanduser())
+    if gguf_file is not None:
+        gguf.hf_config(gguf.open_gguf(gguf_file))
+    elif model.endswith(".gguf"):
+        raise ValueError(f"GGUF file {model!r} does not exist")
 
 
 def load_engine_model(config, tp: TensorParallel = SINGLE) -> tuple[nn.Module, ModelConfig, Path]:
@@ -177,49 +223,69 @@ def load_weights(
     """Copy the checkpoint's tensors (this rank's slices of them) into `net`. With `quant` (a
     pre-quantized checkpoint), the tensors of its quantized linears are unpacked instead, and those
     linears swapped for QuantizedLinear layers; returns what was swapped (swap_quantized)."""
-    params = dict(net.named_parameters())
-    packed = {ckpt: (fused, i) for fused, names in net.packed_modules.items() for i, ckpt in enumerate(names)}
-    loaded: set[str] = set()
+    packed = _packed_shards(net)
     pending: dict[str, dict[str, torch.Tensor]] = {}  # quantized linear prefix -> its tensors by leaf
     files = safetensors_files(path)
     names = _tensor_names(files) if quant is not None else None
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                hit = quant and quantized_linear_prefix(quant, ckpt_name, names)
-                if hit:
-                    pending.setdefault(hit[0], {})[hit[1]] = f.get_tensor(ckpt_name)
-                    continue
-                remapped = net.remap_weight(ckpt_name, LazyTensor(f.get_slice(ckpt_name)))
-                if remapped is None:
-                    continue
-                name, tensor = remapped
-                if name == "lm_head.weight" and net.config.tie_word_embeddings:
-                    continue  # some checkpoints store the tied copy too
-                module_path, _, leaf = name.rpartition(".")
-                parent, _, child = module_path.rpartition(".")
-                if child in packed:
-                    fused, shard = packed[child]
-                    module = net.get_submodule(f"{parent}.{fused}" if parent else fused)
-                    shape = (module.output_sizes[shard], *getattr(module, leaf).shape[1:])
-                    module.load_shard(
-                        leaf, _rank_part(tensor, net.tp_plan.get(fused), leaf, shape, tp), shard
-                    )
-                    loaded.add(name)
-                elif name in params:
-                    module = net.get_submodule(module_path)
-                    _load_param(name, module, leaf, tensor, net.tp_plan.get(child), tp)
-                    loaded.add(name)
-                else:
-                    raise ValueError(f"unexpected weight {ckpt_name!r} in {file.name}")
+
+    def tensors():
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for ckpt_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    hit = quant and quantized_linear_prefix(quant, ckpt_name, names)
+                    if hit:
+                        pending.setdefault(hit[0], {})[hit[1]] = f.get_tensor(ckpt_name)
+                    else:
+                        yield ckpt_name, LazyTensor(f.get_slice(ckpt_name))
+
+    loaded = copy_weights(net, tensors(), path.name, tp)
     swapped = swap_quantized(net, quant, pending, packed) if pending else {}
-    loaded |= {f"{prefix}.weight" for prefix in pending}
-    missing = set(_checkpoint_names(net, params)) - loaded
+    check_complete(net, loaded | {f"{prefix}.weight" for prefix in pending}, path.name)
+    return swapped
+
+
+def _packed_shards(net: nn.Module) -> dict[str, tuple[str, int]]:
+    """checkpoint module name -> (our fused module, its shard index): q_proj -> (qkv_proj, 0)."""
+    return {ckpt: (fused, i) for fused, names in net.packed_modules.items() for i, ckpt in enumerate(names)}
+
+
+@torch.no_grad()
+def copy_weights(net: nn.Module, tensors, source: str, tp: TensorParallel = SINGLE) -> set[str]:
+    """Copy (checkpoint name, LazyTensor) pairs into `net`, fused and sharded as the model declares;
+    returns the names loaded (as the checkpoint spells them). `source` names the checkpoint in errors."""
+    params = dict(net.named_parameters())
+    packed = _packed_shards(net)
+    loaded: set[str] = set()
+    for ckpt_name, lazy in tensors:
+        remapped = net.remap_weight(ckpt_name, lazy)
+        if remapped is None:
+            continue
+        name, tensor = remapped
+        if name == "lm_head.weight" and net.config.tie_word_embeddings:
+            continue  # some checkpoints store the tied copy too
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, child = module_path.rpartition(".")
+        if child in packed:
+            fused, shard = packed[child]
+            module = net.get_submodule(f"{parent}.{fused}" if parent else fused)
+            shape = (module.output_sizes[shard], *getattr(module, leaf).shape[1:])
+            module.load_shard(leaf, _rank_part(tensor, net.tp_plan.get(fused), leaf, shape, tp), shard)
+            loaded.add(name)
+        elif name in params:
+            module = net.get_submodule(module_path)
+            _load_param(name, module, leaf, tensor, net.tp_plan.get(child), tp)
+            loaded.add(name)
+        else:
+            raise ValueError(f"unexpected weight {ckpt_name!r} in {source}")
+    return loaded
+
+
+def check_complete(net: nn.Module, loaded: set[str], source: str) -> None:
+    missing = set(_checkpoint_names(net, dict(net.named_parameters()))) - loaded
     if net.config.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
-        raise ValueError(f"weights missing from {path}: {', '.join(sorted(missing)[:8])}")
-    return swapped
+        raise ValueError(f"weights missing from {source}: {', '.join(sorted(missing)[:8])}")
 
 
 class LazyTensor:
@@ -247,6 +313,19 @@ class LazyTensor:
         stored = self.ranges[::-1] if self.transposed else self.ranges
         tensor = self.source[tuple(slice(a, a + n) for a, n in stored)]
         return tensor.t() if self.transposed else tensor
+
+
+class HeldTensor:
+    """A tensor already at hand (a memory-mapped GGUF tensor) as the slice source LazyTensor reads."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
 
 
 def _load_param(

@@ -20,6 +20,7 @@ from infer.config import (
     BATCHING_MODES,
     KV_CACHE_BACKENDS,
     KV_CACHE_DTYPES,
+    LOAD_FORMATS,
     POLICIES,
     QUANTIZATION_METHODS,
     CacheConfig,
@@ -63,7 +64,15 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     if positional_model:
         parser.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as --model")
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file with the same keys as the flags")
-    parser.add_argument("--model", default=None, help="model folder, hub id or preset; default: embedded")
+    parser.add_argument(
+        "--model", default=None, help="model folder, hub id, preset or GGUF file; default: embedded"
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=d["tokenizer"],
+        metavar="DIR",
+        help="tokenizer folder to use instead of the model's own (e.g. the original of a GGUF file)",
+    )
     parser.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -132,8 +141,8 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     parser.add_argument(
         "--load-format",
         default=d["load_format"],
-        choices=["auto", "safetensors", "dummy"],
-        help="dummy: random weights in the model's shape",
+        choices=list(LOAD_FORMATS),
+        help="dummy: random weights in the model's shape; auto reads safetensors or GGUF by the path",
     )
     parser.add_argument(
         "--quantization",
@@ -379,6 +388,9 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         engine.max_model_len or 1
     )  # an impossible combination fails now, not after loading
     check_local_ranks(engine.tensor_parallel_size)
+    from infer.models.loader import check_model_files
+
+    check_model_files(engine.model, engine.load_format)  # a bad GGUF file fails now, with exit code 2
     if engine.slo_config is not None:  # a bad file fails now, not after loading the model
         SloClasses.from_file(engine.slo_config)
     CacheConfig(

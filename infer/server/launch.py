@@ -105,6 +105,15 @@ def log_config(args: ServerArgs, state: ServerState) -> None:
         if quant["layers"]
         else "",
     )
+    if gguf := quant.get("gguf"):
+        types = ", ".join(f"{kind} x{n}" for kind, n in gguf["tensor_types"].items())
+        logger.info(
+            "GGUF %s: architecture %s, tensors %s (%.1f MiB)",
+            gguf["file"],
+            gguf["architecture"],
+            types,
+            gguf["tensor_mib"],
+        )
     logger.info("allocator: %s", tcmalloc.allocator())
     if args.cuda_graphs:
         logger.warning("--cuda-graphs: the engine has no GPU path yet; the flag has no effect")

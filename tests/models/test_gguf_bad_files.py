@@ -1,0 +1,137 @@
+"""GGUF files that cannot be served: each refused with a message naming what is wrong (and by the server
+with exit code 2 and no traceback). The files are written with the `gguf` package's writer, then broken."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from infer.models.loader import check_model_files, load_model, resolve_model_path
+
+
+def write_gguf(path, arch="llama", quantized=False, skip=()):
+    """A one-layer model's metadata and a few of its tensors (enough to be read, not to run)."""
+    writer = GGUFWriter(path, arch)
+    for key, value in [("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 128),
+                       ("attention.head_count", 4), ("context_length", 256)]:  # fmt: skip
+        if key not in skip:
+            writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_tensor("token_embd.weight", np.ones((16, 64), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    if quantized:  # blocks of 32 weights: one fp16 scale and 32 int8 codes, 34 bytes
+        codes = np.zeros((64, 2 * 34), dtype=np.uint8)
+        writer.add_tensor("blk.0.attn_q.weight", codes, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def refused(path, match: str):
+    with pytest.raises(ValueError, match=match):
+        check_model_files(str(path))
+    with pytest.raises(ValueError, match=match):
+        load_model(str(path))
+
+
+def test_a_well_formed_file_passes_the_checks(tmp_path):
+    check_model_files(str(write_gguf(tmp_path / "ok.gguf")))  # the model itself is incomplete: no more
+
+
+def test_wrong_magic(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf")
+    path.write_bytes(b"GGML" + path.read_bytes()[4:])
+    refused(path, r"m.gguf is not a GGUF file: it starts with b'GGML', not b'GGUF'")
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"GGU")
+    refused(path, r"empty.gguf is not a GGUF file: only 3 bytes")
+
+
+def test_unsupported_version(tmp_path):
+    path = write_gguf(tmp_path / "v.gguf")
+    data = bytearray(path.read_bytes())
+    data[4:8] = (4).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    refused(path, r"v.gguf is GGUF version 4; supported: 2, 3")
+
+
+def test_truncated_in_the_header(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf")
+    path.write_bytes(path.read_bytes()[:60])
+    refused(path, r"t.gguf is truncated: it has 60 bytes and its header needs bytes up to \d+")
+
+
+def test_truncated_in_the_tensor_data(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf")
+    path.write_bytes(path.read_bytes()[:-200])
+    size = path.stat().st_size
+    refused(path, rf"t.gguf is truncated: it has {size} bytes and its tensor data needs bytes up to \d+")
+
+
+def test_tensor_larger_than_its_data(tmp_path):
+    """token_embd's rows changed from 16 to 17 in the tensor table: its data would run into the next."""
+    path = write_gguf(tmp_path / "s.gguf")
+    data = path.read_bytes()
+    dims = (64).to_bytes(8, "little") + (16).to_bytes(8, "little")
+    at = data.index(b"token_embd.weight") + len("token_embd.weight") + 4  # after the name and n_dims
+    assert data[at : at + 16] == dims
+    path.write_bytes(data[:at] + (64).to_bytes(8, "little") + (17).to_bytes(8, "little") + data[at + 16 :])
+    refused(path, r"s.gguf: tensor 'token_embd.weight' is larger than its shape and type allow")
+
+
+def test_unknown_architecture(tmp_path):
+    path = write_gguf(tmp_path / "a.gguf", arch="mamba")
+    refused(
+        path, r"a.gguf: GGUF architecture 'mamba' is not supported; supported: gemma3, llama, qwen2, qwen3"
+    )
+
+
+def test_missing_hyperparameter(tmp_path):
+    path = write_gguf(tmp_path / "h.gguf", skip=("block_count",))
+    refused(path, r"h.gguf: metadata llama.block_count is missing")
+
+
+def test_quantized_tensor_is_refused_naming_it(tmp_path):
+    path = write_gguf(tmp_path / "q.gguf", quantized=True)
+    refused(path, r"q.gguf: tensor 'blk.0.attn_q.weight' is Q8_0, a quantized type infer cannot run yet")
+
+
+def test_folder_with_two_models_asks_for_the_file(tmp_path):
+    write_gguf(tmp_path / "a.gguf")
+    write_gguf(tmp_path / "b.gguf")
+    with pytest.raises(ValueError, match=r"holds several GGUF models \(a.gguf, b.gguf\): pass the file"):
+        resolve_model_path(str(tmp_path))
+    (tmp_path / "b.gguf").unlink()
+    assert resolve_model_path(str(tmp_path)) == tmp_path / "a.gguf"
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="GGUF file .*nope.gguf' does not exist"):
+        check_model_files(str(tmp_path / "nope.gguf"))
+
+
+def test_server_exits_2_with_the_message_and_no_traceback(tmp_path):
+    path = write_gguf(tmp_path / "q.gguf", quantized=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "infer", "serve", str(path), "--port", "0"], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "tensor 'blk.0.attn_q.weight' is Q8_0" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_load_format_must_match_the_file(tmp_path):
+    path = write_gguf(tmp_path / "ok.gguf")
+    with pytest.raises(ValueError, match="--load-format safetensors does not read ok.gguf"):
+        load_model(str(path), load_format="safetensors")
+    with pytest.raises(ValueError, match="--load-format gguf does not read embedded"):
+        load_model(None, load_format="gguf")
