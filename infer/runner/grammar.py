@@ -30,6 +30,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from infer.runner.forced_text import lark_forced_chars, regex_forced_chars
 from infer.sampling_params import MAX_CHOICE_CHARS, StructuredOutputs
 
 CACHED_GRAMMARS = 256  # compiled matchers kept (LRU); a copy per request
@@ -43,6 +44,11 @@ MAX_GBNF_CHARS = 8192
 # engine thread; docs/benchmarks.md, session 21).
 MAX_REGEX_CHARS = 8192
 MAX_LARK_CHARS = 16384
+# The text a grammar forces costs every step a walk over it (infer.runner.forced_text): a regex, a schema's
+# pattern, a Lark rule or terminal with a part whose shortest match passes this many characters is refused.
+# At the bound a step's mask takes ~5 ms (a{16384}, (a{128}){128}); a{300000}, ((a{100}){100}){100} or
+# "a"~32000 fail mid-output. A grammar within the length bounds above passes unless it repeats with counts.
+MAX_FORCED_CHARS = 16384
 # llguidance compiles a grammar recursively, 3-7 KB of stack per level of rules that refer to rules:
 # 3,000 chained Lark rules (30 KB) or $refs of a JSON schema overflow a thread's 8 MiB stack, and the
 # process dies (SIGSEGV). Each compilation runs on a thread of its own with this stack, of which the
@@ -91,6 +97,9 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._building = threading.Lock()
         self._reserved: dict[str, object] = {}  # req_id -> its matcher, until its first sampled step
+        # llguidance's ParserLimits at their defaults (its copies keep them: the compiling thread's first
+        # mask and every step's are under the same ones)
+        self.parser_limits = {"verbose_errors": False}
 
     @property
     def tokenizer(self):
@@ -152,10 +161,10 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutputs):
         import llguidance
 
+        grammar = _grammar(spec)  # its bounds first: refused from the text alone
         tokenizer = self.tokenizer
-        grammar = _grammar(spec)
         # compiles without the GIL; errors without the grammar's text (a grammar can be 1 MiB)
-        limits = llguidance.LLParserLimits(verbose_errors=False)
+        limits = llguidance.LLParserLimits(**self.parser_limits)
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         if not template.is_error():
             # The first mask builds what the lexer left for later (a schema's patterns): here, once, off
@@ -177,17 +186,7 @@ def _grammar(spec: StructuredOutputs) -> str:
         schema = {"type": "object"} if spec.kind == "json_object" else spec.json
         # text is parsed once; a dict is copied only to be closed
         schema = _closed(schema) if spec.disable_additional_properties else _loaded(schema)
-        size, longest = _schema_sizes(schema)
-        if size > MAX_REGEX_CHARS:
-            raise ValueError(
-                f"structured_outputs json: the schema's patterns hold {size} characters together; at most "
-                f"{MAX_REGEX_CHARS} (llguidance's time and memory grow with their square)"
-            )
-        if longest > MAX_CHOICE_CHARS:  # a literal, as a choice: each step's mask costs time linear in it
-            raise ValueError(
-                f"structured_outputs json: a const or enum string holds {longest} characters; at most "
-                f"{MAX_CHOICE_CHARS}, as a choice (each step's mask costs time linear in the longest)"
-            )
+        _check_schema("structured_outputs json", schema)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except (ValueError, TypeError) as exc:
@@ -198,6 +197,7 @@ def _grammar(spec: StructuredOutputs) -> str:
                 f"structured_outputs regex must be at most {MAX_REGEX_CHARS} characters (got "
                 f"{len(spec.regex)}): llguidance's time and memory grow with its square"
             )
+        _check_forced("structured_outputs regex", "the regex", regex_forced_chars(spec.regex))
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.kind == "choice":
         return llguidance.grammar_from("choice", list(spec.choice))
@@ -210,6 +210,7 @@ def _grammar(spec: StructuredOutputs) -> str:
                 f"(got {len(spec.grammar)}): llguidance's time and memory grow with the square of its "
                 "regular expressions"
             )
+        _check_lark(spec.grammar)
         return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
     if len(spec.grammar) > MAX_GBNF_CHARS:  # converted in Python, in time quadratic in its rules
         raise ValueError(
@@ -217,9 +218,47 @@ def _grammar(spec: StructuredOutputs) -> str:
             f"(got {len(spec.grammar)}); write a longer one in Lark syntax"
         )
     try:
-        return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.grammar))
+        lark = gbnf_to_lark(spec.grammar)
     except Exception as exc:  # the converter raises what its parser meets
         raise ValueError(f"structured_outputs grammar is neither Lark nor GBNF: {exc}") from None
+    _check_lark(lark)
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def _check_forced(field: str, what: str, length: int) -> None:
+    if length > MAX_FORCED_CHARS:
+        raise ValueError(
+            f"{field}: {what} forces {length} characters once begun (a part matches no shorter text); at "
+            f"most {MAX_FORCED_CHARS}, as llguidance's lexer walks that text at every token: repeat with "
+            "smaller counts"
+        )
+
+
+def _check_schema(field: str, schema) -> None:
+    """ValueError unless a schema's patterns and literals are within the bounds."""
+    size, longest, forced = _schema_sizes(schema)
+    if size > MAX_REGEX_CHARS:
+        raise ValueError(
+            f"{field}: the schema's patterns hold {size} characters together; at most "
+            f"{MAX_REGEX_CHARS} (llguidance's time and memory grow with their square)"
+        )
+    if longest > MAX_CHOICE_CHARS:  # a literal, as a choice: each step's mask costs time linear in it
+        raise ValueError(
+            f"{field}: a const or enum string holds {longest} characters; at most "
+            f"{MAX_CHOICE_CHARS}, as a choice (each step's mask costs time linear in the longest)"
+        )
+    _check_forced(field, "a pattern", forced)
+
+
+def _check_lark(lark: str) -> None:
+    """ValueError unless each rule and terminal of a Lark grammar, and each schema it inlines (%json), is
+    within the bounds."""
+    field = "structured_outputs grammar"
+    forced, schemas = lark_forced_chars(lark)
+    for name, length in forced.items():
+        _check_forced(field, f"{name!r}", length)
+    for schema in schemas:
+        _check_schema(field, schema)
 
 
 # where a JSON schema holds subschemas (the rest of its values are data: const, enum, default, examples)
@@ -242,26 +281,27 @@ def _loaded(schema: str | dict) -> dict:
         raise ValueError(f"structured_outputs json is not JSON, or nested too deeply: {exc}") from None
 
 
-def _schema_sizes(schema: dict) -> tuple[int, int]:
-    """The characters of a schema's regular expressions (every `pattern` and `patternProperties` key) and
-    of its longest literal string (a `const` or an `enum` item), at any depth (a walk of all of it, data
-    included, which only counts high)."""
-    size, longest, pending = 0, 0, [schema]
+def _schema_sizes(schema: dict) -> tuple[int, int, int]:
+    """The characters of a schema's regular expressions (every `pattern` and `patternProperties` key),
+    of its longest literal string (a `const` or an `enum` item) and of the longest shortest match of its
+    regular expressions, at any depth (a walk of all of it, data included, which only counts high)."""
+    size, longest, forced, pending = 0, 0, 0, [schema]
     while pending:
         node = pending.pop()
         if isinstance(node, list):
             pending += node
         elif isinstance(node, dict):
-            if isinstance(node.get("pattern"), str):
-                size += len(node["pattern"])
+            patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
             if isinstance(node.get("patternProperties"), dict):
-                size += sum(len(key) for key in node["patternProperties"])
+                patterns += node["patternProperties"]
+            size += sum(len(p) for p in patterns)
+            forced = max([forced, *(regex_forced_chars(p) for p in patterns)])
             literals = node.get("enum") if isinstance(node.get("enum"), list) else []
             for literal in [node.get("const"), *literals]:
                 if isinstance(literal, str):
                     longest = max(longest, len(literal))
             pending += node.values()
-    return size, longest
+    return size, longest, forced
 
 
 def _closed(schema: str | dict) -> dict:

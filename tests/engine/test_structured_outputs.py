@@ -186,6 +186,54 @@ def test_bad_grammars_are_refused_at_add_request():
             StructuredOutputs(**fields)
 
 
+FORCING = [  # each compiled, then failed at its second mask with "too many expressions constructed"
+    StructuredOutputs(regex="((a{100}){100}){100}"),
+    StructuredOutputs(regex="b|a{300000}"),  # once "a" is sampled
+    StructuredOutputs(json={"type": "string", "pattern": "^((a{100}){100}){100}$"}),
+    StructuredOutputs(json={"type": "object", "patternProperties": {"(x{1000}){100}": {}}}),
+    StructuredOutputs(grammar="start: A\nA: /((a{100}){100}){100}/"),
+    StructuredOutputs(grammar='start: "x" | A\nA: "a"~300000'),
+    StructuredOutputs(grammar='start: "a"~40000'),  # "Too many items" in the Earley parser
+    StructuredOutputs(grammar='start: %json {"type": "string", "pattern": "a{300000}"}'),
+    StructuredOutputs(grammar='root ::= "a"{300000}'),  # GBNF
+]
+
+
+@pytest.mark.parametrize("spec", FORCING, ids=lambda s: s.text[:30])
+def test_grammars_that_force_long_text_are_refused_before_compiling(spec):
+    """llguidance's lexer walks the text a grammar forces at every step: such a grammar compiled (~1-4 s,
+    +100-200 MB) and then failed mid-output. It is refused from its text alone, naming the bound."""
+    compiler = GrammarCompiler("{}", 8, [0])  # never builds its tokenizer: the refusal comes first
+    with pytest.raises(ValueError, match="characters once begun .* at most 16384"):
+        compiler.check(spec)
+    assert compiler._tokenizer is None
+
+
+def test_the_forced_text_of_a_regex_or_lark_grammar():
+    from infer.runner.forced_text import lark_forced_chars, regex_forced_chars
+
+    cases = {
+        "((a{100}){100}){100}": 10**6, "(a{300000})?": 300000, "[a-z]{20000}": 20000, r"\d{3}-\d{4}": 8,
+        "a{0,1000000}": 1, "a*?b{2}?": 2, "(?i)abc": 3, "(?P<x>ab)c": 3, r"[\]a]{5}": 5, "[[:alpha:]]{4}": 4,
+        r"\p{L}{3}": 3, r"^\bx\b$": 1, "(x[a-z]{50}){0,9}": 51, "": 0,
+    }  # fmt: skip
+    assert {rx: regex_forced_chars(rx) for rx in cases} == cases
+    grammar = (
+        'start: A b "xyz"~3 | "q"\nA: "a"~100 B{2}\nB: /b{10}/i\nb: b "c" | "d"  // "z"~99999\n'
+        '%ignore /\\s+/\nc[stop=","]: %json {"pattern": "a{5}"}\nd: (/[0-9]{1,3}|x{200}/)?'
+    )
+    forced, schemas = lark_forced_chars(grammar)
+    assert forced == {"start": 130, "A": 120, "B": 10, "b": 1, "c": 0, "d": 200}
+    assert schemas == [{"pattern": "a{5}"}]
+
+
+def test_a_grammar_at_the_forced_text_bound_compiles_and_generates():
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    spec = StructuredOutputs(regex="(a{128}){128}")
+    [result] = llm.generate(["Say"], SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec))
+    assert result.finish_reason == "length" and set(result.text) == {"a"}
+
+
 def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher():
     llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
     compiler = llm.engine.grammars
@@ -212,11 +260,12 @@ def test_a_model_without_eos_refuses_structured_outputs(tmp_path):
 
 
 def test_a_grammar_whose_parser_fails_ends_its_request_alone():
-    """A grammar that compiles but meets llguidance's limits while generating (a regex that counts to a
-    million: its lexer constructs too many expressions) ends with finish_reason "error" and the reason,
-    not as a complete "stop"; the request beside it completes as if alone."""
+    """A grammar that compiles but meets llguidance's limits while generating (here a rule of 1,000 "a"s
+    under a tight Earley item limit) ends with finish_reason "error" and the reason, not as a complete
+    "stop"; the request beside it completes as if alone."""
     llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
-    huge = StructuredOutputs(regex="a{1000000}")
+    llm.engine.grammars.parser_limits = {"step_max_items": 100, "verbose_errors": False}
+    huge = StructuredOutputs(grammar='start: "a"~1000')
     stuck = SamplingParams(temperature=0, max_tokens=8, structured_outputs=huge)
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     [alone] = llm.generate(PROMPTS[:1], plain)
