@@ -31,6 +31,7 @@ class _Widths:
     def __init__(self):
         self.frames = [[None, 0, 0]]  # per open group: shortest finished alternative, this one's, last atom
         self.forced = 0
+        self.ended: int | None = None
 
     def atom(self, width: int) -> None:
         frame = self.frames[-1]
@@ -59,10 +60,13 @@ class _Widths:
             self.atom(self.frames.pop()[0])
 
     def shortest(self) -> int:
-        while len(self.frames) > 1:
-            self.close()
-        self.alternative()
-        return self.frames[0][0]
+        """Ends the pattern (closes what is open); then only returns the same."""
+        if self.ended is None:
+            while len(self.frames) > 1:
+                self.close()
+            self.alternative()
+            self.ended = self.frames[0][0]
+        return self.ended
 
 
 def regex_forced_chars(regex: str) -> int:
@@ -156,46 +160,50 @@ _LARK_DEFINITION = re.compile(
 
 def lark_forced_chars(grammar: str) -> tuple[dict[str, int], list[object]]:
     """({rule or terminal: the most characters a part of it forces}, the JSON schemas inlined with %json).
-    A name in a definition counts its own shortest match (0 while that is being counted: recursion)."""
+    A name in a definition counts its own shortest match, counted first (a loop, not recursion: chains
+    of thousands of rules); a name met again while being counted (recursion) counts 0."""
     starts = list(_LARK_DEFINITION.finditer(grammar))
     ends = [m.start() for m in starts[1:]] + [len(grammar)]
-    bodies = {
-        m.group(1) or f"%{k}": grammar[m.end() : end]
+    schemas: list[object] = []
+    tokens = {
+        m.group(1) or f"%{k}": _lark_tokens(grammar[m.end() : end], schemas)
         for k, (m, end) in enumerate(zip(starts, ends, strict=True))
     }
-    found: dict[str, _Widths] = {}
-    schemas: list[object] = []
+    shortest: dict[str, int] = {}
+    forced: dict[str, int] = {}
+    for root in tokens:
+        pending = [(root, False)]  # depth first; (name, its references counted)
+        while pending:
+            name, ready = pending.pop()
+            if name in forced or name not in tokens:
+                continue
+            if ready:
+                widths = _lark_widths(tokens[name], shortest)
+                shortest[name], forced[name] = widths.shortest(), widths.forced
+                continue
+            shortest.setdefault(name, 0)  # while its references are counted
+            pending.append((name, True))
+            pending += [(ref, False) for kind, ref in tokens[name] if kind == "name" and ref not in shortest]
+    return {name: n for name, n in forced.items() if not name.startswith("%")}, schemas
 
-    def shortest(name: str) -> int:
-        if name not in bodies:
-            return 0  # imported, or the compiler's to report
-        if name not in found:
-            found[name] = _Widths()  # its shortest is 0 until counted
-            found[name] = _lark_widths(bodies[name], shortest, schemas)
-        return found[name].frames[0][0] or 0
 
-    for name in bodies:
-        shortest(name)
-    return {name: w.forced for name, w in found.items() if not name.startswith("%")}, schemas
-
-
-def _lark_widths(body: str, shortest, schemas: list[object]) -> _Widths:
-    """One definition's widths, counting the names in it by `shortest`."""
-    widths, i = _Widths(), 0
+def _lark_tokens(body: str, schemas: list[object]) -> list[tuple[str, object]]:
+    """One definition's tokens that count: ("atom", width), ("regex", (shortest, forced)), ("repeat", times),
+    ("name", name), ("op", one of ( ) [ ] | * ?). A %json schema goes to `schemas`."""
+    found, i = [], 0
     while i < len(body):
         m = _LARK_TOKEN.match(body, i)
         i = m.end()
         if m.group("string") is not None:
             text = m.group("string").removesuffix("i")[1:-1]
-            widths.atom(len(text) - text.count("\\"))
+            found.append(("atom", len(text) - text.count("\\")))
         elif m.group("regex") is not None:
             regex = _regex_widths(m.group("regex").rstrip("imslux")[1:-1])
-            widths.atom(regex.shortest())
-            widths.forced = max(widths.forced, regex.forced)
+            found.append(("regex", (regex.shortest(), regex.forced)))
         elif m.group("repeat") is not None:
-            widths.repeat(int(m.group("times")))
+            found.append(("repeat", int(m.group("times"))))
         elif m.group("braces") is not None:
-            widths.repeat(int(m.group("min") or 0))
+            found.append(("repeat", int(m.group("min") or 0)))
         elif m.group("embedded") is not None:
             try:
                 value, i = json.JSONDecoder().raw_decode(body, i)
@@ -203,18 +211,35 @@ def _lark_widths(body: str, shortest, schemas: list[object]) -> _Widths:
                 continue  # the compiler's to report
             if m.group("embedded").startswith("%json"):
                 schemas.append(value)
-            widths.atom(0)
+            found.append(("atom", 0))
         elif m.group("name") is not None:
-            widths.atom(shortest(m.group("name").lstrip("!?")))
-        elif m.group("op") in ("(", "["):
+            found.append(("name", m.group("name").lstrip("!?")))
+        elif m.group("op") is not None:
+            found.append(("op", m.group("op")))
+    return found
+
+
+def _lark_widths(tokens: list[tuple[str, object]], shortest: dict[str, int]) -> _Widths:
+    """One definition's widths, a name counting its entry in `shortest` (0 if none: imported, say)."""
+    widths = _Widths()
+    for kind, value in tokens:
+        if kind == "atom":
+            widths.atom(value)
+        elif kind == "regex":
+            widths.atom(value[0])
+            widths.forced = max(widths.forced, value[1])
+        elif kind == "repeat":
+            widths.repeat(value)
+        elif kind == "name":
+            widths.atom(shortest.get(value, 0))
+        elif value in ("(", "["):
             widths.open()
-        elif m.group("op") in (")", "]"):
+        elif value in (")", "]"):
             widths.close()
-            if m.group("op") == "]":
+            if value == "]":
                 widths.repeat(0)
-        elif m.group("op") == "|":
+        elif value == "|":
             widths.alternative()
-        elif m.group("op") in ("*", "?"):
+        elif value in ("*", "?"):
             widths.repeat(0)
-    widths.shortest()
     return widths
