@@ -240,7 +240,7 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher():
     spec = StructuredOutputs(json=SCHEMA)
     same = StructuredOutputs(json=json.dumps(SCHEMA, sort_keys=True))  # the same schema as text
     first, second = compiler.matcher(spec), compiler.matcher(same)
-    assert len(compiler._cache) == 1 and first is not second
+    assert len(compiler._pool) == 1 and first is not second
     assert first.consume_token(compiler.tokenizer.tokenize_str("{")[0])
     assert second.validate_tokens(compiler.tokenizer.tokenize_str('"')) == 0  # untouched by the first
 
@@ -284,8 +284,8 @@ def test_matchers_are_copied_at_add_request_and_forgotten_with_their_requests():
     kept = llm.engine.add_request("Say", SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec))
     aborted = llm.engine.add_request("Say", SamplingParams(max_tokens=8, structured_outputs=spec))
     assert set(compiler._reserved) == {kept.req_id, aborted.req_id}
-    compiler._cache.clear()
-    compiler._template = None  # any compile from here on would raise
+    compiler._pool.clear()
+    compiler._pool = None  # any compile from here on would raise
     llm.engine.abort(aborted.req_id)
     text = ""
     while llm.engine.has_unfinished():
@@ -411,3 +411,49 @@ def test_compiling_builds_what_the_lexer_left_for_the_first_mask():
 
     cold = llguidance.LLMatcher(compiler.tokenizer, _grammar(spec), log_level=0)
     assert first_mask(cold) > 10 * first_mask(compiler.matcher(spec))
+
+
+def _schemas(count: int, num_props: int) -> list[StructuredOutputs]:
+    """Distinct JSON schemas of num_props properties (~50 characters of grammar each)."""
+    kinds = [{"type": "string", "maxLength": 20}, {"type": "integer"}, {"type": "array", "items": {}}]
+    return [
+        StructuredOutputs(
+            json={"type": "object", "properties": {f"p{k}_{i}": kinds[i % 3] for i in range(num_props)}}
+        )
+        for k in range(count)
+    ]
+
+
+def test_the_grammar_cache_is_bounded_by_an_estimate_of_bytes_checked_against_rss():
+    """llguidance reports no size: the cache counts GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR per
+    character of each grammar. Against the process's RSS growth over 20 distinct ~7 KB schemas kept
+    alive, that estimate is not below it and at most 4x above it; and a 4 MiB cache keeps the most
+    recent ones that fit, not all 20 (300 such schemas once held 256 MB)."""
+    import ctypes
+    import gc
+
+    from infer.engine.tokenizer import Tokenizer
+    from infer.runner.grammar import GRAMMAR_BASE_BYTES
+
+    tokenizer = Tokenizer.from_pretrained(EMBEDDED_MODEL)
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, tokenizer.vocab_size, cache_mb=4)
+    specs = _schemas(21, 140)
+    compiler.check(specs[0])  # the tokenizer's tables, and llguidance's own first-use allocations
+
+    def rss() -> int:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+    before = rss()
+    compiled = [compiler._compile(compiler._prepare(spec)) for spec in specs[1:]]
+    grown = rss() - before
+    estimated = sum(nbytes for _, nbytes in compiled)
+    assert grown <= estimated <= 4 * grown, (grown, estimated)
+    del compiled
+    for spec in specs[1:]:
+        compiler.check(spec)
+    assert compiler._pool.cached_bytes <= 4 << 20 and 1 < len(compiler._pool) < 20
+    assert estimated // 20 > GRAMMAR_BASE_BYTES  # sized by its text, not counted
+    cached = [key[1] for key in compiler._pool._cache]  # (kind, text, options), oldest first
+    assert cached[-1] == specs[-1].text and specs[1].text not in cached  # the least recent went
