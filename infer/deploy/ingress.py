@@ -40,6 +40,7 @@ from infer.engine.async_engine import RequestFailed
 from infer.engine.llm_engine import StepOutput
 from infer.engine.tokenizer import Tokenizer
 from infer.models.loader import resolve_model_path, tokenizer_folder
+from infer.runner.compile_pool import CompileQueueFull
 from infer.runner.grammar import GrammarCompiler
 from infer.sampling_params import SamplingParams
 from infer.server.args import ServerArgs
@@ -73,7 +74,14 @@ class EngineView:
         self.trace = None  # refused at start with --replicas (infer.deploy.args)
         path = resolve_model_path(self.config.model, self.config.load_format)
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder(path))  # as LLMEngine finds it
-        self.grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
+        self.grammars = GrammarCompiler.for_tokenizer(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            cache_mb=self.config.grammar_cache_mb,
+            max_compiling=self.config.max_grammar_compilations,
+            max_queued=self.config.max_queued_grammars,
+            timeout_s=self.config.grammar_compile_timeout,
+        )
 
 
 @dataclasses.dataclass
@@ -126,6 +134,8 @@ class RemoteEngine:
             raise
         if kind == "refused":
             name, message = payload
+            if name == CompileQueueFull.__name__:
+                raise CompileQueueFull(message)
             raise LateRequest(message) if name == LateRequest.__name__ else ValueError(message)
         return self._outputs(req_id, stream, _Timeline(req_id, arrival))
 
