@@ -49,10 +49,11 @@ class CompilePool:
         max_compiling: int = 1,
         max_queued: int = 16,
         timeout_s: float = 10.0,
+        label: str = "it",
     ):
         """compile(prepare(arg)) -> (result, its size in bytes), or raises; both run on the pool's
         threads, and only compile is timed (prepare: checks and what every compilation needs once, such
-        as a tokenizer's tables)."""
+        as a tokenizer's tables). label: what a compilation's errors call their subject."""
         if max_compiling < 1 or max_queued < 0 or cache_bytes < 0 or not timeout_s > 0:
             raise ValueError(
                 f"grammar compilation bounds must be positive: max_compiling {max_compiling}, max_queued "
@@ -64,6 +65,7 @@ class CompilePool:
         self.max_compiling = max_compiling
         self.max_queued = max_queued
         self.timeout_s = timeout_s
+        self.label = label
         self._cache: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
         self.cached_bytes = 0
         self._in_flight: dict[Hashable, concurrent.futures.Future] = {}
@@ -128,7 +130,8 @@ class CompilePool:
 
     def _timeout(self) -> CompileTimeout:
         return CompileTimeout(
-            f"did not compile within {self.timeout_s:g} s (--grammar-compile-timeout); simplify it"
+            f"{self.label} did not compile within {self.timeout_s:g} s (--grammar-compile-timeout); "
+            "simplify it"
         )
 
     def _insert(self, key: Hashable, result, nbytes: int) -> None:

@@ -91,7 +91,13 @@ class GrammarCompiler:
         self._tokenizer = None  # llguidance's, built at the first grammar (~0.1 s for 32,000 tokens)
         self._building = threading.Lock()
         self._pool = CompilePool(
-            self._compile, cache_mb << 20, self._prepare, max_compiling, max_queued, timeout_s
+            self._compile,
+            cache_mb << 20,
+            self._prepare,
+            max_compiling,
+            max_queued,
+            timeout_s,
+            label="structured_outputs grammar",  # a message's first word names the field (the server's)
         )
         self._reserved: dict[str, object] = {}  # req_id -> its matcher, until its first sampled step
         # llguidance's ParserLimits at their defaults (its copies keep them: the compiling thread's first

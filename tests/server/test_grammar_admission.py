@@ -76,6 +76,25 @@ def test_distinct_grammars_beyond_the_queue_get_429_while_plain_requests_run():
         assert http.post(CMPL, json=bodies[-1]).status_code == 200  # room again
 
 
+def test_a_compilation_past_its_time_is_a_400_naming_the_field():
+    args = _parse(["--grammar-compile-timeout", "0.5"])
+    with TestClient(create_app(args)) as http:
+        _wait_for(lambda: http.get("/health").status_code == 200, "the model to load")
+        pool = http.app.state.server.llm.grammars._pool
+        gate, compile = threading.Event(), pool._compile
+        pool._compile = lambda prepared: (gate.wait(120), compile(prepared))[1]
+        schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}
+        body = {"prompt": "x", "max_tokens": 2, "response_format": schema}
+        resp = http.post(CMPL, json=body)  # held past its 0.5 s
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and error["param"] == "response_format", error
+        assert error["message"].startswith("response_format: grammar did not compile within 0.5 s")
+        gate.set()
+        _wait_for(lambda: pool.num_in_flight == 0, "the held compilation to return")
+        pool._compile = compile
+        assert http.post(CMPL, json=body).status_code == 200  # compiled afresh, in time
+
+
 def _in_flight(pool) -> set[str]:
     return {key[1] for key in pool._in_flight}  # (kind, text, options)
 

@@ -81,7 +81,7 @@ def test_a_compilation_past_its_time_fails_its_waiters_and_keeps_its_slot():
     compile = Gated()
     pool = CompilePool(compile, cache_bytes=100, max_compiling=1, max_queued=4, timeout_s=0.05)
     slow = pool.future("slow", "slow")
-    with pytest.raises(CompileTimeout, match="did not compile within 0.05 s"):
+    with pytest.raises(CompileTimeout, match="it did not compile within 0.05 s"):
         slow.result(60)
     behind = pool.future("next", "next")
     assert compile.started == ["slow"]  # the timed-out one still holds the only slot
