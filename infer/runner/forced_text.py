@@ -152,7 +152,7 @@ _LARK_TOKEN = re.compile(
 )
 # where a definition ("name:", "NAME.2:", "name[stop=...]:", not GBNF's "::=") or a directive starts
 _LARK_DEFINITION = re.compile(
-    r"^[ \t]*(?:[!?]?(_?[A-Za-z][\w\-]*)[^:\n]*?(?<!:):(?![:=])"
+    r"^[ \t]*(?:[!?]?(_?[A-Za-z][\w\-]*)(?:\.-?\d+)?[ \t]*(?:\[[^\]\n]*\])?[ \t]*:(?![:=])"
     r"|%(?:ignore|import|declare|override|llguidance)\b)",
     re.MULTILINE,
 )

@@ -231,9 +231,9 @@ def _grammar(spec: StructuredOutputs) -> str:
 def _check_forced(field: str, what: str, length: int) -> None:
     if length > MAX_FORCED_CHARS:
         raise ValueError(
-            f"{field}: {what} forces {length} characters once begun (a part matches no shorter text); at "
-            f"most {MAX_FORCED_CHARS}, as llguidance's lexer walks that text at every token: repeat with "
-            "smaller counts"
+            f"{field}: {what} has a part that matches no text shorter than {length} characters; at most "
+            f"{MAX_FORCED_CHARS}, as llguidance's lexer walks text a grammar forces at every token: repeat "
+            "with smaller counts"
         )
 
 

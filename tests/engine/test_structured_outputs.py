@@ -204,7 +204,7 @@ def test_grammars_that_force_long_text_are_refused_before_compiling(spec):
     """llguidance's lexer walks the text a grammar forces at every step: such a grammar compiled (~1-4 s,
     +100-200 MB) and then failed mid-output. It is refused from its text alone, naming the bound."""
     compiler = GrammarCompiler("{}", 8, [0])  # never builds its tokenizer: the refusal comes first
-    with pytest.raises(ValueError, match="characters once begun .* at most 16384"):
+    with pytest.raises(ValueError, match="no text shorter than .* characters; at most 16384"):
         compiler.check(spec)
     assert compiler._tokenizer is None
 
@@ -225,6 +225,8 @@ def test_the_forced_text_of_a_regex_or_lark_grammar():
     forced, schemas = lark_forced_chars(grammar)
     assert forced == {"start": 130, "A": 120, "B": 10, "b": 1, "c": 0, "d": 200}
     assert schemas == [{"pattern": "a{5}"}]
+    continued = 'start: a\n    | b "x: y"~5000\na: "q"\nb.2: "r"'  # a colon in a string starts nothing
+    assert lark_forced_chars(continued)[0] == {"start": 20001, "a": 1, "b": 1}
 
 
 def test_a_grammar_at_the_forced_text_bound_compiles_and_generates():
