@@ -6,19 +6,22 @@ else's turn. So:
     future(key, arg)   the cached result (done), the same key's compilation in flight (shared), or a
                        new one admitted: CompileQueueFull (the server's 429) when max_compiling +
                        max_queued distinct keys are already in flight
-    a compilation      waits for one of max_compiling slots, then runs on a thread of its own (a deep
-                       stack: llguidance compiles recursively); past timeout_s its waiters get
-                       CompileTimeout (a ValueError: the client's 400) while it keeps its slot until
-                       it returns, so slow ones never run more than max_compiling at once
+    a compilation      waits in a queue for one of max_compiling worker threads, which runs it on a
+                       thread of its own (a deep stack: llguidance compiles recursively) and waits for
+                       it; past timeout_s its waiters get CompileTimeout (a ValueError: the client's
+                       400) while its worker keeps waiting, so slow ones never run more than
+                       max_compiling at once
     the cache          LRU by the bytes compile() reports for each result, at most cache_bytes
 
-Waiters hold no thread: a Future is done or shared, never cancelled (it is running from the start), so a
-client that goes away leaves the compilation to the others waiting for it.
+A waiter on an event loop holds no thread, nor does a queued compilation. A Future is done or shared,
+never cancelled (it is running from the start), so a client that goes away leaves the compilation to the
+others waiting for it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -69,8 +72,10 @@ class CompilePool:
         self._cache: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
         self.cached_bytes = 0
         self._in_flight: dict[Hashable, concurrent.futures.Future] = {}
-        self._slots = threading.Semaphore(max_compiling)
         self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(max_compiling):
+            threading.Thread(target=self._work, name="grammar-worker", daemon=True).start()
 
     @property
     def num_in_flight(self) -> int:
@@ -96,37 +101,33 @@ class CompilePool:
             future: concurrent.futures.Future = concurrent.futures.Future()
             future.set_running_or_notify_cancel()  # never cancelled: shared by every waiter
             self._in_flight[key] = future
-        with _stack_size_lock:
-            previous = threading.stack_size(COMPILE_STACK_BYTES)
-            try:
-                thread = threading.Thread(target=self._run, args=(key, arg, future), name="grammar-compile")
-                thread.daemon = True
-                thread.start()
-            finally:
-                threading.stack_size(previous)
+        self._queue.put((key, arg, future))
         return future
 
     def get(self, key: Hashable, arg):
         """The result for key, compiled here if need be (blocks; raises what the compilation raised)."""
         return self.future(key, arg).result()
 
+    def _work(self) -> None:
+        while True:
+            self._run(*self._queue.get())
+
     def _run(self, key: Hashable, arg, future: concurrent.futures.Future) -> None:
-        with self._slots:
-            timer = threading.Timer(self.timeout_s, _settle, (future, None, self._timeout()))
-            timer.daemon = True
-            try:
-                prepared = self._prepare(arg)
-                timer.start()
-                result, nbytes = self._compile(prepared)
-            except BaseException as exc:
-                _settle(future, None, exc)
-            else:
-                if _settle(future, result, None):  # not after its waiters were told it timed out
-                    self._insert(key, result, nbytes)
-            finally:
-                timer.cancel()
-                with self._lock:
-                    del self._in_flight[key]
+        timer = threading.Timer(self.timeout_s, _settle, (future, None, self._timeout()))
+        timer.daemon = True
+        try:
+            prepared = self._prepare(arg)
+            timer.start()
+            result, nbytes = _on_compile_stack(self._compile, prepared)
+        except BaseException as exc:
+            _settle(future, None, exc)
+        else:
+            if _settle(future, result, None):  # not after its waiters were told it timed out
+                self._insert(key, result, nbytes)
+        finally:
+            timer.cancel()
+            with self._lock:
+                del self._in_flight[key]
 
     def _timeout(self) -> CompileTimeout:
         return CompileTimeout(
@@ -151,6 +152,26 @@ class CompilePool:
         with self._lock:
             self._cache.clear()
             self.cached_bytes = 0
+
+
+def _on_compile_stack(fn, *args):
+    """fn(*args) on a new thread with a COMPILE_STACK_BYTES stack (threading.stack_size applies to the
+    threads started while it is set); returns or raises what fn did, once it has."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    with _stack_size_lock:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+        finally:
+            threading.stack_size(previous)
+    return done.result()
 
 
 def _settle(future: concurrent.futures.Future, result, exc: BaseException | None) -> bool:
