@@ -220,6 +220,10 @@ class EngineConfig:
         from a captured graph (infer.runner.decode_graph), as vLLM's flag turns off its CUDA graphs.
     tensor_parallel_size: ranks that each hold a shard of every layer (infer.runner.parallel); 1 = one
         process.
+    grammar_cache_mb, max_grammar_compilations, max_queued_grammars, grammar_compile_timeout: the bounds
+        of structured outputs' compilations (infer.runner.compile_pool): the compiled-grammar cache's
+        memory (LRU), the compilations run at once, those waiting beyond them (more are refused: 429),
+        and the seconds one may take (then its requests are refused: 400).
     """
 
     model: str | None = None
@@ -254,6 +258,10 @@ class EngineConfig:
     max_long_partial_prefills: int = 0
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    grammar_cache_mb: int = 64
+    max_grammar_compilations: int = 1
+    max_queued_grammars: int = 16
+    grammar_compile_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -268,6 +276,14 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
+        _positive_int("max_grammar_compilations", self.max_grammar_compilations)
+        for name in ("grammar_cache_mb", "max_queued_grammars"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if not (isinstance(self.grammar_compile_timeout, int | float) and self.grammar_compile_timeout > 0):
+            raise ValueError(
+                f"grammar_compile_timeout must be > 0 seconds, got {self.grammar_compile_timeout!r}"
+            )
         _one_of("quantization", self.quantization, QUANTIZATION_METHODS)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_prefill_sharing(self)

@@ -39,6 +39,7 @@ from infer.deploy.routing import ROUTERS
 from infer.engine.async_engine import RequestFailed
 from infer.engine.llm_engine import StepOutput
 from infer.models.loader import load_tokenizer, resolve_model_path
+from infer.runner.compile_pool import CompileQueueFull
 from infer.runner.grammar import GrammarCompiler
 from infer.sampling_params import SamplingParams
 from infer.server.args import ServerArgs
@@ -72,7 +73,14 @@ class EngineView:
         self.trace = None  # refused at start with --replicas (infer.deploy.args)
         path = resolve_model_path(self.config.model, self.config.load_format)
         self.tokenizer = load_tokenizer(path, self.config.tokenizer)  # as LLMEngine finds it
-        self.grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
+        self.grammars = GrammarCompiler.for_tokenizer(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            cache_mb=self.config.grammar_cache_mb,
+            max_compiling=self.config.max_grammar_compilations,
+            max_queued=self.config.max_queued_grammars,
+            timeout_s=self.config.grammar_compile_timeout,
+        )
 
 
 @dataclasses.dataclass
@@ -125,6 +133,8 @@ class RemoteEngine:
             raise
         if kind == "refused":
             name, message = payload
+            if name == CompileQueueFull.__name__:
+                raise CompileQueueFull(message)
             raise LateRequest(message) if name == LateRequest.__name__ else ValueError(message)
         return self._outputs(req_id, stream, _Timeline(req_id, arrival))
 

@@ -27,6 +27,7 @@ from infer.config import EngineConfig
 from infer.core.slo import Objectives
 from infer.engine.async_engine import AsyncEngine, RequestFailed
 from infer.engine.llm_engine import LLMEngine
+from infer.runner.compile_pool import CompileQueueFull
 from infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("infer.deploy")
@@ -59,7 +60,7 @@ class EngineReplica:
     ):
         try:
             outputs = await self.engine.add(prompt_ids, params, req_id, priority, slo)
-        except ValueError as exc:  # refused with the numbers (LateRequest too: kind tells the ingress)
+        except (ValueError, CompileQueueFull) as exc:  # refused (the kind tells the ingress which)
             yield ("refused", (type(exc).__name__, str(exc)), None)
             return
         yield ("accepted", None, None)

@@ -103,13 +103,15 @@ class AsyncEngine:
         aborts the request; so does a cancellation while waiting for the engine's answer. A request the
         engine fails alone (finish_reason "error") raises RequestFailed from the iterator."""
         await self.ready()  # a model that failed to load fails the request here, instead of a hang
+        matcher = None
         if params is not None and params.structured_outputs is not None:  # compiled here, not in a step
-            await asyncio.to_thread(self.engine.grammars.check, params.structured_outputs)
+            compiled = self.engine.grammars.compiled(params.structured_outputs)
+            matcher = (await asyncio.wrap_future(compiled)).deep_copy()
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         stream: asyncio.Queue = asyncio.Queue()
         added = self._loop.create_future()
         self._streams[req_id] = stream
-        self._send(("add", (prompt, params, req_id, priority, slo), added))
+        self._send(("add", (prompt, params, req_id, priority, slo, matcher), added))
         try:
             await added
         except BaseException:
@@ -225,9 +227,8 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                prompt, params, req_id, priority, slo = payload
                 try:
-                    self.engine.add_request(prompt, params, req_id, priority, slo)
+                    self.engine.add_request(*payload)
                 except Exception as exc:
                     self._loop.call_soon_threadsafe(_settle, future, exc)
                 else:

@@ -109,7 +109,14 @@ class LLMEngine:
         tp = ranks.tp if ranks else SINGLE
         model, self.model_config, path = load_engine_model(config, tp)
         self.tokenizer = load_tokenizer(path, config.tokenizer)
-        self.grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.model_config.vocab_size)
+        self.grammars = GrammarCompiler.for_tokenizer(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            cache_mb=config.grammar_cache_mb,
+            max_compiling=config.max_grammar_compilations,
+            max_queued=config.max_queued_grammars,
+            timeout_s=config.grammar_compile_timeout,
+        )
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
         model_dtype = next(model.parameters()).dtype
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)
@@ -182,10 +189,12 @@ class LLMEngine:
         req_id: str | None = None,
         priority: int = 0,
         slo: Objectives | None = None,
+        matcher=None,
     ) -> Request:
         """Queue a request. ValueError (nothing queued) for bad token ids or one that can never fit.
         slo: its TTFT / TPOT objectives, which the "slo" scheduling policy serves; None: its class's in
-        config.slo_config, if any. LateRequest (a ValueError) under slo_reject_late."""
+        config.slo_config, if any. LateRequest (a ValueError) under slo_reject_late. matcher: its
+        structured outputs' matcher, compiled off this thread (AsyncEngine.add); None: compiled here."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -221,8 +230,8 @@ class LLMEngine:
                 )
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs are not served under tensor parallelism; leave them out")
-        if params.structured_outputs is not None:  # compiled already by AsyncEngine.add or the server
-            self.grammars.check(params.structured_outputs)
+        if params.structured_outputs is not None and matcher is None:  # an LLM's: its own thread
+            matcher = self.grammars.matcher(params.structured_outputs)
         if slo is None and self.slo_classes is not None:
             slo = self.slo_classes.objectives_for(len(token_ids), params.max_tokens)
         req = Request(
@@ -235,7 +244,7 @@ class LLMEngine:
         )
         self.scheduler.add_request(req)  # may refuse it (too long, late, an id in use): nothing kept yet
         if params.structured_outputs is not None:
-            self.grammars.reserve(req.req_id, params.structured_outputs)
+            self.grammars.reserve(req.req_id, params.structured_outputs, matcher)
         if params.prompt_logprobs is not None:
             self.prompt_logprobs[req.req_id] = {}
         self.requests[req.req_id] = req

@@ -14,10 +14,12 @@ in vLLM). A matcher that fails (a parser limit met) fails its request alone, wit
     grammar.advance(output_token_ids)   # each step: the tokens sampled since the last
     bans = banned([grammar, ...], compiler.vocab_size, num_logits)   # bool [rows, num_logits]
 
-Compiled matchers are cached by their grammar's text (a server sees the same schema in many requests), and
-each request gets a copy (`reserve` at add_request, `take` at its first sampled step), so compiling
-happens once, on a worker thread when the server (or AsyncEngine.add) checks the request, never in the
-engine's step.
+Compiled matchers are cached by their grammar's text (a server sees the same schema in many requests),
+LRU within a bound in bytes, and compiled a few at a time on threads of their own with a bound on those
+waiting and on the time each takes (infer.runner.compile_pool). Each request gets a copy, made before it
+reaches the engine thread (AsyncEngine.add; `reserve` at add_request, `take` at its first sampled step),
+so the engine's step never compiles; the server awaits the compilation without holding a thread
+(`compiled`, a future), and a flood of distinct grammars gets CompileQueueFull (429).
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import threading
-from collections import OrderedDict
 
 import numpy as np
 import torch
 
+from infer.runner.compile_pool import CompilePool
+from infer.runner.forced_text import lark_forced_chars, regex_forced_chars
 from infer.sampling_params import MAX_CHOICE_CHARS, StructuredOutputs
 
-CACHED_GRAMMARS = 256  # compiled matchers kept (LRU); a copy per request
 # llguidance converts GBNF to Lark in Python, holding the GIL, in time quadratic in the rules: 8 KiB
 # (~300 rules) take ~0.1 s, 16 KiB ~0.3 s, 1 MiB would take hours. Lark grammars compile in Rust.
 MAX_GBNF_CHARS = 8192
@@ -43,58 +45,68 @@ MAX_GBNF_CHARS = 8192
 # engine thread; docs/structured-outputs.md).
 MAX_REGEX_CHARS = 8192
 MAX_LARK_CHARS = 16384
-# llguidance compiles a grammar recursively, 3-7 KB of stack per level of rules that refer to rules:
-# 3,000 chained Lark rules (30 KB) or $refs of a JSON schema overflow a thread's 8 MiB stack, and the
-# process dies (SIGSEGV). Each compilation runs on a thread of its own with this stack, of which the
-# deepest grammars of MAX_GRAMMAR_CHARS take ~730 MB (100,000 chained rules): pages are mapped only
-# once touched, and unmapped when the thread ends.
-COMPILE_STACK_BYTES = 2 << 30
-_stack_size_lock = threading.Lock()
+# The text a grammar forces costs every step a walk over it (infer.runner.forced_text): a regex, a schema's
+# pattern, a Lark rule or terminal with a part whose shortest match passes this many characters is refused.
+# At the bound a step's mask takes ~5 ms (a{16384}, (a{128}){128}); a{300000}, ((a{100}){100}){100} or
+# "a"~32000 fail mid-output. A grammar within the length bounds above passes unless it repeats with counts.
+MAX_FORCED_CHARS = 16384
+# What a compiled grammar holds, for the cache's bound in bytes. llguidance reports no size: RSS growth per
+# compiled grammar, measured over 20-100 distinct grammars of each kind (embedded model, 8,192 tokens),
+# is ~50-140 KB plus per character of llguidance's grammar text ~95-120 B for a JSON schema, ~110 for
+# strings (choices, Lark literals), ~25 for regexes and Lark terminals. The estimate takes the larger
+# figures: never below what was measured, up to 4x above it for regex-heavy grammars.
+GRAMMAR_BASE_BYTES = 128 << 10
+GRAMMAR_BYTES_PER_CHAR = 128
 
 
-def _on_compile_stack(fn, *args):
-    """fn(*args) on a new thread with a COMPILE_STACK_BYTES stack (threading.stack_size applies to the
-    threads started while it is set); returns or raises what fn did."""
-    done: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            done.set_result(fn(*args))
-        except BaseException as exc:
-            done.set_exception(exc)
-
-    with _stack_size_lock:
-        previous = threading.stack_size(COMPILE_STACK_BYTES)
-        try:
-            threading.Thread(target=run, name="grammar-compile", daemon=True).start()
-        finally:
-            threading.stack_size(previous)
-    return done.result()
+def grammar_bytes(grammar: str) -> int:
+    """The estimated memory of a compiled grammar, from llguidance's text of it."""
+    return GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR * len(grammar)
 
 
 class GrammarCompiler:
-    """Compiles StructuredOutputs into matchers for one tokenizer. Thread-safe: the server compiles on its
-    worker threads while the engine copies from the cache."""
+    """Compiles StructuredOutputs into matchers for one tokenizer. Thread-safe: compilations run on the
+    pool's threads while the server and the engine read the cache."""
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, model_vocab_size: int) -> GrammarCompiler:
+    def for_tokenizer(cls, tokenizer, model_vocab_size: int, **bounds) -> GrammarCompiler:
         """For an infer Tokenizer and a model whose logits may be wider than its vocabulary (padded)."""
         vocab_size = max(model_vocab_size, tokenizer.vocab_size)
-        return cls(tokenizer.to_json(), vocab_size, tokenizer.eos_token_ids)
+        return cls(tokenizer.to_json(), vocab_size, tokenizer.eos_token_ids, **bounds)
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids):
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids,
+        cache_mb: int = 64,
+        max_compiling: int = 1,
+        max_queued: int = 16,
+        timeout_s: float = 10.0,
+    ):
+        """cache_mb, max_compiling, max_queued, timeout_s: the bounds of CompilePool (its docstring)."""
         self.tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size  # the model's or the tokenizer's, whichever is larger
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer = None  # llguidance's, built at the first grammar (~0.1 s for 32,000 tokens)
-        self._cache: OrderedDict[tuple, object] = OrderedDict()
-        self._lock = threading.Lock()
         self._building = threading.Lock()
+        self._pool = CompilePool(
+            self._compile,
+            cache_mb << 20,
+            self._prepare,
+            max_compiling,
+            max_queued,
+            timeout_s,
+            label="structured_outputs grammar",  # a message's first word names the field (the server's)
+        )
         self._reserved: dict[str, object] = {}  # req_id -> its matcher, until its first sampled step
+        # llguidance's ParserLimits at their defaults (its copies keep them: the compiling thread's first
+        # mask and every step's are under the same ones)
+        self.parser_limits = {"verbose_errors": False}
 
     @property
     def tokenizer(self):
-        with self._building:  # not the cache's lock: a lookup never waits for this (~2 s, once)
+        with self._building:  # built once, by the first compilation (~2 s)
             if self._tokenizer is None:
                 import llguidance
 
@@ -103,29 +115,35 @@ class GrammarCompiler:
                     self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
                 )
                 # The first mask over a tokenizer builds its tables (~1.7 s for 8,192 tokens): here, on
-                # the thread that compiles (the server's worker), not in an engine step.
+                # a compiling thread, not in an engine step.
                 matcher = llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_regex("[a-z]+"))
                 banned([Grammar(matcher)], self.vocab_size, self.vocab_size)
                 self._tokenizer = tokenizer
             return self._tokenizer
 
-    def check(self, spec: StructuredOutputs) -> None:
-        """ValueError, naming what is wrong, unless the grammar compiles (it is then cached)."""
+    def compiled(self, spec: StructuredOutputs) -> concurrent.futures.Future:
+        """The spec's compiled matcher, done (cached) or to come; ValueError (a grammar that does not
+        compile) from the future. CompileQueueFull at once when too many are compiling. Cheap."""
         if not self.eos_token_ids:  # llguidance would take token 0 for it, and generate past the grammar
             raise ValueError(
                 "structured_outputs need an EOS token to end the output where the grammar ends; this "
                 "model's tokenizer names none (eos_token in tokenizer_config.json)"
             )
-        self._template(spec)
+        key = (spec.kind, spec.text, spec.disable_any_whitespace, spec.disable_additional_properties)
+        return self._pool.future(key, spec)
+
+    def check(self, spec: StructuredOutputs) -> None:
+        """ValueError, naming what is wrong, unless the grammar compiles (it is then cached). Blocks."""
+        self.compiled(spec).result()
 
     def matcher(self, spec: StructuredOutputs):
-        """A fresh matcher for one request (a copy of the cached compiled one)."""
-        return self._template(spec).deep_copy()
+        """A fresh matcher for one request (a copy of the compiled one). Blocks while it compiles."""
+        return self.compiled(spec).result().deep_copy()
 
-    def reserve(self, req_id: str, spec: StructuredOutputs) -> None:
-        """Copy a request's matcher now (the engine's add_request, right after the server's check: the
-        cache has it), so that its first sampled step never compiles, whatever the cache evicted since."""
-        self._reserved[req_id] = self.matcher(spec)
+    def reserve(self, req_id: str, spec: StructuredOutputs, matcher=None) -> None:
+        """Keep a request's matcher (made by AsyncEngine.add off the engine thread, or copied here), so
+        that its first sampled step never compiles, whatever the cache evicted since."""
+        self._reserved[req_id] = matcher if matcher is not None else self.matcher(spec)
 
     def take(self, req_id: str, spec: StructuredOutputs):
         """The request's reserved matcher (or a fresh one, for a request added another way)."""
@@ -135,27 +153,21 @@ class GrammarCompiler:
     def release(self, req_id: str) -> None:
         self._reserved.pop(req_id, None)  # a request that ended before its first sampled step
 
-    def _template(self, spec: StructuredOutputs):
-        key = (spec.kind, spec.text, spec.disable_any_whitespace, spec.disable_additional_properties)
-        with self._lock:
-            template = self._cache.get(key)
-            if template is not None:
-                self._cache.move_to_end(key)
-                return template
-        template = _on_compile_stack(self._compile, spec)
-        with self._lock:
-            self._cache[key] = template
-            while len(self._cache) > CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        return template
+    def _prepare(self, spec: StructuredOutputs) -> tuple[StructuredOutputs, str]:
+        """llguidance's grammar text, within the bounds (refused from the text alone), and the tokenizer
+        built: what a compilation needs before the part that is timed."""
+        grammar = _grammar(spec)
+        self.tokenizer  # noqa: B018 (built once)
+        return spec, grammar
 
-    def _compile(self, spec: StructuredOutputs):
+    def _compile(self, prepared: tuple[StructuredOutputs, str]) -> tuple[object, int]:
+        """(the compiled matcher, its estimated bytes): on a CompilePool thread."""
         import llguidance
 
+        spec, grammar = prepared
         tokenizer = self.tokenizer
-        grammar = _grammar(spec)
         # compiles without the GIL; errors without the grammar's text (a grammar can be 1 MiB)
-        limits = llguidance.LLParserLimits(verbose_errors=False)
+        limits = llguidance.LLParserLimits(**self.parser_limits)
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         if not template.is_error():
             # The first mask builds what the lexer left for later (a schema's patterns): here, once, off
@@ -164,7 +176,7 @@ class GrammarCompiler:
         if template.is_error():
             reason = template.get_error().split("<backtrace>")[0].strip()  # a Rust panic's trace: internals
             raise ValueError(f"structured_outputs {spec.kind} does not compile: {reason}")
-        return template
+        return template, grammar_bytes(grammar)
 
 
 def _grammar(spec: StructuredOutputs) -> str:
@@ -177,17 +189,7 @@ def _grammar(spec: StructuredOutputs) -> str:
         schema = {"type": "object"} if spec.kind == "json_object" else spec.json
         # text is parsed once; a dict is copied only to be closed
         schema = _closed(schema) if spec.disable_additional_properties else _loaded(schema)
-        size, longest = _schema_sizes(schema)
-        if size > MAX_REGEX_CHARS:
-            raise ValueError(
-                f"structured_outputs json: the schema's patterns hold {size} characters together; at most "
-                f"{MAX_REGEX_CHARS} (llguidance's time and memory grow with their square)"
-            )
-        if longest > MAX_CHOICE_CHARS:  # a literal, as a choice: each step's mask costs time linear in it
-            raise ValueError(
-                f"structured_outputs json: a const or enum string holds {longest} characters; at most "
-                f"{MAX_CHOICE_CHARS}, as a choice (each step's mask costs time linear in the longest)"
-            )
+        _check_schema("structured_outputs json", schema)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except (ValueError, TypeError) as exc:
@@ -198,6 +200,7 @@ def _grammar(spec: StructuredOutputs) -> str:
                 f"structured_outputs regex must be at most {MAX_REGEX_CHARS} characters (got "
                 f"{len(spec.regex)}): llguidance's time and memory grow with its square"
             )
+        _check_forced("structured_outputs regex", "the regex", regex_forced_chars(spec.regex))
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.kind == "choice":
         return llguidance.grammar_from("choice", list(spec.choice))
@@ -210,6 +213,7 @@ def _grammar(spec: StructuredOutputs) -> str:
                 f"(got {len(spec.grammar)}): llguidance's time and memory grow with the square of its "
                 "regular expressions"
             )
+        _check_lark(spec.grammar)
         return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
     if len(spec.grammar) > MAX_GBNF_CHARS:  # converted in Python, in time quadratic in its rules
         raise ValueError(
@@ -217,9 +221,47 @@ def _grammar(spec: StructuredOutputs) -> str:
             f"(got {len(spec.grammar)}); write a longer one in Lark syntax"
         )
     try:
-        return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(spec.grammar))
+        lark = gbnf_to_lark(spec.grammar)
     except Exception as exc:  # the converter raises what its parser meets
         raise ValueError(f"structured_outputs grammar is neither Lark nor GBNF: {exc}") from None
+    _check_lark(lark)
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def _check_forced(field: str, what: str, length: int) -> None:
+    if length > MAX_FORCED_CHARS:
+        raise ValueError(
+            f"{field}: {what} has a part that matches no text shorter than {length} characters; at most "
+            f"{MAX_FORCED_CHARS}, as llguidance's lexer walks text a grammar forces at every token: repeat "
+            "with smaller counts"
+        )
+
+
+def _check_schema(field: str, schema) -> None:
+    """ValueError unless a schema's patterns and literals are within the bounds."""
+    size, longest, forced = _schema_sizes(schema)
+    if size > MAX_REGEX_CHARS:
+        raise ValueError(
+            f"{field}: the schema's patterns hold {size} characters together; at most "
+            f"{MAX_REGEX_CHARS} (llguidance's time and memory grow with their square)"
+        )
+    if longest > MAX_CHOICE_CHARS:  # a literal, as a choice: each step's mask costs time linear in it
+        raise ValueError(
+            f"{field}: a const or enum string holds {longest} characters; at most "
+            f"{MAX_CHOICE_CHARS}, as a choice (each step's mask costs time linear in the longest)"
+        )
+    _check_forced(field, "a pattern", forced)
+
+
+def _check_lark(lark: str) -> None:
+    """ValueError unless each rule and terminal of a Lark grammar, and each schema it inlines (%json), is
+    within the bounds."""
+    field = "structured_outputs grammar"
+    forced, schemas = lark_forced_chars(lark)
+    for name, length in forced.items():
+        _check_forced(field, f"{name!r}", length)
+    for schema in schemas:
+        _check_schema(field, schema)
 
 
 # where a JSON schema holds subschemas (the rest of its values are data: const, enum, default, examples)
@@ -242,26 +284,27 @@ def _loaded(schema: str | dict) -> dict:
         raise ValueError(f"structured_outputs json is not JSON, or nested too deeply: {exc}") from None
 
 
-def _schema_sizes(schema: dict) -> tuple[int, int]:
-    """The characters of a schema's regular expressions (every `pattern` and `patternProperties` key) and
-    of its longest literal string (a `const` or an `enum` item), at any depth (a walk of all of it, data
-    included, which only counts high)."""
-    size, longest, pending = 0, 0, [schema]
+def _schema_sizes(schema: dict) -> tuple[int, int, int]:
+    """The characters of a schema's regular expressions (every `pattern` and `patternProperties` key),
+    of its longest literal string (a `const` or an `enum` item) and of the longest shortest match of its
+    regular expressions, at any depth (a walk of all of it, data included, which only counts high)."""
+    size, longest, forced, pending = 0, 0, 0, [schema]
     while pending:
         node = pending.pop()
         if isinstance(node, list):
             pending += node
         elif isinstance(node, dict):
-            if isinstance(node.get("pattern"), str):
-                size += len(node["pattern"])
+            patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
             if isinstance(node.get("patternProperties"), dict):
-                size += sum(len(key) for key in node["patternProperties"])
+                patterns += node["patternProperties"]
+            size += sum(len(p) for p in patterns)
+            forced = max([forced, *(regex_forced_chars(p) for p in patterns)])
             literals = node.get("enum") if isinstance(node.get("enum"), list) else []
             for literal in [node.get("const"), *literals]:
                 if isinstance(literal, str):
                     longest = max(longest, len(literal))
             pending += node.values()
-    return size, longest
+    return size, longest, forced
 
 
 def _closed(schema: str | dict) -> dict:

@@ -115,6 +115,30 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help="let requests send their own chat template (chat_template_kwargs.chat_template); off: 400",
     )
     parser.add_argument(
+        "--grammar-cache-mb",
+        type=int,
+        default=d["grammar_cache_mb"],
+        help="memory for compiled structured-output grammars (estimated), least recently used out first",
+    )
+    parser.add_argument(
+        "--max-grammar-compilations",
+        type=int,
+        default=d["max_grammar_compilations"],
+        help="structured-output grammars compiled at once, each on a thread of its own",
+    )
+    parser.add_argument(
+        "--max-queued-grammars",
+        type=int,
+        default=d["max_queued_grammars"],
+        help="distinct grammars waiting to compile beyond those compiling; more get 429 with Retry-After",
+    )
+    parser.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=d["grammar_compile_timeout"],
+        help="seconds one grammar may take to compile; its requests then get 400",
+    )
+    parser.add_argument(
         "--responses-store-mb",
         type=int,
         default=ServerArgs.responses_store_mb,

@@ -19,7 +19,6 @@ Only this module touches `num_in_flight`, so the drain on SIGTERM can wait for i
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -36,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from infer.core.slo import LateRequest, Objectives
 from infer.engine.async_engine import AsyncEngine, RequestFailed
 from infer.engine.llm_engine import StepOutput
+from infer.runner.compile_pool import CompileQueueFull
 from infer.sampling_params import INT64_MIN, SamplingParams, StructuredOutputs, Unsatisfiable
 from infer.server.args import ServerArgs
 from infer.server.metrics import MeteredEngine, Metrics
@@ -400,6 +400,8 @@ def engine_error(exc: Exception, param: str) -> APIError:
     500, whose body names the request but no internals (the log has the exception)."""
     if isinstance(exc, LateRequest):  # --slo-reject-late: the server's load, not the request, is the cause
         return APIError(429, str(exc), "rate_limit_error", code="slo_unattainable")
+    if isinstance(exc, CompileQueueFull):
+        return grammars_busy(exc)
     if isinstance(exc, ValueError):
         message = str(exc)
         code = "context_length_exceeded" if "max_model_len" in message or "KV" in message else None
@@ -519,22 +521,28 @@ def _named(field: str, message: str) -> str:
     )
 
 
-# One thread compiles grammars: a slow one (GBNF is converted in Python) waits behind its own kind, not in
-# front of the tokenizing of every other request (asyncio's default executor).
-_GRAMMARS = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
-
-
 async def check_grammar(state: ServerState, body, params: SamplingParams) -> None:
-    """Compile the request's grammar on a worker thread (400 if it does not compile), so that the engine's
-    own check finds it compiled and its steps do not wait for it."""
+    """Await the request's grammar, compiled on the compiler's own threads (infer.runner.compile_pool):
+    400 naming its field if it does not compile, 429 if too many distinct grammars are compiling."""
     if params.structured_outputs is None:
         return
     try:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(_GRAMMARS, state.llm.grammars.check, params.structured_outputs)
+        await asyncio.wrap_future(state.llm.grammars.compiled(params.structured_outputs))
+    except CompileQueueFull as exc:
+        raise grammars_busy(exc) from exc
     except ValueError as exc:
         field = _constraints(body)[0][0][0]
         raise bad_request(_named(field, str(exc)), param=field) from exc
+
+
+def grammars_busy(exc: CompileQueueFull) -> APIError:
+    return APIError(
+        429,
+        f"server overloaded: {exc}; retry after {RETRY_AFTER_S}s",
+        "rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
 
 
 def objectives(state: ServerState, body) -> Objectives | None:

@@ -186,13 +186,63 @@ def test_bad_grammars_are_refused_at_add_request():
             StructuredOutputs(**fields)
 
 
+FORCING = [  # each compiled, then failed at its second mask with "too many expressions constructed"
+    StructuredOutputs(regex="((a{100}){100}){100}"),
+    StructuredOutputs(regex="b|a{300000}"),  # once "a" is sampled
+    StructuredOutputs(json={"type": "string", "pattern": "^((a{100}){100}){100}$"}),
+    StructuredOutputs(json={"type": "object", "patternProperties": {"(x{1000}){100}": {}}}),
+    StructuredOutputs(grammar="start: A\nA: /((a{100}){100}){100}/"),
+    StructuredOutputs(grammar='start: "x" | A\nA: "a"~300000'),
+    StructuredOutputs(grammar='start: "a"~40000'),  # "Too many items" in the Earley parser
+    StructuredOutputs(grammar='start: %json {"type": "string", "pattern": "a{300000}"}'),
+    StructuredOutputs(grammar='root ::= "a"{300000}'),  # GBNF
+]
+
+
+@pytest.mark.parametrize("spec", FORCING, ids=lambda s: s.text[:30])
+def test_grammars_that_force_long_text_are_refused_before_compiling(spec):
+    """llguidance's lexer walks the text a grammar forces at every step: such a grammar compiled (~1-4 s,
+    +100-200 MB) and then failed mid-output. It is refused from its text alone, naming the bound."""
+    compiler = GrammarCompiler("{}", 8, [0])  # never builds its tokenizer: the refusal comes first
+    with pytest.raises(ValueError, match="no text shorter than .* characters; at most 16384"):
+        compiler.check(spec)
+    assert compiler._tokenizer is None
+
+
+def test_the_forced_text_of_a_regex_or_lark_grammar():
+    from infer.runner.forced_text import lark_forced_chars, regex_forced_chars
+
+    cases = {
+        "((a{100}){100}){100}": 10**6, "(a{300000})?": 300000, "[a-z]{20000}": 20000, r"\d{3}-\d{4}": 8,
+        "a{0,1000000}": 1, "a*?b{2}?": 2, "(?i)abc": 3, "(?P<x>ab)c": 3, r"[\]a]{5}": 5, "[[:alpha:]]{4}": 4,
+        r"\p{L}{3}": 3, r"^\bx\b$": 1, "(x[a-z]{50}){0,9}": 51, "": 0,
+    }  # fmt: skip
+    assert {rx: regex_forced_chars(rx) for rx in cases} == cases
+    grammar = (
+        'start: A b "xyz"~3 | "q"\nA: "a"~100 B{2}\nB: /b{10}/i\nb: b "c" | "d"  // "z"~99999\n'
+        '%ignore /\\s+/\nc[stop=","]: %json {"pattern": "a{5}"}\nd: (/[0-9]{1,3}|x{200}/)?'
+    )
+    forced, schemas = lark_forced_chars(grammar)
+    assert forced == {"start": 130, "A": 120, "B": 10, "b": 1, "c": 0, "d": 200}
+    assert schemas == [{"pattern": "a{5}"}]
+    continued = 'start: a\n    | b "x: y"~5000\na: "q"\nb.2: "r"'  # a colon in a string starts nothing
+    assert lark_forced_chars(continued)[0] == {"start": 20001, "a": 1, "b": 1}
+
+
+def test_a_grammar_at_the_forced_text_bound_compiles_and_generates():
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    spec = StructuredOutputs(regex="(a{128}){128}")
+    [result] = llm.generate(["Say"], SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec))
+    assert result.finish_reason == "length" and set(result.text) == {"a"}
+
+
 def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher():
     llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
     compiler = llm.engine.grammars
     spec = StructuredOutputs(json=SCHEMA)
     same = StructuredOutputs(json=json.dumps(SCHEMA, sort_keys=True))  # the same schema as text
     first, second = compiler.matcher(spec), compiler.matcher(same)
-    assert len(compiler._cache) == 1 and first is not second
+    assert len(compiler._pool) == 1 and first is not second
     assert first.consume_token(compiler.tokenizer.tokenize_str("{")[0])
     assert second.validate_tokens(compiler.tokenizer.tokenize_str('"')) == 0  # untouched by the first
 
@@ -212,11 +262,12 @@ def test_a_model_without_eos_refuses_structured_outputs(tmp_path):
 
 
 def test_a_grammar_whose_parser_fails_ends_its_request_alone():
-    """A grammar that compiles but meets llguidance's limits while generating (a regex that counts to a
-    million: its lexer constructs too many expressions) ends with finish_reason "error" and the reason,
-    not as a complete "stop"; the request beside it completes as if alone."""
+    """A grammar that compiles but meets llguidance's limits while generating (here a rule of 1,000 "a"s
+    under a tight Earley item limit) ends with finish_reason "error" and the reason, not as a complete
+    "stop"; the request beside it completes as if alone."""
     llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
-    huge = StructuredOutputs(regex="a{1000000}")
+    llm.engine.grammars.parser_limits = {"step_max_items": 100, "verbose_errors": False}
+    huge = StructuredOutputs(grammar='start: "a"~1000')
     stuck = SamplingParams(temperature=0, max_tokens=8, structured_outputs=huge)
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     [alone] = llm.generate(PROMPTS[:1], plain)
@@ -235,8 +286,8 @@ def test_matchers_are_copied_at_add_request_and_forgotten_with_their_requests():
     kept = llm.engine.add_request("Say", SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec))
     aborted = llm.engine.add_request("Say", SamplingParams(max_tokens=8, structured_outputs=spec))
     assert set(compiler._reserved) == {kept.req_id, aborted.req_id}
-    compiler._cache.clear()
-    compiler._template = None  # any compile from here on would raise
+    compiler._pool.clear()
+    compiler._pool = None  # any compile from here on would raise
     llm.engine.abort(aborted.req_id)
     text = ""
     while llm.engine.has_unfinished():
@@ -362,3 +413,49 @@ def test_compiling_builds_what_the_lexer_left_for_the_first_mask():
 
     cold = llguidance.LLMatcher(compiler.tokenizer, _grammar(spec), log_level=0)
     assert first_mask(cold) > 10 * first_mask(compiler.matcher(spec))
+
+
+def _schemas(count: int, num_props: int) -> list[StructuredOutputs]:
+    """Distinct JSON schemas of num_props properties (~50 characters of grammar each)."""
+    kinds = [{"type": "string", "maxLength": 20}, {"type": "integer"}, {"type": "array", "items": {}}]
+    return [
+        StructuredOutputs(
+            json={"type": "object", "properties": {f"p{k}_{i}": kinds[i % 3] for i in range(num_props)}}
+        )
+        for k in range(count)
+    ]
+
+
+def test_the_grammar_cache_is_bounded_by_an_estimate_of_bytes_checked_against_rss():
+    """llguidance reports no size: the cache counts GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR per
+    character of each grammar. Against the process's RSS growth over 20 distinct ~7 KB schemas kept
+    alive, that estimate is not below it and at most 4x above it; and a 4 MiB cache keeps the most
+    recent ones that fit, not all 20 (300 such schemas once held 256 MB)."""
+    import ctypes
+    import gc
+
+    from infer.engine.tokenizer import Tokenizer
+    from infer.runner.grammar import GRAMMAR_BASE_BYTES
+
+    tokenizer = Tokenizer.from_pretrained(EMBEDDED_MODEL)
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, tokenizer.vocab_size, cache_mb=4)
+    specs = _schemas(21, 140)
+    compiler.check(specs[0])  # the tokenizer's tables, and llguidance's own first-use allocations
+
+    def rss() -> int:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+    before = rss()
+    compiled = [compiler._compile(compiler._prepare(spec)) for spec in specs[1:]]
+    grown = rss() - before
+    estimated = sum(nbytes for _, nbytes in compiled)
+    assert grown <= estimated <= 4 * grown, (grown, estimated)
+    del compiled
+    for spec in specs[1:]:
+        compiler.check(spec)
+    assert compiler._pool.cached_bytes <= 4 << 20 and 1 < len(compiler._pool) < 20
+    assert estimated // 20 > GRAMMAR_BASE_BYTES  # sized by its text, not counted
+    cached = [key[1] for key in compiler._pool._cache]  # (kind, text, options), oldest first
+    assert cached[-1] == specs[-1].text and specs[1].text not in cached  # the least recent went
