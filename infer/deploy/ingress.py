@@ -36,10 +36,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from infer.core.slo import LateRequest, Objectives
 from infer.deploy.routing import ROUTERS
-from infer.engine.async_engine import RequestFailed
+from infer.engine.async_engine import CompileQueueFull, RequestFailed
 from infer.engine.llm_engine import StepOutput
-from infer.models.loader import load_tokenizer, resolve_model_path
-from infer.runner.compile_pool import CompileQueueFull
+from infer.engine.tokenizer import load_tokenizer
+from infer.models.loader import resolve_model_path
 from infer.runner.grammar import GrammarCompiler
 from infer.sampling_params import SamplingParams
 from infer.server.args import ServerArgs

@@ -25,9 +25,8 @@ from contextlib import aclosing
 
 from infer.config import EngineConfig
 from infer.core.slo import Objectives
-from infer.engine.async_engine import AsyncEngine, RequestFailed
+from infer.engine.async_engine import AsyncEngine, CompileQueueFull, RequestFailed
 from infer.engine.llm_engine import LLMEngine
-from infer.runner.compile_pool import CompileQueueFull
 from infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("infer.deploy")

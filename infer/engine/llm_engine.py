@@ -32,9 +32,10 @@ from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
 from infer.core.slo import Objectives, SloClasses
 from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.engine.tokenizer import load_tokenizer
 from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
-from infer.models.loader import load_engine_model, load_tokenizer, weight_bytes
+from infer.models.loader import load_engine_model, weight_bytes
 from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner

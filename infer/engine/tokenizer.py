@@ -38,6 +38,8 @@ from infer.engine.chat_template import (
     tag_final_message,
     with_reasoning_aliases,
 )
+from infer.models.gguf import is_gguf, open_gguf
+from infer.models.loader import tokenizer_folder
 
 # The named special tokens transformers passes to a chat template (its `special_tokens_map`).
 SPECIAL_TOKEN_KEYS = (
@@ -361,3 +363,15 @@ def _load_chat_templates(folder: Path, from_config: Any) -> str | dict[str, str]
                 '{"name": ..., "template": ...} objects'
             ) from e
     return None
+
+
+def load_tokenizer(path: Path, tokenizer: str | None = None):
+    """The tokenizer of the model at `path` (resolve_model_path's): `tokenizer`, a folder, overrides it;
+    a GGUF file's is built from its metadata (infer.engine.gguf_tokenizer)."""
+    if tokenizer:
+        return Tokenizer.from_pretrained(Path(tokenizer).expanduser())
+    if is_gguf(path):
+        from infer.engine.gguf_tokenizer import gguf_tokenizer  # the gguf reader: only for a GGUF file
+
+        return gguf_tokenizer(open_gguf(path))
+    return Tokenizer.from_pretrained(tokenizer_folder(path))

@@ -77,20 +77,6 @@ def tokenizer_folder(path: Path) -> Path:
     return path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
 
 
-def load_tokenizer(path: Path, tokenizer: str | None = None):
-    """The tokenizer of the model at `path` (resolve_model_path's): `tokenizer`, a folder, overrides it;
-    a GGUF file's is built from its metadata (infer.engine.gguf_tokenizer)."""
-    from infer.engine.tokenizer import Tokenizer
-
-    if tokenizer:
-        return Tokenizer.from_pretrained(Path(tokenizer).expanduser())
-    if gguf.is_gguf(path):
-        from infer.engine.gguf_tokenizer import gguf_tokenizer
-
-        return gguf_tokenizer(gguf.open_gguf(path))
-    return Tokenizer.from_pretrained(tokenizer_folder(path))
-
-
 def read_config(path: Path) -> dict:
     with open(path / "config.json") as f:
         return json.load(f)

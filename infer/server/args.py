@@ -408,9 +408,7 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
     fields = {k: getattr(args, k) for k in _ENGINE_DEFAULTS if hasattr(args, k)}
     model = getattr(args, "model_arg", None) or args.model
     engine = EngineConfig(**{**fields, "model": model})
-    engine.scheduler_config(
-        engine.max_model_len or 1
-    )  # an impossible combination fails now, not after loading
+    engine.scheduler_config(engine.max_model_len or 1)  # an impossible combination fails before loading
     check_local_ranks(engine.tensor_parallel_size)
     from infer.models.loader import check_model_files
 

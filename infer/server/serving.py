@@ -33,9 +33,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from infer.core.slo import LateRequest, Objectives
-from infer.engine.async_engine import AsyncEngine, RequestFailed
+from infer.engine.async_engine import AsyncEngine, CompileQueueFull, RequestFailed
 from infer.engine.llm_engine import StepOutput
-from infer.runner.compile_pool import CompileQueueFull
 from infer.sampling_params import INT64_MIN, SamplingParams, StructuredOutputs, Unsatisfiable
 from infer.server.args import ServerArgs
 from infer.server.metrics import MeteredEngine, Metrics

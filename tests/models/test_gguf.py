@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from infer.engine.tokenizer import Tokenizer
+from infer.engine.tokenizer import Tokenizer, load_tokenizer
 from infer.models.gguf import EOG_TEXTS
-from infer.models.loader import EMBEDDED_MODEL, load_model, load_tokenizer, resolve_model_path
+from infer.models.loader import EMBEDDED_MODEL, load_model, resolve_model_path
 
 from .gguf_files import ROOT, convert
 from .test_loader import forward_logits

@@ -35,8 +35,18 @@ ALLOWED: dict[str, set[str]] = {
     "runner": {"core.outputs", "layers", "kernels", "models.config", "config", "sampling_params"},
     # a rank > 0 loads its own shard of the weights
     "runner/parallel.py": {"models.loader"},
-    "engine": {"core", "runner", "models.loader", "layers.parallel", "config", "sampling_params"},
+    "engine": {
+        "core",
+        "runner",
+        "models.loader",
+        "models.gguf",
+        "layers.parallel",
+        "config",
+        "sampling_params",
+    },
     "server": {"engine", "core.slo", "config", "sampling_params"},
+    # a model's files (a GGUF's header) checked while the flags are parsed, so a bad one exits 2 at once
+    "server/args.py": {"models.loader"},
     # `python -m infer.server --replicas N` hands over to deploy
     "server/__main__.py": {"deploy.app", "deploy.args"},
     "deploy": {

@@ -115,6 +115,8 @@ class Context:
             setting = "-".join(f"{k}={v}" for k, v in sorted(knobs.items()))
             setting = "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in setting)
             trace = str(self.trace_dir / f"{self.benchmark}-{setting}.trace.json")
+        # the mechanisms in step counts: no prefill pacing, which times steps and so varies run to run
+        knobs.setdefault("max_decode_slowdown", 0)
         config = EngineConfig(
             model=self.model, dtype=self.dtype, load_format=self.load_format, trace_path=trace, **knobs
         )
