@@ -2,9 +2,9 @@ r"""Storms and soak: does the server give everything back, refuse cleanly, and s
 
     infer bench stress [MODEL] [--infer-flags="--max-num-seqs 8"]        # starts `infer serve`, then stops it
     infer bench stress --server http://127.0.0.1:8000 [--api-key K] [--pid PID]   # a server already running
-        [--phases aborts,overload,soak] [--aborts 1000] [--overload-seconds 60] [--soak-seconds 1800]
+        [--phases aborts,overload,soak,fairness] [--aborts 1000] [--overload-seconds 60] [--soak-seconds 1800]
 
-Three phases, each ending with a verdict:
+Four phases, each ending with a verdict:
 
   aborts    N streamed requests, each left at a random point by its client: before the first byte (the
             connection dropped while the server tokenizes or admits), mid-prefill (at the response headers,
@@ -24,6 +24,10 @@ Three phases, each ending with a verdict:
             (the launched server's, or --pid). Reports their slopes (a least-squares fit over the second
             half: the first holds the warm-up), the descriptors at idle before and after, and every error.
             Leaks are judged only on runs of at least --min-judge-seconds.
+  fairness  a bystander stream alone, then beside one client sending each expensive kind of request at
+            its allowed maximum (prompt_logprobs, long prompts, distinct grammars, logit_bias, n = 128,
+            stop lists, tool lists): its TTFT and ITL p99 must stay within --fairness-bound (2x) of alone
+            (infer/bench/stress_fairness.py).
 
 A table on stdout, a JSON report (benchmarks/reports/stress-*.json, or --out); exit status 1 when a verdict
 fails. Short forms run in the tests (tests/bench/test_bench_stress.py); the long one, on an idle machine:
@@ -46,9 +50,10 @@ from infer.bench.client import BenchError, check_server
 from infer.bench.launch import LaunchedServer
 from infer.bench.report import machine_info, render_table, write_report
 from infer.bench.stress_checks import LeakLimits
+from infer.bench.stress_fairness import KINDS, run_fairness
 from infer.bench.stress_phases import run_aborts, run_overload, run_soak
 
-PHASES = ("aborts", "overload", "soak")
+PHASES = ("aborts", "overload", "soak", "fairness")
 LAUNCH_FLAGS = ["--max-num-seqs", "8", "--max-queued-requests", "16"]  # before --infer-flags (which win)
 DEFAULT_REPORT_DIR = Path("benchmarks/reports")
 
@@ -76,6 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rss-growth", type=float, default=LeakLimits.rss_mib_per_hour, help="MiB/hour")
     p.add_argument("--max-fd-growth", type=int, default=LeakLimits.fd_growth, help="descriptors at idle")
     p.add_argument("--min-judge-seconds", type=float, default=LeakLimits.min_judge_seconds)
+    p.add_argument(
+        "--fairness-kinds", default=",".join(KINDS), help="comma-separated, of: " + ", ".join(KINDS)
+    )
+    p.add_argument("--fairness-tokens", type=int, default=64, help="the bystander's max_tokens")
+    p.add_argument("--fairness-concurrency", type=int, default=4, help="the heavy client's requests at once")
+    p.add_argument("--fairness-lead", type=float, default=1.0, help="seconds the heavy client starts first")
+    p.add_argument("--fairness-bound", type=float, default=2.0, help="bystander TTFT / ITL p99 vs alone")
     p.add_argument("--settle-timeout", type=float, default=30.0, help="seconds for /metrics to reach idle")
     p.add_argument("--timeout", type=float, default=120.0, help="client timeout per request, seconds")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds for a launched server")
@@ -90,13 +102,22 @@ def parse_phases(text: str) -> list[str]:
     return [p for p in PHASES if p in phases]
 
 
-def admission_bound(url: str, api_key: str | None) -> int | None:
-    """max_num_seqs + max_queued_requests from our server's /server_info; None elsewhere."""
+def server_info(url: str, api_key: str | None) -> dict:
+    """Our server's /server_info; {} elsewhere."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         info = httpx.get(url + "/server_info", headers=headers, timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def admission_bound(url: str, api_key: str | None) -> int | None:
+    """max_num_seqs + max_queued_requests from our server's /server_info; None elsewhere."""
+    info = server_info(url, api_key)
+    try:
         return int(info["engine"]["max_num_seqs"]) + int(info["server"]["max_queued_requests"])
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError, ValueError):
         return None
 
 
@@ -117,6 +138,10 @@ def _figures(phase: str, result: dict) -> str:
         return (f"{result['num_workers']} workers; admitted {result['admitted_per_s'] or 0:.1f}/s; TTFT p50 "
                 f"{t['p50'] or 0:.0f} p99 {t['p99'] or 0:.0f} ms; latency p50 {lat['p50'] or 0:.0f} "
                 f"p99 {lat['p99'] or 0:.0f} ms")  # fmt: skip
+    if phase == "fairness":
+        kinds = result["kinds"].values()
+        ttft, itl = (max(r["ratios"].get(k, 0) for r in kinds) for k in ("ttft_ms", "itl_p99_ms"))
+        return f"worst of {len(kinds)} kinds: TTFT {ttft:.1f}x, ITL p99 {itl:.1f}x its time alone"
     leak = result["leak"]
     rss, fds = leak["rss_mib_per_hour"], leak["fds_per_hour"]
     return (f"RSS {'-' if rss is None else f'{rss:+.1f}'} MiB/h, fds {'-' if fds is None else f'{fds:+.1f}'}"
@@ -170,8 +195,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
                 if bound is None:
                     raise BenchError("the overload needs the admission bound: pass --admission-bound N")
                 results[phase] = asyncio.run(run_overload(url, model, args, bound, max_model_len))
-            else:
+            elif phase == "soak":
                 results[phase] = asyncio.run(run_soak(url, model, args, pid, max_model_len))
+            else:
+                max_num_seqs = server_info(url, args.api_key).get("engine", {}).get("max_num_seqs")
+                results[phase] = asyncio.run(run_fairness(url, model, args, max_model_len, max_num_seqs))
     finally:
         if launched is not None:
             launched.stop()

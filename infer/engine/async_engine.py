@@ -26,6 +26,7 @@ thread looks at it every IDLE_CHECK_S, so a death between requests is noticed to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -37,6 +38,7 @@ from contextlib import aclosing
 from infer.config import EngineConfig
 from infer.core.slo import Objectives
 from infer.engine.llm_engine import LLMEngine, StepOutput
+from infer.engine.stop_strings import automaton
 from infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("infer.engine")
@@ -107,6 +109,9 @@ class AsyncEngine:
         if params is not None and params.structured_outputs is not None:  # compiled here, not in a step
             compiled = self.engine.grammars.compiled(params.structured_outputs)
             matcher = (await asyncio.wrap_future(compiled)).deep_copy()
+        if params is not None and params.stop:  # the stop strings' automaton, built here, not in a step
+            with contextlib.suppress(TypeError):  # not strings: the engine refuses them, naming why
+                await asyncio.to_thread(automaton, tuple(params.stop))
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         stream: asyncio.Queue = asyncio.Queue()
         added = self._loop.create_future()

@@ -158,3 +158,29 @@ def test_overload_and_soak_on_a_launched_server(model_args, tmp_path):
     assert soak["leak"]["fd_growth"] is not None and "leaks not judged" in soak["note"]
     assert report["server"]["pid"] and report["server"]["launched"]
     assert "overload" in out.getvalue() and "soak" in out.getvalue()
+
+
+def test_fairness_runs_a_bystander_beside_each_kind(bench_server, tmp_path):
+    """The phase's mechanics (its ratios are measured on an idle machine, not judged here): every kind
+    named runs beside a bystander, the heavy client's answers are counted, none is a 5xx."""
+    argv = ["--server", bench_server.url, "--phases", "fairness", "--fairness-kinds",
+            "long_prompt,n,stop_lists", "--fairness-tokens", "8", "--fairness-concurrency", "1",
+            "--fairness-lead", "0.2", "--fairness-bound", "1000"]  # fmt: skip
+    report = stress.run(parse([*argv, "--out", str(tmp_path / "fair.json")]), out=io.StringIO())
+    fairness = report["phases"]["fairness"]
+    assert fairness["problems"] == [] and set(fairness["kinds"]) == {"long_prompt", "n", "stop_lists"}
+    for kind, row in fairness["kinds"].items():
+        assert sum(row["heavy_statuses"].values()) >= 1, kind
+        assert all(s.isdigit() and not s.startswith("5") for s in row["heavy_statuses"]), row
+        assert row["beside"]["total_ms"] > 0 and row["ratios"]["ttft_ms"] > 0
+    assert fairness["alone"]["ttft_ms"] > 0
+
+
+def test_fairness_requests_are_what_the_server_allows():
+    from infer.bench.stress_fairness import KINDS, heavy_request
+    from infer.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    for kind in KINDS:
+        route, body = heavy_request(kind, "m", 3, max_model_len=2048, max_n=8)
+        schema = ChatCompletionRequest if route.endswith("chat/completions") else CompletionRequest
+        schema.model_validate(body)  # within the API's bounds: a heavy request, not a refused one

@@ -60,3 +60,12 @@ def test_bounds():
         with pytest.raises(ValueError, match=name):
             SamplingParams(**{name: value})
     assert SamplingParams(temperature=1e-50).greedy and SamplingParams(seed=-(2**63)).seed == -(2**63)
+
+
+def test_requests_with_the_same_stop_strings_share_one_automaton_and_keep_their_own_place():
+    stops = ["ab", "bc"]
+    first, second = StopStrings(stops), StopStrings(tuple(stops))
+    assert first._automaton is second._automaton  # built once (the server builds it off the engine thread)
+    assert first.feed("xa") is None and first.partial_len == 1
+    assert second.feed("xb") is None and second.partial_len == 1  # its own state, not first's
+    assert first.feed("b") == (1, "ab") and second.feed("c") == (1, "bc")

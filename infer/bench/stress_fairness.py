@@ -1,0 +1,143 @@
+"""The stress test's fairness phase: does one client's expensive requests slow everyone else's stream?
+
+A bystander (a streamed greedy completion) runs alone, then beside one heavy client per kind, which keeps
+--fairness-concurrency requests of that kind in flight, each at the server's allowed maximum, until the
+bystander is done:
+
+  prompt_logprobs    a prompt of half the context with prompt_logprobs 20 (an LM-head row and a top-20
+                     per prompt token, and megabytes of JSON)
+  long_prompt        the same prompt without them (a long prefill)
+  grammars           a distinct JSON schema per request (a compilation each)
+  logit_bias         a logit_bias over 1,024 tokens
+  n                  n continuations of one prompt: 128, or the server's max_num_seqs if fewer
+  stop_lists         128 stop strings of 512 characters
+  tools              a chat request with 128 tools and tool_choice "required"
+
+The verdict: the bystander's time to first token and inter-token p99 stay within --fairness-bound (2x)
+of alone for every kind. The heavy client's refusals (429) are counted, not failures: admission control
+doing its job. docs/robustness.md has the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import httpx
+
+KINDS = ("prompt_logprobs", "long_prompt", "grammars", "logit_bias", "n", "stop_lists", "tools")
+WORDS = "The quick brown fox jumps over the lazy dog. "
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def bystander(http: httpx.AsyncClient, model: str, max_tokens: int) -> dict:
+    """One streamed greedy completion: its TTFT and inter-token gaps, in ms."""
+    body = {"model": model, "prompt": "In the beginning", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    start, times = time.perf_counter(), []
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter() - start)
+    gaps = [1000 * (b - a) for a, b in zip(times, times[1:], strict=False)]
+    return {"ttft_ms": 1000 * times[0], "itl_p99_ms": _percentile(gaps, 0.99), "total_ms": 1000 * times[-1]}
+
+
+def heavy_request(kind: str, model: str, i: int, max_model_len: int, max_n: int = 128) -> tuple[str, dict]:
+    """The route and body of the i-th request of a kind, at what the server allows."""
+    half = max(16, max_model_len // 2)
+    long_prompt = (WORDS * (half // 10 + 1))[: half * 4]  # ~4 characters a token; trimmed by the server
+    base = {"model": model, "temperature": 0}
+    if kind in ("prompt_logprobs", "long_prompt"):
+        extra = {"prompt_logprobs": 20} if kind == "prompt_logprobs" else {}
+        return "/v1/completions", {**base, "prompt": long_prompt, "max_tokens": 1,
+                                    "truncate_prompt_tokens": half, **extra}  # fmt: skip
+    if kind == "grammars":
+        props = {f"field_{i}_{k}": {"type": "string", "maxLength": 8} for k in range(40)}
+        schema = {"type": "object", "properties": props, "required": list(props)[:2]}
+        return "/v1/completions", {**base, "prompt": "{", "max_tokens": 8,
+                                    "structured_outputs": {"json": schema}}  # fmt: skip
+    if kind == "logit_bias":
+        bias = {str(t): 1.0 for t in range(100, 1124)}
+        return "/v1/completions", {**base, "prompt": "Once", "max_tokens": 32, "logit_bias": bias}
+    if kind == "n":
+        return "/v1/completions", {**base, "prompt": "Once", "max_tokens": 8, "n": max_n, "temperature": 1.0}
+    if kind == "stop_lists":
+        stops = [f"{k:03d}" + "z" * 509 for k in range(128)]
+        return "/v1/completions", {**base, "prompt": "Once", "max_tokens": 32, "stop": stops}
+    if kind == "tools":
+        tools = [{"type": "function", "function": {"name": f"tool_{k}", "description": "a tool " * 8,
+                  "parameters": {"type": "object", "properties": {"x": {"type": "string", "maxLength": 8}}}}}
+                 for k in range(128)]  # fmt: skip
+        messages = [{"role": "user", "content": "Call a tool."}]
+        body = {**base, "messages": messages, "tools": tools, "tool_choice": "required", "max_tokens": 32}
+        return "/v1/chat/completions", body
+    raise ValueError(f"unknown fairness kind {kind!r}")
+
+
+async def heavy_client(http, kind: str, model: str, concurrency: int, bounds: tuple[int, int], stop):
+    """Keep `concurrency` requests of a kind in flight until `stop`; the statuses seen. A refused one
+    waits as Retry-After says (1 s without it): a flood of refusals measures another thing."""
+    statuses: dict[str, int] = {}
+    counter = iter(range(10**9))
+
+    async def worker() -> None:
+        while not stop.is_set():
+            route, body = heavy_request(kind, model, next(counter), *bounds)
+            try:
+                resp = await http.post(route, json=body)
+                key = str(resp.status_code)
+                if resp.status_code >= 400:
+                    await asyncio.sleep(float(resp.headers.get("retry-after", 1)))
+            except httpx.HTTPError as exc:
+                key = type(exc).__name__
+            statuses[key] = statuses.get(key, 0) + 1
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return statuses
+
+
+async def run_fairness(
+    url: str, model: str, args: argparse.Namespace, max_model_len: int | None, max_num_seqs: int | None
+) -> dict:
+    bounds = (max_model_len or 2048, min(128, max_num_seqs or 128))
+    kinds = [k for k in args.fairness_kinds.split(",") if k] or list(KINDS)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    pool = httpx.Limits(max_connections=args.fairness_concurrency + 8)
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout, limits=pool) as http:
+        await bystander(http, model, 4)  # warm
+        alone = [await bystander(http, model, args.fairness_tokens) for _ in range(2)]
+        base = {key: min(run[key] for run in alone) for key in alone[0]}
+        rows, problems, num_requests = {}, [], 2
+        for kind in kinds:
+            stop = asyncio.Event()
+            heavy = asyncio.ensure_future(
+                heavy_client(http, kind, model, args.fairness_concurrency, bounds, stop)
+            )
+            await asyncio.sleep(args.fairness_lead)  # the heavy requests are in the engine first
+            beside = await bystander(http, model, args.fairness_tokens)
+            stop.set()
+            statuses = await heavy
+            num_requests += 1 + sum(statuses.values())
+            ratios = {
+                key: beside[key] / base[key] for key in ("ttft_ms", "itl_p99_ms", "total_ms") if base[key]
+            }
+            rows[kind] = {"beside": beside, "ratios": ratios, "heavy_statuses": statuses}
+            bad = [k for k in ("ttft_ms", "itl_p99_ms") if ratios.get(k, 0) > args.fairness_bound]
+            if bad:
+                problems.append(f"{kind}: " + ", ".join(f"{k} {ratios[k]:.1f}x" for k in bad))
+            if any(not s.isdigit() or s.startswith("5") for s in statuses):
+                problems.append(f"{kind}: the heavy client saw {json.dumps(statuses)}")
+    counts = {"bystander runs": 2 + len(kinds)}
+    return {"num_requests": num_requests, "duration_s": time.perf_counter() - started, "counts": counts,
+            "alone": base, "kinds": rows, "bound": args.fairness_bound, "problems": problems}  # fmt: skip
