@@ -28,6 +28,7 @@ from infer.config import (
 )
 from infer.core.slo import SloClasses
 from infer.server.auth import check_keys, owner_of, read_key_file, split_keys
+from infer.server.tool_parsers import TOOL_PARSERS
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -50,6 +51,7 @@ class ServerArgs:
     drain_timeout: float = 30.0
     cuda_graphs: bool = False
     log_level: str = "info"
+    tool_call_parser: str | None = None  # tool_choice "auto" reads calls out of the text (tool_parsers)
 
     @property
     def model_name(self) -> str:
@@ -116,6 +118,19 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         type=float,
         default=30.0,
         help="on SIGTERM, seconds to let running requests finish before aborting them",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='vLLM\'s: with tools and tool_choice "auto", read the calls the model writes out of its text '
+        "(needs --tool-call-parser)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="vLLM's: how the model writes a call: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1, "
+        "3.2), mistral, pythonic (Llama 3.2 1B/3B)",
     )
     parser.add_argument(
         "--log-level",
@@ -399,6 +414,10 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         raise ValueError(f"--port must be in [1, 65535] (or 0 for any free port), got {args.port}")
     if args.cuda_graphs:
         check_cuda_graphs()
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM's check
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser NAME: say how the model writes its calls"
+        )
     owners = api_key_owners(args)
     return ServerArgs(
         engine=engine,
@@ -414,6 +433,7 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         drain_timeout=args.drain_timeout,
         cuda_graphs=args.cuda_graphs,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
 
 

@@ -22,6 +22,8 @@ vLLM's extensions, as vLLM 0.32 serves them:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -58,6 +60,7 @@ from infer.server.serving import (
     sse,
     truncated,
 )
+from infer.server.tool_parsers import extract
 
 router = APIRouter()
 
@@ -80,6 +83,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     check_prompt_logprobs(state, body)
     params = sampling_params(body, max_tokens, logprobs, _prompt_logprobs(state, body))
+    parser = tools.auto_parser(state.args.tool_call_parser, body)
+    if parser is not None and parser.keeps_special_tokens:  # vLLM's: its markers may be special tokens
+        params = dataclasses.replace(params, skip_special_tokens=False)
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     jobs = [Job(prompt_ids, choice_params(params, j), body.priority, slo) for j in range(body.n)]
@@ -168,6 +174,8 @@ def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeReques
                     f"messages[{i}].content: only parts of type 'text' are supported", param="messages"
                 )
             m["content"] = "\n".join(str(p.get("text", "")) for p in parts)
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            m = _with_call_arguments(m, i)
         messages.append(m)
     try:
         text = state.llm.tokenizer.apply_chat_template(
@@ -183,6 +191,29 @@ def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeReques
     except TypeError as exc:  # e.g. a chat_template_kwargs key that clashes with an argument
         raise bad_request(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from exc
     return text
+
+
+def _with_call_arguments(message: dict, i: int) -> dict:
+    """An assistant message's tool calls as chat templates read them (vLLM's, after transformers'):
+    each call's `arguments` an object, not the JSON text OpenAI's format carries; a missing content is
+    "" (templates that write `message['content']` then render the call alone)."""
+    calls = []
+    for j, call in enumerate(message["tool_calls"]):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise bad_request(f"messages[{i}].tool_calls[{j}] needs a function", param="messages")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments.strip():
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise bad_request(
+                    f"messages[{i}].tool_calls[{j}].function.arguments is not JSON", param="messages"
+                ) from None
+        elif not arguments:
+            arguments = {}
+        calls.append({**call, "function": {**function, "arguments": arguments}})
+    return {"content": "", **message, "tool_calls": calls}
 
 
 class _Chat:
@@ -210,6 +241,13 @@ class _Chat:
         (vLLM's; the stream sends it as a content chunk). Forced output cut short before any call's
         name is complete has no call, and its partial JSON is no content (vLLM's: content empty)."""
         calls, reason = tools.calls_and_reason(self.body, text, reason)
+        parser = tools.auto_parser(self.state.args.tool_call_parser, self.body)
+        if calls is None and parser is not None:
+            found = extract(parser, text)
+            if found.calls:
+                content = self.echo + (found.content or "")
+                reason = tools.auto_finish_reason(True, reason)
+                return {"role": self.role, "content": content or None, "tool_calls": found.calls}, reason
         if calls is None:
             return {"role": self.role, "content": self.echo + text}, reason
         if not calls:
@@ -263,7 +301,11 @@ class _Chat:
             }
             yield sse({**head, "choices": [choice], **extra})
         per_token = self.body.logprobs or self.body.return_token_ids
-        last, calls = {}, _StreamedCalls(self.body) if tools.forces_calls(self.body) else None
+        last, calls = {}, None
+        if tools.forces_calls(self.body):
+            calls = _StreamedCalls(self.body)
+        elif tools.auto_parser(self.state.args.tool_call_parser, self.body) is not None:
+            calls = _AutoCalls(self.state.args.tool_call_parser, self.body)
         try:
             async for index, out in fanout.outputs():
                 last[index] = out
@@ -308,3 +350,25 @@ class _StreamedCalls:
         parser = self.parsers[index]
         calls = [tools.streamed_call(d) for d in parser.feed(out.text)]
         return ({"tool_calls": calls} if calls else {}), tools.finish_reason(parser, out.finish_reason)
+
+
+class _AutoCalls:
+    """Each choice's free output split into content and the calls the model writes
+    (infer.server.tool_parsers): content as it comes, a call's id and name once, then its arguments.
+    Text that may begin a call is held until it is known."""
+
+    def __init__(self, parser_name: str, body: ChatCompletionRequest):
+        self.parser_name, self.body = parser_name, body
+        self.parsers: dict = {}
+
+    def delta(self, index: int, out) -> tuple[dict, str | None]:
+        if index not in self.parsers:
+            self.parsers[index] = tools.auto_parser(self.parser_name, self.body)
+        parser = self.parsers[index]
+        pieces = parser.feed(out.text) + (parser.finish() if out.finished else [])
+        content = "".join(p for p in pieces if isinstance(p, str))
+        calls = [tools.streamed_call(p, parser.call_id) for p in pieces if not isinstance(p, str)]
+        delta = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, tools.auto_finish_reason(parser.num_calls > 0 and not parser.broken, out.finish_reason)
