@@ -28,6 +28,7 @@ from infer.config import (
 )
 from infer.core.slo import SloClasses
 from infer.server.auth import check_keys, owner_of, read_key_file, split_keys
+from infer.server.reasoning import REASONING_PARSERS
 from infer.server.tool_parsers import TOOL_PARSERS
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -52,6 +53,7 @@ class ServerArgs:
     cuda_graphs: bool = False
     log_level: str = "info"
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls out of the text (tool_parsers)
+    reasoning_parser: str | None = None  # <think>...</think> as reasoning_content (infer.server.reasoning)
 
     @property
     def model_name(self) -> str:
@@ -131,6 +133,13 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         choices=sorted(TOOL_PARSERS),
         help="vLLM's: how the model writes a call: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1, "
         "3.2), mistral, pythonic (Llama 3.2 1B/3B)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="vLLM's: the model's <think>...</think> as the message's reasoning_content, apart from the "
+        "answer (qwen3: Qwen3, SmolLM3; deepseek_r1: DeepSeek-R1 and its distills)",
     )
     parser.add_argument(
         "--log-level",
@@ -434,6 +443,7 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         cuda_graphs=args.cuda_graphs,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

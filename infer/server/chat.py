@@ -37,6 +37,7 @@ from infer.server.protocol import (
     bad_request,
     usage,
 )
+from infer.server.reasoning import REASONING_PARSERS, split, thinking
 from infer.server.serving import (
     SSE_DONE,
     Fanout,
@@ -92,7 +93,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state.admit(len(jobs), fits=state.fits(len(prompt_ids), max_tokens))
     chat_id = new_id("chatcmpl")
     fanout = Fanout(state, jobs, chat_id, arrival)
-    chat = _Chat(state, body, chat_id, prompt_ids)
+    # a constraint applies from the first token here: what it makes is the answer, with no thinking in it
+    reasoning = state.args.reasoning_parser if params.structured_outputs is None else None
+    chat = _Chat(state, body, chat_id, prompt_ids, reasoning)
     return await answer(request, fanout, chat, body.stream, "messages")
 
 
@@ -217,8 +220,16 @@ def _with_call_arguments(message: dict, i: int) -> dict:
 
 
 class _Chat:
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, chat_id: str, prompt_ids: list[int]):
+    def __init__(
+        self,
+        state: ServerState,
+        body: ChatCompletionRequest,
+        chat_id: str,
+        prompt_ids: list[int],
+        reasoning_parser: str | None = None,
+    ):
         self.state, self.body, self.id, self.prompt_ids = state, body, chat_id, prompt_ids
+        self.reasoning_parser = reasoning_parser
         self.num_prompt = len(prompt_ids)
         self.created = int(time.time())
         self.role, self.echo = reply_role(body), echo_text(body)
@@ -239,20 +250,29 @@ class _Chat:
         """A choice's message and finish_reason: its tool calls when tool_choice forced them
         (infer.server.tools), else its text. What echo repeats stays the content beside the calls
         (vLLM's; the stream sends it as a content chunk). Forced output cut short before any call's
-        name is complete has no call, and its partial JSON is no content (vLLM's: content empty)."""
+        name is complete has no call, and its partial JSON is no content (vLLM's: content empty).
+        With a reasoning parser, the thinking is `reasoning_content` (and vLLM's `reasoning`) and the
+        rest is read as the answer: its calls (an auto tool parser), or its text."""
         calls, reason = tools.calls_and_reason(self.body, text, reason)
-        parser = tools.auto_parser(self.state.args.tool_call_parser, self.body)
-        if calls is None and parser is not None:
-            found = extract(parser, text)
+        if calls is not None:
+            if not calls:
+                return {"role": self.role, "content": self.echo}, reason
+            return {"role": self.role, "content": self.echo or None, "tool_calls": calls}, reason
+        message: dict = {"role": self.role}
+        reader = _Reader(self.state, self.body, self.reasoning_parser)
+        if reader.reasoning is not None:
+            thinking, text = split(reader.reasoning, text)
+            message["reasoning_content"] = message["reasoning"] = thinking
+            text = text or ""
+        if reader.tools is not None:
+            found = extract(reader.tools, text)
             if found.calls:
                 content = self.echo + (found.content or "")
-                reason = tools.auto_finish_reason(True, reason)
-                return {"role": self.role, "content": content or None, "tool_calls": found.calls}, reason
-        if calls is None:
-            return {"role": self.role, "content": self.echo + text}, reason
-        if not calls:
-            return {"role": self.role, "content": self.echo}, reason
-        return {"role": self.role, "content": self.echo or None, "tool_calls": calls}, reason
+                message.update(content=content or None, tool_calls=found.calls)
+                return message, tools.auto_finish_reason(True, reason)
+        content = self.echo + text
+        message["content"] = None if reader.reasoning is not None and not content else content
+        return message, reason
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.state.args.model_name}
@@ -304,8 +324,8 @@ class _Chat:
         last, calls = {}, None
         if tools.forces_calls(self.body):
             calls = _StreamedCalls(self.body)
-        elif tools.auto_parser(self.state.args.tool_call_parser, self.body) is not None:
-            calls = _AutoCalls(self.state.args.tool_call_parser, self.body)
+        elif not _Reader(self.state, self.body, self.reasoning_parser).is_plain:
+            calls = _Readers(self.state, self.body, self.reasoning_parser)
         try:
             async for index, out in fanout.outputs():
                 last[index] = out
@@ -352,23 +372,52 @@ class _StreamedCalls:
         return ({"tool_calls": calls} if calls else {}), tools.finish_reason(parser, out.finish_reason)
 
 
-class _AutoCalls:
-    """Each choice's free output split into content and the calls the model writes
-    (infer.server.tool_parsers): content as it comes, a call's id and name once, then its arguments.
-    Text that may begin a call is held until it is known."""
+class _Reader:
+    """One choice's free output read as it streams: the thinking apart (--reasoning-parser), then the
+    calls the model writes in its answer (--tool-call-parser, under tool_choice "auto")."""
 
-    def __init__(self, parser_name: str, body: ChatCompletionRequest):
-        self.parser_name, self.body = parser_name, body
-        self.parsers: dict = {}
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, reasoning_parser: str | None):
+        self.reasoning = None
+        if reasoning_parser is not None:
+            self.reasoning = REASONING_PARSERS[reasoning_parser](thinking(body.chat_template_kwargs))
+        self.tools = tools.auto_parser(state.args.tool_call_parser, body)
 
-    def delta(self, index: int, out) -> tuple[dict, str | None]:
-        if index not in self.parsers:
-            self.parsers[index] = tools.auto_parser(self.parser_name, self.body)
-        parser = self.parsers[index]
-        pieces = parser.feed(out.text) + (parser.finish() if out.finished else [])
+    @property
+    def is_plain(self) -> bool:
+        return self.reasoning is None and self.tools is None
+
+    def delta(self, out) -> tuple[dict, str | None]:
+        """A chunk's delta: reasoning, content, tool calls (each only when it has something)."""
+        thought, answer = "", out.text
+        if self.reasoning is not None:
+            thought, answer = self.reasoning.feed(out.text)
+            if out.finished:
+                more_thought, more_answer = self.reasoning.finish()
+                thought, answer = thought + more_thought, answer + more_answer
+        delta: dict = {"reasoning_content": thought, "reasoning": thought} if thought else {}
+        if self.tools is None:
+            if answer:
+                delta["content"] = answer
+            return delta, out.finish_reason
+        parser = self.tools
+        pieces = parser.feed(answer) + (parser.finish() if out.finished else [])
         content = "".join(p for p in pieces if isinstance(p, str))
         calls = [tools.streamed_call(p, parser.call_id) for p in pieces if not isinstance(p, str)]
-        delta = {"content": content} if content else {}
+        if content:
+            delta["content"] = content
         if calls:
             delta["tool_calls"] = calls
         return delta, tools.auto_finish_reason(parser.num_calls > 0 and not parser.broken, out.finish_reason)
+
+
+class _Readers:
+    """A _Reader per choice."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, reasoning_parser: str | None):
+        self.state, self.body, self.reasoning_parser = state, body, reasoning_parser
+        self.readers: dict[int, _Reader] = {}
+
+    def delta(self, index: int, out) -> tuple[dict, str | None]:
+        if index not in self.readers:
+            self.readers[index] = _Reader(self.state, self.body, self.reasoning_parser)
+        return self.readers[index].delta(out)
