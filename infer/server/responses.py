@@ -3,8 +3,12 @@
 A responses request is the chat request it amounts to: `instructions` as a system message, then, with
 `previous_response_id`, that response's conversation (its input and its output, from this server's
 store), then `input` (a string is one user message; items are messages whose content is a string or
-text parts: input_text / output_text). The conversation goes through the model's chat template and chat's
-sampling (protocol.ResponsesRequest); the output is one message item holding one output_text part.
+text parts: input_text / output_text, `function_call` items (an assistant's calls) and
+`function_call_output` items (a tool's answer, a `tool` message)). The conversation goes through the
+model's chat template and chat's sampling (protocol.ResponsesRequest); the output is a message item
+holding one output_text part, and, with function `tools`, a `function_call` item per call: forced by
+tool_choice "required" or a named function, or read out of the text under "auto" with
+--enable-auto-tool-choice (infer.server.tools), the text before the calls being the message.
 
 Streaming sends OpenAI's typed events (`event: TYPE`, `data: JSON` with a sequence_number, no [DONE]):
 
@@ -15,6 +19,12 @@ Streaming sends OpenAI's typed events (`event: TYPE`, `data: JSON` with a sequen
     response.completed                               the whole response, usage included; as OpenAI,
                                                      response.incomplete when max_output_tokens cut it
                                                      short (vLLM 0.32 sends response.completed either way)
+
+With tools the items open as the output reads: a message once text comes, then per call
+
+    response.output_item.added                        {type: function_call, call_id, name, arguments: ""}
+    response.function_call_arguments.delta ...        its arguments as they come
+    response.function_call_arguments.done, response.output_item.done
 
 An engine error mid-stream sends `error` and then response.failed.
 
@@ -37,6 +47,7 @@ counting one's way to another's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -47,6 +58,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from infer.engine.llm_engine import StepOutput
+from infer.server import tools
 from infer.server.auth import request_owner, same_owner
 from infer.server.chat import chat_prompt_ids
 from infer.server.protocol import (
@@ -72,6 +84,7 @@ from infer.server.serving import (
     sampling_params,
     sse,
 )
+from infer.server.tool_parsers import extract
 
 router = APIRouter()
 
@@ -86,7 +99,7 @@ class Stored:
     owner: str  # the digest of the API key that stored it (infer.server.auth)
     body: bytes  # the response's JSON, as GET returns it
     conversation: list[dict]  # the messages that produced it, instructions left out (OpenAI's rule)
-    text: str  # its output
+    reply: dict  # its output as the assistant's chat message (content, tool_calls)
     size: int  # bytes counted against the store's bound
 
 
@@ -140,11 +153,14 @@ async def create_response(body: ResponsesRequest, request: Request):
     conversation = _input_messages(body.input)
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id, owner, param="previous_response_id")
-        reply = {"role": "assistant", "content": previous.text}
-        conversation = [*previous.conversation, reply, *conversation]
+        conversation = [*previous.conversation, previous.reply, *conversation]
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     messages = system + conversation
-    chat = ChatCompletionRequest(messages=messages, chat_template_kwargs=body.chat_template_kwargs)
+    chat = ChatCompletionRequest(
+        messages=messages,
+        chat_template_kwargs=body.chat_template_kwargs,
+        tools=tools.as_chat_tools(body.tools),
+    )
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, state, chat)  # CPU work off the event loop
     limit = state.max_request_len
     if body.truncation == "auto":  # the conversation's start goes, as vLLM's (a prompt's last tokens)
@@ -158,6 +174,9 @@ async def create_response(body: ResponsesRequest, request: Request):
         prompt_ids = prompt_ids[-keep:]
     max_tokens = body.max_output_tokens or max(1, limit - len(prompt_ids))
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if _wants_logprobs(body) else None)
+    parser = tools.auto_parser(state.args.tool_call_parser, body)
+    if parser is not None and parser.keeps_special_tokens:  # as in chat
+        params = dataclasses.replace(params, skip_special_tokens=False)
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     state.admit(1, fits=state.fits(len(prompt_ids), max_tokens))
@@ -180,16 +199,26 @@ async def delete_response(response_id: str, request: Request) -> JSONResponse:
 
 
 def _input_messages(items: str | list[dict]) -> list[dict]:
-    """The request's input as chat messages; 400 for items that are not messages of text."""
+    """The request's input as chat messages; 400 for items that are not messages of text, function calls
+    or their outputs. Calls join the assistant message before them (one turn), or make one."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    messages = []
+    messages: list[dict] = []
     for i, item in enumerate(items):
         kind = item.get("type", "message")
+        if kind == "function_call":
+            call = _input_call(item, i)
+            if not (messages and messages[-1]["role"] == "assistant"):
+                messages.append({"role": "assistant", "content": ""})
+            messages[-1] = {**messages[-1], "tool_calls": [*messages[-1].get("tool_calls", []), call]}
+            continue
+        if kind == "function_call_output":
+            messages.append(_input_call_output(item, i))
+            continue
         if kind != "message":
             raise bad_request(
-                f"input[{i}]: items of type {kind!r} are not supported; this server takes messages of text "
-                "(no tool calls, reasoning, files or images)",
+                f"input[{i}]: items of type {kind!r} are not supported; this server takes messages of text, "
+                "function_call and function_call_output items (no reasoning, files or images)",
                 param="input",
             )
         role = item.get("role")
@@ -197,19 +226,39 @@ def _input_messages(items: str | list[dict]) -> list[dict]:
             raise bad_request(
                 f"input[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}", param="input"
             )
-        content = item.get("content")
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if not _is_text_part(part):
-                    raise bad_request(
-                        f"input[{i}].content[{j}]: only text parts (input_text, output_text) are supported",
-                        param="input",
-                    )
-            content = "\n".join(part["text"] for part in content)  # as chat joins text parts
-        if not isinstance(content, str):
-            raise bad_request(f"input[{i}].content must be a string or a list of text parts", param="input")
-        messages.append({"role": _ROLES[role], "content": content})
+        messages.append({"role": _ROLES[role], "content": _text(item.get("content"), f"input[{i}].content")})
     return messages
+
+
+def _text(content, where: str) -> str:
+    """A string, or text parts joined as chat joins them; 400 otherwise."""
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not _is_text_part(part):
+                raise bad_request(
+                    f"{where}[{j}]: only text parts (input_text, output_text) are supported", param="input"
+                )
+        content = "\n".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise bad_request(f"{where} must be a string or a list of text parts", param="input")
+    return content
+
+
+def _input_call(item: dict, i: int) -> dict:
+    """A function_call item as a chat tool call."""
+    for field in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(field), str):
+            raise bad_request(f"input[{i}]: a function_call needs {field} (a string)", param="input")
+    function = {"name": item["name"], "arguments": item["arguments"]}
+    return {"id": item["call_id"], "type": "function", "function": function}
+
+
+def _input_call_output(item: dict, i: int) -> dict:
+    """A function_call_output item as chat's tool message."""
+    if not isinstance(item.get("call_id"), str):
+        raise bad_request(f"input[{i}]: a function_call_output needs call_id (a string)", param="input")
+    output = _text(item.get("output"), f"input[{i}].output")
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
 
 
 def _wants_logprobs(body: ResponsesRequest) -> bool:
@@ -229,6 +278,8 @@ class _Response:
         self.created = int(time.time())
         self.item_id = new_id("msg")
         self.include_logprobs = _wants_logprobs(body)
+        self.forced = body.tools is not None and tools.forces_calls(body)
+        self.reads_calls = self.forced or tools.auto_parser(state.args.tool_call_parser, body) is not None
 
     def _logprobs(self, out: StepOutput) -> list[dict]:
         if not self.include_logprobs:
@@ -280,7 +331,7 @@ class _Response:
             "temperature": body.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": body.tool_choice,
-            "tools": [],
+            "tools": body.tools or [],
             "top_logprobs": body.top_logprobs or 0,
             "top_p": body.top_p,
             "truncation": body.truncation,
@@ -288,19 +339,35 @@ class _Response:
             "user": body.user,
         }
 
-    def _finish(self, text: str, logprobs: list[dict], last: StepOutput) -> dict:
-        """The whole response once the output ended; stored if asked."""
+    def _output(self, text: str, reason: str | None) -> tuple[str, list[dict]]:
+        """A whole output's message text and calls ([{"id", "function": {"name", "arguments"}}]), as chat
+        reads them."""
+        if self.forced:
+            calls, _ = tools.calls_and_reason(self.body, text, reason)
+            return "", calls or []
+        parser = tools.auto_parser(self.state.args.tool_call_parser, self.body)
+        if parser is None:
+            return text, []
+        found = extract(parser, text)
+        return found.content or "", found.calls
+
+    def _finish(self, items: list[dict], text: str, calls: list[dict], last: StepOutput) -> dict:
+        """The whole response once the output ended (its items, as they were streamed); stored if asked."""
         status = {"stop": "completed", "length": "incomplete"}.get(last.finish_reason, "cancelled")
-        part = self._part(text, logprobs if self.include_logprobs else None)
-        item = self._item("completed" if status == "completed" else "incomplete", [part])
-        response = self._response(status, [item], last)
+        response = self._response(status, items, last)
         if self.body.store and status != "cancelled":
+            reply = {"role": "assistant", "content": text}
+            if calls:
+                reply["tool_calls"] = [{**c, "type": "function"} for c in calls]
             # the body holds the output, the instructions, metadata and logprobs: all sized by the client
             body = orjson.dumps(response)
-            size = len(body) + len(text.encode()) + sum(len(m["content"].encode()) for m in self.conversation)
-            stored = Stored(self.id, self.owner, body, self.conversation, text, size + 1024)
+            size = len(body) + len(orjson.dumps(reply)) + len(orjson.dumps(self.conversation))
+            stored = Stored(self.id, self.owner, body, self.conversation, reply, size + 1024)
             response["store"] = self.store.put(stored)
         return response
+
+    def _message_item(self, text: str, logprobs: list[dict], status: str) -> dict:
+        return self._item(status, [self._part(text, logprobs if self.include_logprobs else None)])
 
     async def collect(self, fanout: Fanout) -> dict:
         texts, logprobs, last = [], [], None
@@ -311,9 +378,17 @@ class _Response:
                 last = out
         except (ValueError, RuntimeError) as exc:
             raise engine_error(exc, "input") from exc
-        return self._finish("".join(texts), logprobs, last)
+        text, calls = self._output("".join(texts), last.finish_reason)
+        status = "incomplete" if last.finish_reason == "length" else "completed"
+        items = [self._message_item(text, logprobs, status)] if text or not calls else []
+        items += [_call_item(new_id("fc"), c["id"], **c["function"]) for c in calls]
+        return self._finish(items, text, [_plain_call(c) for c in calls], last)
 
     async def stream(self, fanout: Fanout) -> AsyncIterator[str]:
+        if self.reads_calls:
+            async for event in self._stream_items(fanout):
+                yield event
+            return
         events = _Events()
         started = self._response("in_progress", [])
         yield events("response.created", response=started)
@@ -331,21 +406,180 @@ class _Response:
                     logprobs += entries
                     yield events("response.output_text.delta", **where, delta=out.text, logprobs=entries)
         except (ValueError, RuntimeError) as exc:
-            error = engine_error(exc, "input")
-            yield events("error", code=error.code or error.type, message=error.message, param=error.param)
-            failed = self._response("failed", [])
-            failed["error"] = {"code": error.code or error.type, "message": error.message}
-            yield events("response.failed", response=failed)
+            for event in _failed(events, self._response("failed", []), exc):
+                yield event
             return
-        response = self._finish("".join(texts), logprobs, last)
+        text = "".join(texts)
+        status = "incomplete" if last.finish_reason == "length" else "completed"
+        response = self._finish([self._message_item(text, logprobs, status)], text, [], last)
         (item,) = response["output"]
         yield events("response.output_text.done", **where, text=item["content"][0]["text"], logprobs=logprobs)
         yield events("response.content_part.done", **where, part=item["content"][0])
         yield events("response.output_item.done", output_index=0, item=item)
-        if response["status"] == "cancelled":  # the server aborted it (a drain that timed out)
-            response["error"] = {"code": "cancelled", "message": "the server aborted this response"}
-        kinds = {"completed": "response.completed", "incomplete": "response.incomplete"}
-        yield events(kinds.get(response["status"], "response.failed"), response=response)
+        for event in _ended(events, response):
+            yield event
+
+    async def _stream_items(self, fanout: Fanout) -> AsyncIterator[str]:
+        """A stream whose output may hold calls: the items open as the output reads (_StreamedItems)."""
+        events = _Events()
+        started = self._response("in_progress", [])
+        yield events("response.created", response=started)
+        yield events("response.in_progress", response=started)
+        items = _StreamedItems(self, events)
+        last = None
+        try:
+            async for _, out in fanout.outputs():
+                last = out
+                for event in items.feed(out):
+                    yield event
+        except (ValueError, RuntimeError) as exc:
+            for event in _failed(events, self._response("failed", []), exc):
+                yield event
+            return
+        for event in items.close(last.finish_reason):
+            yield event
+        response = self._finish(items.items, items.text, items.calls, last)
+        for event in _ended(events, response):
+            yield event
+
+
+class _StreamedItems:
+    """The output items of a stream with tools: a message while text comes (opened by its first text), a
+    function_call item per call (opened by its name, its arguments as deltas), each closed when the next
+    opens or the output ends."""
+
+    def __init__(self, run: _Response, events: _Events):
+        self.run, self.events = run, events
+        if run.forced:
+            self.parser = tools.call_parser(run.body)
+        else:
+            self.parser = tools.auto_parser(run.state.args.tool_call_parser, run.body)
+        self.items: list[dict] = []  # closed items
+        self.open: dict | None = None  # the item being streamed
+        self.texts: list[str] = []
+        self.logprobs: list[dict] = []
+        self.text = ""  # the message's text, once closed
+        self.calls: list[dict] = []  # [{"id", "function": {"name", "arguments"}}]
+
+    def feed(self, out: StepOutput) -> list[str]:
+        pieces = self.parser.feed(out.text)
+        if out.finished and not self.run.forced:
+            pieces += self.parser.finish()
+        entries = self.run._logprobs(out)
+        events = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                events += self._text(piece, entries)
+                entries = []
+            elif piece.name is not None:
+                events += self._close("completed") + self._open_call(piece.name, piece.arguments)
+            else:
+                events += self._arguments(piece.arguments)
+        return events
+
+    def _where(self) -> dict:
+        return {"item_id": self.open["id"], "output_index": len(self.items)}
+
+    def _text(self, text: str, logprobs: list[dict]) -> list[str]:
+        events = []
+        if self.open is None:
+            self.open = self.run._item("in_progress", [])
+            events.append(
+                self.events("response.output_item.added", output_index=len(self.items), item=self.open)
+            )
+            part = self.run._part("", [])
+            events.append(
+                self.events("response.content_part.added", **self._where(), content_index=0, part=part)
+            )
+        elif self.open["type"] != "message":
+            return []  # text after the calls: no item takes it
+        self.texts.append(text)
+        self.logprobs += logprobs
+        delta = {"delta": text, "logprobs": logprobs}
+        return [*events, self.events("response.output_text.delta", **self._where(), content_index=0, **delta)]
+
+    def _open_call(self, name: str, arguments: str) -> list[str]:
+        call_id = tools.call_id() if self.run.forced else self.parser.call_id()
+        self.open = _call_item(new_id("fc"), call_id, name, "", "in_progress")
+        events = [
+            self.events("response.output_item.added", output_index=len(self.items), item=dict(self.open))
+        ]
+        return events + self._arguments(arguments)
+
+    def _arguments(self, arguments: str) -> list[str]:
+        if not arguments or self.open is None or self.open["type"] != "function_call":
+            return []
+        self.open["arguments"] += arguments
+        return [self.events("response.function_call_arguments.delta", **self._where(), delta=arguments)]
+
+    def _close(self, status: str) -> list[str]:
+        item, events = self.open, []
+        if item is None:
+            return []
+        where = self._where()
+        if item["type"] == "message":
+            self.text = "".join(self.texts)
+            logprobs = self.logprobs if self.run.include_logprobs else None
+            done = self.run._item(status, [self.run._part(self.text, logprobs)])
+            part = done["content"][0]
+            events.append(
+                self.events(
+                    "response.output_text.done",
+                    **where,
+                    content_index=0,
+                    text=self.text,
+                    logprobs=self.logprobs,
+                )
+            )
+            events.append(self.events("response.content_part.done", **where, content_index=0, part=part))
+        else:
+            done = {**item, "status": status}
+            events.append(
+                self.events("response.function_call_arguments.done", **where, arguments=item["arguments"])
+            )
+            function = {"name": item["name"], "arguments": item["arguments"]}
+            self.calls.append({"id": item["call_id"], "function": function})
+        events.append(self.events("response.output_item.done", output_index=where["output_index"], item=done))
+        self.items.append(done)
+        self.open = None
+        return events
+
+    def close(self, reason: str | None) -> list[str]:
+        """The output ended: the open item closes (an empty message if nothing was written)."""
+        events = [] if self.open is not None or self.items else self._text("", [])
+        return events + self._close("incomplete" if reason == "length" else "completed")
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _plain_call(call: dict) -> dict:
+    """A call as the stored reply's tool_calls hold it."""
+    return {"id": call["id"], "function": dict(call["function"])}
+
+
+def _failed(events: _Events, failed: dict, exc: Exception) -> list[str]:
+    error = engine_error(exc, "input")
+    failed["error"] = {"code": error.code or error.type, "message": error.message}
+    return [
+        events("error", code=error.code or error.type, message=error.message, param=error.param),
+        events("response.failed", response=failed),
+    ]
+
+
+def _ended(events: _Events, response: dict) -> list[str]:
+    if response["status"] == "cancelled":  # the server aborted it (a drain that timed out)
+        response["error"] = {"code": "cancelled", "message": "the server aborted this response"}
+    kinds = {"completed": "response.completed", "incomplete": "response.incomplete"}
+    return [events(kinds.get(response["status"], "response.failed"), response=response)]
 
 
 class _Events:

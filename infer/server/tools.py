@@ -66,8 +66,34 @@ def check_unique_names(names: list) -> None:
 
 
 def named_function(body) -> str | None:
+    """The function a tool_choice names: chat's {"function": {"name"}}, the Responses API's {"name"}."""
     choice = body.tool_choice
-    return choice["function"]["name"] if isinstance(choice, dict) else None
+    return function_of(choice)["name"] if isinstance(choice, dict) else None
+
+
+def function_of(tool: dict) -> dict:
+    """A tool's function (name, description, parameters): nested in chat's tools, the tool itself in the
+    Responses API's."""
+    return tool.get("function", tool)
+
+
+def as_chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Tools as chat's shape, which chat templates read: {"type": "function", "function": {...}}."""
+    if tools is None:
+        return None
+    functions = [tool["function"] if "function" in tool else _without_type(tool) for tool in tools]
+    return [{"type": "function", "function": function} for function in functions]
+
+
+def _without_type(tool: dict) -> dict:
+    return {key: value for key, value in tool.items() if key != "type"}
+
+
+def as_chat_tool_choice(choice):
+    """The Responses API's tool_choice ({"type": "function", "name"}) as chat's."""
+    if isinstance(choice, dict) and "function" not in choice:
+        return {"type": choice.get("type"), "function": {"name": choice.get("name")}}
+    return choice
 
 
 def forces_calls(body) -> bool:
@@ -83,7 +109,7 @@ def tool_schema(body) -> dict | None:
     """The JSON schema the output must follow, or None when tool_choice does not force calls."""
     if not forces_calls(body):
         return None
-    functions = [tool["function"] for tool in body.tools]
+    functions = [function_of(tool) for tool in body.tools]
     name = named_function(body)
     if name is not None:
         return _parameters(next(f for f in functions if f["name"] == name))

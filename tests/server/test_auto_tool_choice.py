@@ -172,3 +172,99 @@ def test_enable_auto_tool_choice_needs_a_parser(model_args, tmp_path):
     proc = ServerProcess([*model_args, "--enable-auto-tool-choice"], tmp_path / "server.log")
     with pytest.raises(RuntimeError, match="--tool-call-parser"):
         proc.start(timeout=60)
+
+
+# the Responses API: function tools, function_call output items, function_call_output input items
+
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def _respond(agent, text: str, **kwargs):
+    extra = {"structured_outputs": {"choice": [text]}, **kwargs.pop("extra_body", {})}
+    kwargs = {"model": "embedded", "input": ASK[0]["content"], "tools": [RESPONSES_WEATHER], **kwargs}
+    return agent.responses.create(temperature=0, max_output_tokens=200, extra_body=extra, **kwargs)
+
+
+def test_responses_function_calls(agent):
+    resp = _respond(agent, "Let me check. " + TWO_CALLS)
+    assert resp.status == "completed"
+    message, *calls = resp.output
+    assert message.type == "message" and message.content[0].text == "Let me check. "
+    assert [c.type for c in calls] == ["function_call", "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Zürich"}),
+    ]
+    assert all(c.call_id.startswith("call_") and c.status == "completed" for c in calls)
+    assert resp.tools[0].name == "get_weather"
+
+    events = list(_respond(agent, "Let me check. " + TWO_CALLS, stream=True))
+    done = events[-1].response
+    assert events[-1].type == "response.completed"
+    assert [(i.type, getattr(i, "arguments", None)) for i in done.output] == [
+        (i.type, getattr(i, "arguments", None)) for i in resp.output
+    ]
+    texts = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert texts == "Let me check. "  # no part of a call as text
+    for index, call in enumerate(done.output[1:], start=1):
+        deltas = [
+            e.delta
+            for e in events
+            if e.type == "response.function_call_arguments.delta" and e.output_index == index
+        ]
+        assert "".join(deltas) == call.arguments
+        added = [e.item for e in events if e.type == "response.output_item.added" and e.output_index == index]
+        assert added[0].name == "get_weather" and added[0].call_id == call.call_id
+    numbers = [e.sequence_number for e in events]
+    assert numbers == list(range(len(events)))
+
+
+def test_responses_round_trip(agent, agent_server):
+    """call -> function_call_output -> answer, the history given whole or through previous_response_id;
+    either renders as chat's history with the same calls (the same prompt tokens)."""
+    template = {"chat_template_kwargs": {"chat_template": HERMES_TEMPLATE}}
+    first = _respond(agent, CALL, extra_body=template)
+    [call] = first.output
+    answer = "It is sunny in Paris."
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+    whole = [
+        {"role": "user", "content": ASK[0]["content"]},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        result,
+    ]
+    given = _respond(agent, answer, input=whole, extra_body=template)
+    chained = _respond(agent, answer, input=[result], previous_response_id=first.id, extra_body=template)
+    for resp in (given, chained):
+        assert resp.output[0].content[0].text == answer and resp.status == "completed"
+    assert given.usage.input_tokens == chained.usage.input_tokens
+
+    http = httpx.Client(base_url=agent_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    function = {"name": call.name, "arguments": call.arguments}
+    history = [
+        *ASK,
+        {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function", "function": function}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"},
+    ]  # fmt: skip
+    body = {"model": "embedded", "messages": history, "tools": [WEATHER], "chat_template": HERMES_TEMPLATE}
+    assert http.post("/tokenize", json=body).json()["count"] == given.usage.input_tokens
+
+
+def test_responses_forced_call(agent):
+    tool = {**RESPONSES_WEATHER, "parameters": {**WEATHER["function"]["parameters"]}}
+    tool["parameters"]["properties"] = {"city": {"type": "string", "maxLength": 12}}
+    choice = {"type": "function", "name": "get_weather"}
+    compact = {"disable_any_whitespace": True, "disable_additional_properties": True}
+    kwargs = dict(
+        model="embedded", input="Weather in Paris?", tools=[tool], tool_choice=choice, max_output_tokens=60,
+        temperature=0, extra_body={"structured_outputs": compact},
+    )  # fmt: skip
+    resp = agent.responses.create(**kwargs)
+    [call] = resp.output
+    assert (
+        call.type == "function_call"
+        and call.name == "get_weather"
+        and set(json.loads(call.arguments)) == {"city"}
+    )
+    events = list(agent.responses.create(**kwargs, stream=True))
+    [streamed] = events[-1].response.output
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
