@@ -196,3 +196,27 @@ def test_enable_thinking_false_makes_it_all_the_answer():
     assert (
         message["content"] == "No thinking here</think> still answer" and message["reasoning_content"] is None
     )
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_random_text_splits_the_same_however_it_streams(name):
+    fragments = [
+        "<think>",
+        "</think>",
+        "<th",
+        "</thi",
+        "<tool_call>",
+        "<tool",
+        "<",
+        ">",
+        "/",
+        " ",
+        "\n",
+        "a",
+        "é",
+    ]
+    rng = random.Random(name)
+    for _ in range(300):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 30)))
+        reasoning, content = split(REASONING_PARSERS[name](), text)
+        assert _streamed(name, _pieces(text, rng)) == (reasoning, content)

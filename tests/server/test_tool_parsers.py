@@ -361,3 +361,27 @@ def test_every_parser_is_registered_under_vllms_name():
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
     with pytest.raises(ValueError, match="hermes"):
         tool_parser_class("qwen_xml")
+
+
+FRAGMENTS = ['<tool_call>', '</tool_call>', '<tool_', '[TOOL_CALLS]', '<|python_tag|>', '{', '}', '[', ']', '(',
+             ')', '"', '\\', ':', ',', ';', '=', "'", ' ', '\n', '"name"', '"arguments"', '"parameters"', '"f"',
+             'f', 'x', '1', 'true', 'null', 'é', '日']  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_random_text_never_fails_and_streams_as_it_reads_whole(name):
+    """Text built from the formats' own pieces, at random: no exception (a 500), every call's arguments
+    that the response returns are JSON, and a stream that ends well accumulates to the same calls."""
+    rng = random.Random(name)
+    for _ in range(400):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 40)))
+        content, calls = _whole(name, text)
+        for _, arguments in calls:
+            json.loads(arguments)
+        if not calls:
+            assert content == (text or None)
+        streamed_content, streamed_calls, broken = _streamed(name, _pieces(text, rng))
+        if calls:
+            assert streamed_calls == calls and streamed_content == (content or "")
+        elif not broken and not streamed_calls:
+            assert streamed_content == text
