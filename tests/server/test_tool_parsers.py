@@ -118,6 +118,25 @@ def test_hermes_arguments_are_the_text_as_written():
     assert calls == [("final_answer", '{"trigger": true}')]
 
 
+@pytest.mark.parametrize(
+    "value, arguments",
+    [
+        (
+            '{"param": "max_connections"}',
+            '{"param": "max_connections"}',
+        ),  # serialized arguments: unwrapped once
+        ("hello", '"hello"'),  # any other string stays the JSON string it is
+        ("{hello world}", '"{hello world}"'),
+        ("[oops", '"[oops"'),
+        ('{"a": 1} tail text', '"{\\"a\\": 1} tail text"'),
+    ],
+)
+def test_hermes_string_arguments(value, arguments):
+    text = "<tool_call>" + json.dumps({"name": "f", "arguments": value}) + "</tool_call>"
+    assert _whole("hermes", text) == (None, [("f", arguments)])
+    _check("hermes", text, None, [("f", json.loads(arguments))])
+
+
 def test_hermes_invalid_json_is_text():
     """vLLM's: a call missing its closing brace is no call; the whole output is the content."""
     text = '<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}'
