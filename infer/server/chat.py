@@ -37,7 +37,7 @@ from infer.server.protocol import (
     bad_request,
     usage,
 )
-from infer.server.reasoning import REASONING_PARSERS, split, thinking
+from infer.server.reasoning import REASONING_PARSERS, THINKING_END, split, thinking
 from infer.server.serving import (
     SSE_DONE,
     Fanout,
@@ -87,14 +87,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     parser = tools.auto_parser(state.args.tool_call_parser, body)
     if parser is not None and parser.keeps_special_tokens:  # vLLM's: its markers may be special tokens
         params = dataclasses.replace(params, skip_special_tokens=False)
+    reasoning = state.args.reasoning_parser
+    if reasoning is not None and params.structured_outputs is not None:
+        if tools.forces_calls(body):
+            reasoning = None  # the output is the calls, constrained from its first token
+        elif thinking(body.chat_template_kwargs):  # vLLM's: the constraint holds for the answer alone
+            end_ids = state.llm.tokenizer.encode(THINKING_END, add_special_tokens=False)
+            params = dataclasses.replace(params, grammar_after_ids=tuple(end_ids))
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     jobs = [Job(prompt_ids, choice_params(params, j), body.priority, slo) for j in range(body.n)]
     state.admit(len(jobs), fits=state.fits(len(prompt_ids), max_tokens))
     chat_id = new_id("chatcmpl")
     fanout = Fanout(state, jobs, chat_id, arrival)
-    # a constraint applies from the first token here: what it makes is the answer, with no thinking in it
-    reasoning = state.args.reasoning_parser if params.structured_outputs is None else None
     chat = _Chat(state, body, chat_id, prompt_ids, reasoning)
     return await answer(request, fanout, chat, body.stream, "messages")
 

@@ -17,6 +17,7 @@ characters tell, so the pieces do not depend on how the text was split.
 from __future__ import annotations
 
 START, END, TOOL_CALL = "<think>", "</think>", "<tool_call>"
+THINKING_END = END
 _WHITESPACE = " \t\n\r"
 
 

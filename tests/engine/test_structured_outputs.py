@@ -362,3 +362,23 @@ def test_compiling_builds_what_the_lexer_left_for_the_first_mask():
 
     cold = llguidance.LLMatcher(compiler.tokenizer, _grammar(spec), log_level=0)
     assert first_mask(cold) > 10 * first_mask(compiler.matcher(spec))
+
+
+def test_a_grammar_after_ids_constrains_only_what_follows_them():
+    """grammar_after_ids (the end of a model's thinking): the output is the free one up to and through
+    those ids, then the grammar's; ids that never come leave the whole output free."""
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [plain] = llm.generate(["In the beginning"], free)
+    after = tuple(plain.token_ids[2:4])
+    spec = StructuredOutputs(choice=["yes"])
+    deferred = SamplingParams(temperature=0, max_tokens=12, structured_outputs=spec, grammar_after_ids=after)
+    never = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, structured_outputs=spec, grammar_after_ids=(10**6,)
+    )
+    result, unconstrained = llm.generate(["In the beginning"] * 2, [deferred, never])
+    assert result.token_ids[:4] == plain.token_ids[:4] and result.finish_reason == "stop"
+    assert llm.engine.tokenizer.decode(result.token_ids[4:], skip_special_tokens=True) == "yes"
+    assert unconstrained.token_ids == plain.token_ids
+    llm.engine.step()
+    assert not llm.engine.runner.sampler.grammar_starts and not llm.engine.runner.sampler.grammar_scanned

@@ -52,9 +52,16 @@ def test_thinking_is_reasoning_content_and_streams_as_its_own_deltas(thinker):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
-def test_a_constrained_output_is_the_answer(thinker):
-    """Structured outputs constrain the output from its first token here, thinking included: what they
-    make is the answer, read as such."""
+def test_structured_outputs_hold_for_the_answer_after_the_thinking(thinker):
+    """vLLM's: the grammar starts after `</think>`. The embedded model never closes its thinking, so the
+    constraint never starts: the output is the free one, all thinking. With enable_thinking false the
+    grammar holds from the first token, and its text is the answer."""
     text = "<think>x</think>y"
-    resp = _create(thinker, extra_body={"structured_outputs": {"choice": [text]}}, max_tokens=60)
-    assert resp.choices[0].message.content == text
+    constrained = {"structured_outputs": {"choice": [text]}}
+    free = _create(thinker).choices[0]
+    thought = _create(thinker, extra_body=constrained).choices[0]
+    assert thought.message.model_extra["reasoning_content"] == free.message.model_extra["reasoning_content"]
+    assert thought.message.content is None and thought.finish_reason == "length"
+    off = {**constrained, "chat_template_kwargs": {"enable_thinking": False}}
+    answered = _create(thinker, extra_body=off, max_tokens=60).choices[0]
+    assert answered.message.content == text and answered.message.model_extra["reasoning_content"] is None
