@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from infer.sampling_params import SamplingParams
 from infer.server import tools
 from infer.server.protocol import (
     GENERATE_RESPONSES,
@@ -87,13 +88,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     parser = tools.auto_parser(state.args.tool_call_parser, body)
     if parser is not None and parser.keeps_special_tokens:  # vLLM's: its markers may be special tokens
         params = dataclasses.replace(params, skip_special_tokens=False)
-    reasoning = state.args.reasoning_parser
-    if reasoning is not None and params.structured_outputs is not None:
-        if tools.forces_calls(body):
-            reasoning = None  # the output is the calls, constrained from its first token
-        elif thinking(body.chat_template_kwargs):  # vLLM's: the constraint holds for the answer alone
-            end_ids = state.llm.tokenizer.encode(THINKING_END, add_special_tokens=False)
-            params = dataclasses.replace(params, grammar_after_ids=tuple(end_ids))
+    reasoning, params = with_reasoning(state, body, params)
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     jobs = [Job(prompt_ids, choice_params(params, j), body.priority, slo) for j in range(body.n)]
@@ -102,6 +97,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     fanout = Fanout(state, jobs, chat_id, arrival)
     chat = _Chat(state, body, chat_id, prompt_ids, reasoning)
     return await answer(request, fanout, chat, body.stream, "messages")
+
+
+def with_reasoning(state: ServerState, body, params: SamplingParams) -> tuple[str | None, SamplingParams]:
+    """The request's reasoning parser (--reasoning-parser), and its params with a constraint that holds
+    for the answer after the thinking (vLLM's). Forced tool calls are the whole output: no thinking."""
+    reasoning = state.args.reasoning_parser
+    if reasoning is None or params.structured_outputs is None:
+        return reasoning, params
+    if tools.forces_calls(body):
+        return None, params
+    if thinking(body.chat_template_kwargs):
+        end_ids = state.llm.tokenizer.encode(THINKING_END, add_special_tokens=False)
+        params = dataclasses.replace(params, grammar_after_ids=tuple(end_ids))
+    return reasoning, params
 
 
 def _prompt_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None:

@@ -60,7 +60,7 @@ from fastapi.responses import JSONResponse, Response
 from infer.engine.llm_engine import StepOutput
 from infer.server import tools
 from infer.server.auth import request_owner, same_owner
-from infer.server.chat import chat_prompt_ids
+from infer.server.chat import chat_prompt_ids, with_reasoning
 from infer.server.protocol import (
     GENERATE_RESPONSES,
     APIError,
@@ -68,6 +68,7 @@ from infer.server.protocol import (
     ResponsesRequest,
     bad_request,
 )
+from infer.server.reasoning import REASONING_PARSERS, split, thinking
 from infer.server.serving import (
     Fanout,
     Job,
@@ -177,12 +178,13 @@ async def create_response(body: ResponsesRequest, request: Request):
     parser = tools.auto_parser(state.args.tool_call_parser, body)
     if parser is not None and parser.keeps_special_tokens:  # as in chat
         params = dataclasses.replace(params, skip_special_tokens=False)
+    reasoning, params = with_reasoning(state, body, params)
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     state.admit(1, fits=state.fits(len(prompt_ids), max_tokens))
     response_id = new_id("resp")
     fanout = Fanout(state, [Job(prompt_ids, params, body.priority, slo)], response_id, arrival)
-    run = _Response(state, store, body, response_id, conversation, owner)
+    run = _Response(state, store, body, response_id, conversation, owner, reasoning)
     return await answer(request, fanout, run, body.stream, "input")
 
 
@@ -271,9 +273,17 @@ def _is_text_part(part) -> bool:
 
 class _Response:
     def __init__(
-        self, state: ServerState, store: ResponseStore, body, response_id: str, conversation, owner: str
+        self,
+        state: ServerState,
+        store: ResponseStore,
+        body,
+        response_id: str,
+        conversation,
+        owner: str,
+        reasoning_parser: str | None = None,
     ):
         self.state, self.store, self.body, self.id = state, store, body, response_id
+        self.reasoning_parser = reasoning_parser
         self.conversation, self.owner = conversation, owner
         self.created = int(time.time())
         self.item_id = new_id("msg")
@@ -299,7 +309,15 @@ class _Response:
             "content": content,
         }
 
-    def _response(self, status: str, output: list[dict], last: StepOutput | None = None) -> dict:
+    def _reasoning(self):
+        """A parser of the output's thinking (--reasoning-parser), or None."""
+        if self.reasoning_parser is None:
+            return None
+        return REASONING_PARSERS[self.reasoning_parser](thinking(self.body.chat_template_kwargs))
+
+    def _response(
+        self, status: str, output: list[dict], last: StepOutput | None = None, num_reasoning: int = 0
+    ) -> dict:
         body = self.body
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
         usage = None
@@ -308,7 +326,7 @@ class _Response:
                 "input_tokens": last.num_prompt_tokens,
                 "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
                 "output_tokens": last.num_output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": num_reasoning},
                 "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
             }
         return {
@@ -351,10 +369,14 @@ class _Response:
         found = extract(parser, text)
         return found.content or "", found.calls
 
-    def _finish(self, items: list[dict], text: str, calls: list[dict], last: StepOutput) -> dict:
-        """The whole response once the output ended (its items, as they were streamed); stored if asked."""
+    def _finish(
+        self, items: list[dict], text: str, calls: list[dict], last: StepOutput, num_reasoning: int = 0
+    ) -> dict:
+        """The whole response once the output ended (its items, as they were streamed); stored if asked.
+        The stored reply is the answer: the thinking stays out of the history (as the templates of
+        thinking models leave it out of earlier turns)."""
         status = {"stop": "completed", "length": "incomplete"}.get(last.finish_reason, "cancelled")
-        response = self._response(status, items, last)
+        response = self._response(status, items, last, num_reasoning)
         if self.body.store and status != "cancelled":
             reply = {"role": "assistant", "content": text}
             if calls:
@@ -371,21 +393,37 @@ class _Response:
 
     async def collect(self, fanout: Fanout) -> dict:
         texts, logprobs, last = [], [], None
+        counter, num_reasoning = self._reasoning(), 0
         try:
             async for _, out in fanout.outputs():
                 texts.append(out.text)
                 logprobs += self._logprobs(out)
                 last = out
+                if counter is not None and not counter.in_content:  # a token that ends the thinking counts
+                    num_reasoning += len(out.token_ids)
+                    counter.feed(out.text)
         except (ValueError, RuntimeError) as exc:
             raise engine_error(exc, "input") from exc
-        text, calls = self._output("".join(texts), last.finish_reason)
+        text = "".join(texts)
         status = "incomplete" if last.finish_reason == "length" else "completed"
-        items = [self._message_item(text, logprobs, status)] if text or not calls else []
+        items = []
+        parser = self._reasoning()
+        if parser is not None:
+            thought, text = split(parser, text)
+            text = text or ""
+            if thought:
+                answered = parser.in_content or status == "completed"
+                items.append(
+                    _reasoning_item(new_id("rs"), thought, "completed" if answered else "incomplete")
+                )
+        text, calls = self._output(text, last.finish_reason)
+        if text or not (calls or items):
+            items.append(self._message_item(text, logprobs, status))
         items += [_call_item(new_id("fc"), c["id"], **c["function"]) for c in calls]
-        return self._finish(items, text, [_plain_call(c) for c in calls], last)
+        return self._finish(items, text, [_plain_call(c) for c in calls], last, num_reasoning)
 
     async def stream(self, fanout: Fanout) -> AsyncIterator[str]:
-        if self.reads_calls:
+        if self.reads_calls or self.reasoning_parser is not None:
             async for event in self._stream_items(fanout):
                 yield event
             return
@@ -438,7 +476,7 @@ class _Response:
             return
         for event in items.close(last.finish_reason):
             yield event
-        response = self._finish(items.items, items.text, items.calls, last)
+        response = self._finish(items.items, items.text, items.calls, last, items.num_reasoning)
         for event in _ended(events, response):
             yield event
 
@@ -454,6 +492,9 @@ class _StreamedItems:
             self.parser = tools.call_parser(run.body)
         else:
             self.parser = tools.auto_parser(run.state.args.tool_call_parser, run.body)
+        self.reasoning = run._reasoning()
+        self.num_reasoning = 0  # output tokens of the thinking
+        self.thinking: list[str] = []
         self.items: list[dict] = []  # closed items
         self.open: dict | None = None  # the item being streamed
         self.texts: list[str] = []
@@ -462,11 +503,23 @@ class _StreamedItems:
         self.calls: list[dict] = []  # [{"id", "function": {"name", "arguments"}}]
 
     def feed(self, out: StepOutput) -> list[str]:
-        pieces = self.parser.feed(out.text)
-        if out.finished and not self.run.forced:
-            pieces += self.parser.finish()
+        answer, events = out.text, []
+        if self.reasoning is not None:
+            if not self.reasoning.in_content:
+                self.num_reasoning += len(out.token_ids)
+            thought, answer = self.reasoning.feed(out.text)
+            if out.finished:
+                more_thought, more_answer = self.reasoning.finish()
+                thought, answer = thought + more_thought, answer + more_answer
+            if thought:
+                events += self._thought(thought)
+        if self.parser is None:
+            pieces = [answer] if answer else []
+        else:
+            pieces = self.parser.feed(answer)
+            if out.finished and not self.run.forced:
+                pieces += self.parser.finish()
         entries = self.run._logprobs(out)
-        events = []
         for piece in pieces:
             if isinstance(piece, str):
                 events += self._text(piece, entries)
@@ -477,11 +530,27 @@ class _StreamedItems:
                 events += self._arguments(piece.arguments)
         return events
 
-    def _where(self) -> dict:
-        return {"item_id": self.open["id"], "output_index": len(self.items)}
+    def _where(self, content_index: int | None = None) -> dict:
+        """The open item's place, as its events name it (a part's, with content_index)."""
+        where = {"item_id": self.open["id"], "output_index": len(self.items)}
+        return where if content_index is None else {**where, "content_index": content_index}
+
+    def _thought(self, text: str) -> list[str]:
+        events = []
+        if self.open is None:
+            self.open = _reasoning_item(new_id("rs"), "", "in_progress")
+            self.open["content"] = []
+            index = len(self.items)
+            events.append(self.events("response.output_item.added", output_index=index, item=dict(self.open)))
+        elif self.open["type"] != "reasoning":
+            return []
+        self.thinking.append(text)
+        return [*events, self.events("response.reasoning_text.delta", **self._where(0), delta=text)]
 
     def _text(self, text: str, logprobs: list[dict]) -> list[str]:
         events = []
+        if self.open is not None and self.open["type"] == "reasoning":
+            events += self._close("completed")
         if self.open is None:
             self.open = self.run._item("in_progress", [])
             events.append(
@@ -517,7 +586,11 @@ class _StreamedItems:
         if item is None:
             return []
         where = self._where()
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            thought = "".join(self.thinking)
+            done = _reasoning_item(item["id"], thought, status)
+            events.append(self.events("response.reasoning_text.done", **self._where(0), text=thought))
+        elif item["type"] == "message":
             self.text = "".join(self.texts)
             logprobs = self.logprobs if self.run.include_logprobs else None
             done = self.run._item(status, [self.run._part(self.text, logprobs)])
@@ -545,9 +618,14 @@ class _StreamedItems:
         return events
 
     def close(self, reason: str | None) -> list[str]:
-        """The output ended: the open item closes (an empty message if nothing was written)."""
+        """The output ended: the open item closes (an empty message if nothing at all was written)."""
         events = [] if self.open is not None or self.items else self._text("", [])
         return events + self._close("incomplete" if reason == "length" else "completed")
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:

@@ -65,3 +65,24 @@ def test_structured_outputs_hold_for_the_answer_after_the_thinking(thinker):
     off = {**constrained, "chat_template_kwargs": {"enable_thinking": False}}
     answered = _create(thinker, extra_body=off, max_tokens=60).choices[0]
     assert answered.message.content == text and answered.message.model_extra["reasoning_content"] is None
+
+
+def test_responses_carry_the_thinking_as_a_reasoning_item(thinker):
+    text = _create(thinker).choices[0].message.model_extra["reasoning_content"]
+    kwargs = {"model": "embedded", "input": ASK[0]["content"], "max_output_tokens": 16, "temperature": 0}
+    resp = thinker.responses.create(**kwargs)
+    [item] = resp.output  # all thinking: no answer came
+    assert item.type == "reasoning" and item.content[0].text == text and item.status == "incomplete"
+    assert resp.usage.output_tokens_details.reasoning_tokens == resp.usage.output_tokens == 16
+
+    events = list(thinker.responses.create(**kwargs, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == text and len(deltas) > 1
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete" and final.output[0].content[0].text == text
+    assert final.usage.output_tokens_details.reasoning_tokens == 16
+
+    off = thinker.responses.create(**kwargs, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert [i.type for i in off.output] == ["message"] and off.output_text == text
+    assert off.usage.output_tokens_details.reasoning_tokens == 0
