@@ -1,14 +1,13 @@
 """POST /v1/responses (OpenAI's Responses API); GET and DELETE /v1/responses/{id}.
 
 A responses request is the chat request it amounts to: `instructions` as a system message, then, with
-`previous_response_id`, that response's conversation (its input and its output, from this server's
-store), then `input` (a string is one user message; items are messages whose content is a string or
-text parts: input_text / output_text, `function_call` items (an assistant's calls) and
-`function_call_output` items (a tool's answer, a `tool` message)). The conversation goes through the
-model's chat template and chat's sampling (protocol.ResponsesRequest); the output is a message item
-holding one output_text part, and, with function `tools`, a `function_call` item per call: forced by
-tool_choice "required" or a named function, or read out of the text under "auto" with
---enable-auto-tool-choice (infer.server.tools), the text before the calls being the message.
+`previous_response_id`, that response's conversation (its input and its answer, from this server's
+store), then `input` as chat messages (infer.server.responses_input: messages of text, function calls
+and their outputs). The conversation goes through the model's chat template and chat's sampling
+(protocol.ResponsesRequest). The output is a message item holding one output_text part; with function
+`tools`, a `function_call` item per call (forced by tool_choice "required" or a named function, or read
+out of the text under "auto" with --enable-auto-tool-choice: infer.server.tools), after the message of
+the text before them; with --reasoning-parser, a `reasoning` item of the thinking first.
 
 Streaming sends OpenAI's typed events (`event: TYPE`, `data: JSON` with a sequence_number, no [DONE]):
 
@@ -20,12 +19,7 @@ Streaming sends OpenAI's typed events (`event: TYPE`, `data: JSON` with a sequen
                                                      response.incomplete when max_output_tokens cut it
                                                      short (vLLM 0.32 sends response.completed either way)
 
-With tools the items open as the output reads: a message once text comes, then per call
-
-    response.output_item.added                        {type: function_call, call_id, name, arguments: ""}
-    response.function_call_arguments.delta ...        its arguments as they come
-    response.function_call_arguments.done, response.output_item.done
-
+With tools or a reasoning parser, the items open as the output reads (infer.server.responses_items).
 An engine error mid-stream sends `error` and then response.failed.
 
 The store: `store` is true by default (OpenAI's default). A stored response can be read back (GET),
@@ -69,6 +63,8 @@ from infer.server.protocol import (
     bad_request,
 )
 from infer.server.reasoning import REASONING_PARSERS, split, thinking
+from infer.server.responses_input import input_messages
+from infer.server.responses_items import StreamedItems, call_item, plain_call, reasoning_item
 from infer.server.serving import (
     Fanout,
     Job,
@@ -89,8 +85,6 @@ from infer.server.tool_parsers import extract
 
 router = APIRouter()
 
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
 _LOGPROBS = "message.output_text.logprobs"
 
 
@@ -151,7 +145,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     check_fields(body)
     state.check_open()
     check_priority(state, body.priority)
-    conversation = _input_messages(body.input)
+    conversation = input_messages(body.input)
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id, owner, param="previous_response_id")
         conversation = [*previous.conversation, previous.reply, *conversation]
@@ -200,75 +194,8 @@ async def delete_response(response_id: str, request: Request) -> JSONResponse:
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-def _input_messages(items: str | list[dict]) -> list[dict]:
-    """The request's input as chat messages; 400 for items that are not messages of text, function calls
-    or their outputs. Calls join the assistant message before them (one turn), or make one."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    messages: list[dict] = []
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "function_call":
-            call = _input_call(item, i)
-            if not (messages and messages[-1]["role"] == "assistant"):
-                messages.append({"role": "assistant", "content": ""})
-            messages[-1] = {**messages[-1], "tool_calls": [*messages[-1].get("tool_calls", []), call]}
-            continue
-        if kind == "function_call_output":
-            messages.append(_input_call_output(item, i))
-            continue
-        if kind != "message":
-            raise bad_request(
-                f"input[{i}]: items of type {kind!r} are not supported; this server takes messages of text, "
-                "function_call and function_call_output items (no reasoning, files or images)",
-                param="input",
-            )
-        role = item.get("role")
-        if role not in _ROLES:
-            raise bad_request(
-                f"input[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}", param="input"
-            )
-        messages.append({"role": _ROLES[role], "content": _text(item.get("content"), f"input[{i}].content")})
-    return messages
-
-
-def _text(content, where: str) -> str:
-    """A string, or text parts joined as chat joins them; 400 otherwise."""
-    if isinstance(content, list):
-        for j, part in enumerate(content):
-            if not _is_text_part(part):
-                raise bad_request(
-                    f"{where}[{j}]: only text parts (input_text, output_text) are supported", param="input"
-                )
-        content = "\n".join(part["text"] for part in content)
-    if not isinstance(content, str):
-        raise bad_request(f"{where} must be a string or a list of text parts", param="input")
-    return content
-
-
-def _input_call(item: dict, i: int) -> dict:
-    """A function_call item as a chat tool call."""
-    for field in ("call_id", "name", "arguments"):
-        if not isinstance(item.get(field), str):
-            raise bad_request(f"input[{i}]: a function_call needs {field} (a string)", param="input")
-    function = {"name": item["name"], "arguments": item["arguments"]}
-    return {"id": item["call_id"], "type": "function", "function": function}
-
-
-def _input_call_output(item: dict, i: int) -> dict:
-    """A function_call_output item as chat's tool message."""
-    if not isinstance(item.get("call_id"), str):
-        raise bad_request(f"input[{i}]: a function_call_output needs call_id (a string)", param="input")
-    output = _text(item.get("output"), f"input[{i}].output")
-    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
-
-
 def _wants_logprobs(body: ResponsesRequest) -> bool:
     return _LOGPROBS in (body.include or ())
-
-
-def _is_text_part(part) -> bool:
-    return isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str)
 
 
 class _Response:
@@ -291,16 +218,16 @@ class _Response:
         self.forced = body.tools is not None and tools.forces_calls(body)
         self.reads_calls = self.forced or tools.auto_parser(state.args.tool_call_parser, body) is not None
 
-    def _logprobs(self, out: StepOutput) -> list[dict]:
+    def token_logprobs(self, out: StepOutput) -> list[dict]:
         if not self.include_logprobs:
             return []
         entry = sampled_logprobs(self.state, out, self.body.top_logprobs or 0)
         return [entry] if entry is not None else []
 
-    def _part(self, text: str, logprobs: list[dict] | None) -> dict:
+    def text_part(self, text: str, logprobs: list[dict] | None) -> dict:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
-    def _item(self, status: str, content: list[dict]) -> dict:
+    def message(self, status: str, content: list[dict]) -> dict:
         return {
             "id": self.item_id,
             "type": "message",
@@ -309,7 +236,7 @@ class _Response:
             "content": content,
         }
 
-    def _reasoning(self):
+    def reasoning_reader(self):
         """A parser of the output's thinking (--reasoning-parser), or None."""
         if self.reasoning_parser is None:
             return None
@@ -389,15 +316,15 @@ class _Response:
         return response
 
     def _message_item(self, text: str, logprobs: list[dict], status: str) -> dict:
-        return self._item(status, [self._part(text, logprobs if self.include_logprobs else None)])
+        return self.message(status, [self.text_part(text, logprobs if self.include_logprobs else None)])
 
     async def collect(self, fanout: Fanout) -> dict:
         texts, logprobs, last = [], [], None
-        counter, num_reasoning = self._reasoning(), 0
+        counter, num_reasoning = self.reasoning_reader(), 0
         try:
             async for _, out in fanout.outputs():
                 texts.append(out.text)
-                logprobs += self._logprobs(out)
+                logprobs += self.token_logprobs(out)
                 last = out
                 if counter is not None and not counter.in_content:  # a token that ends the thinking counts
                     num_reasoning += len(out.token_ids)
@@ -407,20 +334,18 @@ class _Response:
         text = "".join(texts)
         status = "incomplete" if last.finish_reason == "length" else "completed"
         items = []
-        parser = self._reasoning()
+        parser = self.reasoning_reader()
         if parser is not None:
             thought, text = split(parser, text)
             text = text or ""
             if thought:
                 answered = parser.in_content or status == "completed"
-                items.append(
-                    _reasoning_item(new_id("rs"), thought, "completed" if answered else "incomplete")
-                )
+                items.append(reasoning_item(new_id("rs"), thought, "completed" if answered else "incomplete"))
         text, calls = self._output(text, last.finish_reason)
         if text or not (calls or items):
             items.append(self._message_item(text, logprobs, status))
-        items += [_call_item(new_id("fc"), c["id"], **c["function"]) for c in calls]
-        return self._finish(items, text, [_plain_call(c) for c in calls], last, num_reasoning)
+        items += [call_item(new_id("fc"), c["id"], **c["function"]) for c in calls]
+        return self._finish(items, text, [plain_call(c) for c in calls], last, num_reasoning)
 
     async def stream(self, fanout: Fanout) -> AsyncIterator[str]:
         if self.reads_calls or self.reasoning_parser is not None:
@@ -431,14 +356,14 @@ class _Response:
         started = self._response("in_progress", [])
         yield events("response.created", response=started)
         yield events("response.in_progress", response=started)
-        yield events("response.output_item.added", output_index=0, item=self._item("in_progress", []))
+        yield events("response.output_item.added", output_index=0, item=self.message("in_progress", []))
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        yield events("response.content_part.added", **where, part=self._part("", []))
+        yield events("response.content_part.added", **where, part=self.text_part("", []))
         texts, logprobs, last = [], [], None
         try:
             async for _, out in fanout.outputs():
                 last = out
-                entries = self._logprobs(out)
+                entries = self.token_logprobs(out)
                 if out.text or entries:
                     texts.append(out.text)
                     logprobs += entries
@@ -463,7 +388,7 @@ class _Response:
         started = self._response("in_progress", [])
         yield events("response.created", response=started)
         yield events("response.in_progress", response=started)
-        items = _StreamedItems(self, events)
+        items = StreamedItems(self, events)
         last = None
         try:
             async for _, out in fanout.outputs():
@@ -479,169 +404,6 @@ class _Response:
         response = self._finish(items.items, items.text, items.calls, last, items.num_reasoning)
         for event in _ended(events, response):
             yield event
-
-
-class _StreamedItems:
-    """The output items of a stream with tools: a message while text comes (opened by its first text), a
-    function_call item per call (opened by its name, its arguments as deltas), each closed when the next
-    opens or the output ends."""
-
-    def __init__(self, run: _Response, events: _Events):
-        self.run, self.events = run, events
-        if run.forced:
-            self.parser = tools.call_parser(run.body)
-        else:
-            self.parser = tools.auto_parser(run.state.args.tool_call_parser, run.body)
-        self.reasoning = run._reasoning()
-        self.num_reasoning = 0  # output tokens of the thinking
-        self.thinking: list[str] = []
-        self.items: list[dict] = []  # closed items
-        self.open: dict | None = None  # the item being streamed
-        self.texts: list[str] = []
-        self.logprobs: list[dict] = []
-        self.text = ""  # the message's text, once closed
-        self.calls: list[dict] = []  # [{"id", "function": {"name", "arguments"}}]
-
-    def feed(self, out: StepOutput) -> list[str]:
-        answer, events = out.text, []
-        if self.reasoning is not None:
-            if not self.reasoning.in_content:
-                self.num_reasoning += len(out.token_ids)
-            thought, answer = self.reasoning.feed(out.text)
-            if out.finished:
-                more_thought, more_answer = self.reasoning.finish()
-                thought, answer = thought + more_thought, answer + more_answer
-            if thought:
-                events += self._thought(thought)
-        if self.parser is None:
-            pieces = [answer] if answer else []
-        else:
-            pieces = self.parser.feed(answer)
-            if out.finished and not self.run.forced:
-                pieces += self.parser.finish()
-        entries = self.run._logprobs(out)
-        for piece in pieces:
-            if isinstance(piece, str):
-                events += self._text(piece, entries)
-                entries = []
-            elif piece.name is not None:
-                events += self._close("completed") + self._open_call(piece.name, piece.arguments)
-            else:
-                events += self._arguments(piece.arguments)
-        return events
-
-    def _where(self, content_index: int | None = None) -> dict:
-        """The open item's place, as its events name it (a part's, with content_index)."""
-        where = {"item_id": self.open["id"], "output_index": len(self.items)}
-        return where if content_index is None else {**where, "content_index": content_index}
-
-    def _thought(self, text: str) -> list[str]:
-        events = []
-        if self.open is None:
-            self.open = _reasoning_item(new_id("rs"), "", "in_progress")
-            self.open["content"] = []
-            index = len(self.items)
-            events.append(self.events("response.output_item.added", output_index=index, item=dict(self.open)))
-        elif self.open["type"] != "reasoning":
-            return []
-        self.thinking.append(text)
-        return [*events, self.events("response.reasoning_text.delta", **self._where(0), delta=text)]
-
-    def _text(self, text: str, logprobs: list[dict]) -> list[str]:
-        events = []
-        if self.open is not None and self.open["type"] == "reasoning":
-            events += self._close("completed")
-        if self.open is None:
-            self.open = self.run._item("in_progress", [])
-            events.append(
-                self.events("response.output_item.added", output_index=len(self.items), item=self.open)
-            )
-            part = self.run._part("", [])
-            events.append(
-                self.events("response.content_part.added", **self._where(), content_index=0, part=part)
-            )
-        elif self.open["type"] != "message":
-            return []  # text after the calls: no item takes it
-        self.texts.append(text)
-        self.logprobs += logprobs
-        delta = {"delta": text, "logprobs": logprobs}
-        return [*events, self.events("response.output_text.delta", **self._where(), content_index=0, **delta)]
-
-    def _open_call(self, name: str, arguments: str) -> list[str]:
-        call_id = tools.call_id() if self.run.forced else self.parser.call_id()
-        self.open = _call_item(new_id("fc"), call_id, name, "", "in_progress")
-        events = [
-            self.events("response.output_item.added", output_index=len(self.items), item=dict(self.open))
-        ]
-        return events + self._arguments(arguments)
-
-    def _arguments(self, arguments: str) -> list[str]:
-        if not arguments or self.open is None or self.open["type"] != "function_call":
-            return []
-        self.open["arguments"] += arguments
-        return [self.events("response.function_call_arguments.delta", **self._where(), delta=arguments)]
-
-    def _close(self, status: str) -> list[str]:
-        item, events = self.open, []
-        if item is None:
-            return []
-        where = self._where()
-        if item["type"] == "reasoning":
-            thought = "".join(self.thinking)
-            done = _reasoning_item(item["id"], thought, status)
-            events.append(self.events("response.reasoning_text.done", **self._where(0), text=thought))
-        elif item["type"] == "message":
-            self.text = "".join(self.texts)
-            logprobs = self.logprobs if self.run.include_logprobs else None
-            done = self.run._item(status, [self.run._part(self.text, logprobs)])
-            part = done["content"][0]
-            events.append(
-                self.events(
-                    "response.output_text.done",
-                    **where,
-                    content_index=0,
-                    text=self.text,
-                    logprobs=self.logprobs,
-                )
-            )
-            events.append(self.events("response.content_part.done", **where, content_index=0, part=part))
-        else:
-            done = {**item, "status": status}
-            events.append(
-                self.events("response.function_call_arguments.done", **where, arguments=item["arguments"])
-            )
-            function = {"name": item["name"], "arguments": item["arguments"]}
-            self.calls.append({"id": item["call_id"], "function": function})
-        events.append(self.events("response.output_item.done", output_index=where["output_index"], item=done))
-        self.items.append(done)
-        self.open = None
-        return events
-
-    def close(self, reason: str | None) -> list[str]:
-        """The output ended: the open item closes (an empty message if nothing at all was written)."""
-        events = [] if self.open is not None or self.items else self._text("", [])
-        return events + self._close("incomplete" if reason == "length" else "completed")
-
-
-def _reasoning_item(item_id: str, text: str, status: str) -> dict:
-    content = [{"type": "reasoning_text", "text": text}]
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
-
-
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {
-        "id": item_id,
-        "type": "function_call",
-        "call_id": call_id,
-        "name": name,
-        "arguments": arguments,
-        "status": status,
-    }
-
-
-def _plain_call(call: dict) -> dict:
-    """A call as the stored reply's tool_calls hold it."""
-    return {"id": call["id"], "function": dict(call["function"])}
 
 
 def _failed(events: _Events, failed: dict, exc: Exception) -> list[str]:
