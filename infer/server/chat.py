@@ -275,8 +275,8 @@ class _Chat:
         message: dict = {"role": self.role}
         reader = _Reader(self.state, self.body, self.reasoning_parser)
         if reader.reasoning is not None:
-            thinking, text = split(reader.reasoning, text)
-            message["reasoning_content"] = message["reasoning"] = thinking
+            thought, text = split(reader.reasoning, text)
+            message["reasoning_content"] = message["reasoning"] = thought
             text = text or ""
         if reader.tools is not None:
             found = extract(reader.tools, text)

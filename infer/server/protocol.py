@@ -296,7 +296,7 @@ MAX_METADATA = 16  # OpenAI's bound on metadata pairs
 
 class ResponsesRequest(_SamplingFields):
     """POST /v1/responses: OpenAI's Responses API over the chat template. Function tools as chat's
-    (infer.server.tools); reasoning and background runs are refused. The sampling fields
+    (infer.server.tools); reasoning options and background runs are refused. The sampling fields
     are chat's (vLLM's extensions included); chat's own output fields are refused: one output per
     request (n), text.format in place of response_format, truncation in place of truncate_prompt_tokens."""
 
@@ -349,7 +349,10 @@ class ResponsesRequest(_SamplingFields):
         except ValueError as exc:
             raise ValueError(str(exc).replace(".function.", ".")) from None
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise ValueError("reasoning: this server's models do not reason; leave it out")
+            raise ValueError(
+                "reasoning: effort and summaries are not supported; leave it out (a thinking model's "
+                "thinking comes back as a reasoning item when the server runs with --reasoning-parser)"
+            )
         if self.background:
             raise ValueError("background: responses run in the foreground here; stream it instead")
         if self.conversation is not None or self.prompt is not None:
