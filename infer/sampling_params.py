@@ -156,6 +156,9 @@ class SamplingParams:
         (`bad_words_token_ids`, which it fills: leave that None).
     structured_outputs: a grammar the output must follow (JSON schema, regex, choice, ...): tokens that
         would break it are banned at each step; once it is complete only EOS is left. None = free text.
+    grammar_after_ids: the grammar constrains only what follows the first appearance of these token ids
+        in the output (the end of a model's thinking, `</think>`: vLLM's reasoning parsers start the
+        grammar there); the output is free up to them. Empty: from the first token.
     Applied in that order (grammar, allowed ids, bad words, bias, then the penalties), as vLLM applies
     them; greedy requests take the argmax of the adjusted logits.
     """
@@ -183,6 +186,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
+    grammar_after_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # a single stop string is a common convenience
@@ -267,6 +271,9 @@ class SamplingParams:
             raise ValueError(
                 f"structured_outputs must be a StructuredOutputs, got {self.structured_outputs!r}"
             )
+        self.grammar_after_ids = tuple(self.grammar_after_ids)
+        for t in self.grammar_after_ids:
+            _check_int("grammar_after_ids", t, "a list of token ids (ints >= 0)", 0)
 
     @property
     def greedy(self) -> bool:

@@ -43,6 +43,8 @@ class Sampler:
         self.adjustments: dict[str, Adjustment] = {}  # of requests with allowed ids, a bias or penalties
         self.compiler = grammars  # None: structured outputs are refused before they get here
         self.grammars: dict[str, Grammar] = {}  # of requests with structured outputs
+        self.grammar_starts: dict[str, int] = {}  # output index where a deferred grammar starts (once found)
+        self.grammar_scanned: dict[str, int] = {}  # output tokens a deferred grammar's search has seen
         self._executor = None  # llguidance's threads, for the masks of several grammars in one step
 
     def forget(self, req_ids) -> None:
@@ -50,6 +52,8 @@ class Sampler:
             self.request_generators.pop(req_id, None)
             self.adjustments.pop(req_id, None)
             self.grammars.pop(req_id, None)
+            self.grammar_starts.pop(req_id, None)
+            self.grammar_scanned.pop(req_id, None)
             if self.compiler is not None:
                 self.compiler.release(req_id)
 
@@ -87,20 +91,24 @@ class Sampler:
 
     def _grammar_bans(self, req_ids, params, histories, num_logits: int):
         """(rows, bool [len(rows), num_logits]) of the rows with a grammar: what each bans next."""
-        rows = [row for row, p in enumerate(params) if p.structured_outputs is not None]
-        if not rows:
-            return None
-        grammars = []
-        for row in rows:
+        rows, grammars = [], []
+        for row, p in enumerate(params):
+            if p.structured_outputs is None:
+                continue
             req_id = req_ids[row]
+            history, num_prompt = histories[row]
+            start = self._grammar_start(req_id, p.grammar_after_ids, history, num_prompt)
+            if start is None:  # the output is free until the ids that start the grammar
+                continue
             grammar = self.grammars.get(req_id)
             if grammar is None:
-                spec = params[row].structured_outputs
-                matcher = self.compiler.take(req_id, spec)
-                grammar = self.grammars[req_id] = Grammar(matcher, params[row].ignore_eos)
-            history, num_prompt = histories[row]
-            grammar.advance(history[num_prompt:])
+                matcher = self.compiler.take(req_id, p.structured_outputs)
+                grammar = self.grammars[req_id] = Grammar(matcher, p.ignore_eos)
+            grammar.advance(history[num_prompt + start :])
+            rows.append(row)
             grammars.append(grammar)
+        if not rows:
+            return None
         if len(grammars) > 1 and self._executor is None:
             import llguidance
 
@@ -110,6 +118,24 @@ class Sampler:
             if grammar.error is not None:  # fails this request alone (the engine splits the step)
                 raise Unsatisfiable(f"structured_outputs: the grammar's parser failed: {grammar.error}")
         return rows, bans
+
+    def _grammar_start(self, req_id: str, after: tuple[int, ...], history: list[int], num_prompt: int):
+        """Where in the output a request's grammar starts: 0, or just past the first appearance of
+        `after` (None while it has not appeared). Each step scans only the tokens it added; once found,
+        the start is kept (the output only grows)."""
+        if not after:
+            return 0
+        start = self.grammar_starts.get(req_id)
+        if start is not None:
+            return start
+        output = history[num_prompt:]
+        first = max(0, self.grammar_scanned.get(req_id, 0) - len(after) + 1)
+        for i in range(first, len(output) - len(after) + 1):
+            if output[i] == after[0] and tuple(output[i : i + len(after)]) == after:
+                start = self.grammar_starts[req_id] = i + len(after)
+                return start
+        self.grammar_scanned[req_id] = len(output)
+        return None
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         # Above ~1e4 the distribution is uniform to float32 precision; the cap keeps 1e300 from becoming

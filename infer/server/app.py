@@ -30,6 +30,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from infer.server import chat, completions, responses, tokenization
 from infer.server.args import ServerArgs
@@ -79,6 +80,15 @@ def create_app(
     if args.api_key_owners:
         app.add_middleware(APIKeyMiddleware, owners=args.api_key_owners)
     app.add_middleware(RequestBody, max_bytes=args.max_request_bytes)
+    # outermost: a preflight is answered before the API key is asked for, and errors carry the headers
+    # too, so that a page can read them
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(args.allowed_origins),
+        allow_methods=list(args.allowed_methods),
+        allow_headers=list(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+    )
 
     @app.get("/health")
     async def health() -> Response:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from infer.config import (
 )
 from infer.core.slo import SloClasses
 from infer.server.auth import check_keys, owner_of, read_key_file, split_keys
+from infer.server.reasoning import REASONING_PARSERS
+from infer.server.tool_parsers import TOOL_PARSERS
 
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
@@ -51,6 +54,13 @@ class ServerArgs:
     drain_timeout: float = 30.0
     cuda_graphs: bool = False
     log_level: str = "info"
+    tool_call_parser: str | None = None  # tool_choice "auto" reads calls out of the text (tool_parsers)
+    reasoning_parser: str | None = None  # <think>...</think> as reasoning_content (infer.server.reasoning)
+    # CORS, vLLM's flags and defaults: browsers may call the API from any page ("*")
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     @property
     def model_name(self) -> str:
@@ -149,6 +159,44 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         type=float,
         default=30.0,
         help="on SIGTERM, seconds to let running requests finish before aborting them",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='vLLM\'s: with tools and tool_choice "auto", read the calls the model writes out of its text '
+        "(needs --tool-call-parser)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="vLLM's: how the model writes a call: hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.1, "
+        "3.2), mistral, pythonic (Llama 3.2 1B/3B)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="vLLM's: the model's <think>...</think> as the message's reasoning_content, apart from the "
+        "answer (qwen3: Qwen3, SmolLM3; deepseek_r1: DeepSeek-R1 and its distills)",
+    )
+    for flag, what in (
+        ("origins", "pages (origins)"),
+        ("methods", "HTTP methods"),
+        ("headers", "request headers"),
+    ):
+        parser.add_argument(
+            f"--allowed-{flag}",
+            type=string_list,
+            default=["*"],
+            metavar='\'["A", "B"]\'|A,B',
+            help=f"vLLM's CORS flag: the {what} a browser may call the API with, a JSON list or "
+            "comma-separated ('*': any)",
+        )
+    parser.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="vLLM's CORS flag: browsers may send cookies and HTTP authentication along",
     )
     parser.add_argument(
         "--log-level",
@@ -341,6 +389,23 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
     )
 
 
+def string_list(value) -> list[str]:
+    """A flag's list of strings: a JSON list (vLLM's form, '["a", "b"]') or comma-separated text (a YAML
+    file may give a list)."""
+    if isinstance(value, list):
+        items = value
+    elif value.strip().startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+    else:
+        items = value.split(",")
+    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+        raise argparse.ArgumentTypeError(f"must be a list of strings, got {value!r}")
+    return [i.strip() for i in items if i.strip()]
+
+
 class _Keys(argparse.Action):
     """--api-key, repeatable: the values add up, and replace the keys of a --config file (flags override
     the file, which sets this flag's default)."""
@@ -433,6 +498,10 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         raise ValueError(f"--port must be in [1, 65535] (or 0 for any free port), got {args.port}")
     if args.cuda_graphs:
         check_cuda_graphs()
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:  # vLLM's check
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser NAME: say how the model writes its calls"
+        )
     owners = api_key_owners(args)
     return ServerArgs(
         engine=engine,
@@ -448,6 +517,12 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         drain_timeout=args.drain_timeout,
         cuda_graphs=args.cuda_graphs,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
     )
 
 

@@ -22,11 +22,14 @@ vLLM's extensions, as vLLM 0.32 serves them:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from infer.sampling_params import SamplingParams
 from infer.server import tools
 from infer.server.protocol import (
     GENERATE_RESPONSES,
@@ -35,6 +38,7 @@ from infer.server.protocol import (
     bad_request,
     usage,
 )
+from infer.server.reasoning import REASONING_PARSERS, THINKING_END, split, thinking
 from infer.server.serving import (
     SSE_DONE,
     Fanout,
@@ -58,6 +62,7 @@ from infer.server.serving import (
     sse,
     truncated,
 )
+from infer.server.tool_parsers import extract
 
 router = APIRouter()
 
@@ -80,14 +85,32 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     check_prompt_logprobs(state, body)
     params = sampling_params(body, max_tokens, logprobs, _prompt_logprobs(state, body))
+    parser = tools.auto_parser(state.args.tool_call_parser, body)
+    if parser is not None and parser.keeps_special_tokens:  # vLLM's: its markers may be special tokens
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    reasoning, params = with_reasoning(state, body, params)
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     jobs = [Job(prompt_ids, choice_params(params, j), body.priority, slo) for j in range(body.n)]
     state.admit(len(jobs), fits=state.fits(len(prompt_ids), max_tokens))
     chat_id = new_id("chatcmpl")
     fanout = Fanout(state, jobs, chat_id, arrival)
-    chat = _Chat(state, body, chat_id, prompt_ids)
+    chat = _Chat(state, body, chat_id, prompt_ids, reasoning)
     return await answer(request, fanout, chat, body.stream, "messages")
+
+
+def with_reasoning(state: ServerState, body, params: SamplingParams) -> tuple[str | None, SamplingParams]:
+    """The request's reasoning parser (--reasoning-parser), and its params with a constraint that holds
+    for the answer after the thinking (vLLM's). Forced tool calls are the whole output: no thinking."""
+    reasoning = state.args.reasoning_parser
+    if reasoning is None or params.structured_outputs is None:
+        return reasoning, params
+    if tools.forces_calls(body):
+        return None, params
+    if thinking(body.chat_template_kwargs):
+        end_ids = state.llm.tokenizer.encode(THINKING_END, add_special_tokens=False)
+        params = dataclasses.replace(params, grammar_after_ids=tuple(end_ids))
+    return reasoning, params
 
 
 def _prompt_logprobs(state: ServerState, body: ChatCompletionRequest) -> int | None:
@@ -168,6 +191,8 @@ def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeReques
                     f"messages[{i}].content: only parts of type 'text' are supported", param="messages"
                 )
             m["content"] = "\n".join(str(p.get("text", "")) for p in parts)
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            m = _with_call_arguments(m, i)
         messages.append(m)
     try:
         text = state.llm.tokenizer.apply_chat_template(
@@ -185,9 +210,40 @@ def render_chat(state: ServerState, body: ChatCompletionRequest | TokenizeReques
     return text
 
 
+def _with_call_arguments(message: dict, i: int) -> dict:
+    """An assistant message's tool calls as chat templates read them (vLLM's, after transformers'):
+    each call's `arguments` an object, not the JSON text OpenAI's format carries; a missing content is
+    "" (templates that write `message['content']` then render the call alone)."""
+    calls = []
+    for j, call in enumerate(message["tool_calls"]):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise bad_request(f"messages[{i}].tool_calls[{j}] needs a function", param="messages")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments.strip():
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise bad_request(
+                    f"messages[{i}].tool_calls[{j}].function.arguments is not JSON", param="messages"
+                ) from None
+        elif not arguments:
+            arguments = {}
+        calls.append({**call, "function": {**function, "arguments": arguments}})
+    return {"content": "", **message, "tool_calls": calls}
+
+
 class _Chat:
-    def __init__(self, state: ServerState, body: ChatCompletionRequest, chat_id: str, prompt_ids: list[int]):
+    def __init__(
+        self,
+        state: ServerState,
+        body: ChatCompletionRequest,
+        chat_id: str,
+        prompt_ids: list[int],
+        reasoning_parser: str | None = None,
+    ):
         self.state, self.body, self.id, self.prompt_ids = state, body, chat_id, prompt_ids
+        self.reasoning_parser = reasoning_parser
         self.num_prompt = len(prompt_ids)
         self.created = int(time.time())
         self.role, self.echo = reply_role(body), echo_text(body)
@@ -208,13 +264,29 @@ class _Chat:
         """A choice's message and finish_reason: its tool calls when tool_choice forced them
         (infer.server.tools), else its text. What echo repeats stays the content beside the calls
         (vLLM's; the stream sends it as a content chunk). Forced output cut short before any call's
-        name is complete has no call, and its partial JSON is no content (vLLM's: content empty)."""
+        name is complete has no call, and its partial JSON is no content (vLLM's: content empty).
+        With a reasoning parser, the thinking is `reasoning_content` (and vLLM's `reasoning`) and the
+        rest is read as the answer: its calls (an auto tool parser), or its text."""
         calls, reason = tools.calls_and_reason(self.body, text, reason)
-        if calls is None:
-            return {"role": self.role, "content": self.echo + text}, reason
-        if not calls:
-            return {"role": self.role, "content": self.echo}, reason
-        return {"role": self.role, "content": self.echo or None, "tool_calls": calls}, reason
+        if calls is not None:
+            if not calls:
+                return {"role": self.role, "content": self.echo}, reason
+            return {"role": self.role, "content": self.echo or None, "tool_calls": calls}, reason
+        message: dict = {"role": self.role}
+        reader = _Reader(self.state, self.body, self.reasoning_parser)
+        if reader.reasoning is not None:
+            thought, text = split(reader.reasoning, text)
+            message["reasoning_content"] = message["reasoning"] = thought
+            text = text or ""
+        if reader.tools is not None:
+            found = extract(reader.tools, text)
+            if found.calls:
+                content = self.echo + (found.content or "")
+                message.update(content=content or None, tool_calls=found.calls)
+                return message, tools.auto_finish_reason(True, reason)
+        content = self.echo + text
+        message["content"] = None if reader.reasoning is not None and not content else content
+        return message, reason
 
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.state.args.model_name}
@@ -263,7 +335,11 @@ class _Chat:
             }
             yield sse({**head, "choices": [choice], **extra})
         per_token = self.body.logprobs or self.body.return_token_ids
-        last, calls = {}, _StreamedCalls(self.body) if tools.forces_calls(self.body) else None
+        last, calls = {}, None
+        if tools.forces_calls(self.body):
+            calls = _StreamedCalls(self.body)
+        elif not _Reader(self.state, self.body, self.reasoning_parser).is_plain:
+            calls = _Readers(self.state, self.body, self.reasoning_parser)
         try:
             async for index, out in fanout.outputs():
                 last[index] = out
@@ -308,3 +384,54 @@ class _StreamedCalls:
         parser = self.parsers[index]
         calls = [tools.streamed_call(d) for d in parser.feed(out.text)]
         return ({"tool_calls": calls} if calls else {}), tools.finish_reason(parser, out.finish_reason)
+
+
+class _Reader:
+    """One choice's free output read as it streams: the thinking apart (--reasoning-parser), then the
+    calls the model writes in its answer (--tool-call-parser, under tool_choice "auto")."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, reasoning_parser: str | None):
+        self.reasoning = None
+        if reasoning_parser is not None:
+            self.reasoning = REASONING_PARSERS[reasoning_parser](thinking(body.chat_template_kwargs))
+        self.tools = tools.auto_parser(state.args.tool_call_parser, body)
+
+    @property
+    def is_plain(self) -> bool:
+        return self.reasoning is None and self.tools is None
+
+    def delta(self, out) -> tuple[dict, str | None]:
+        """A chunk's delta: reasoning, content, tool calls (each only when it has something)."""
+        thought, answer = "", out.text
+        if self.reasoning is not None:
+            thought, answer = self.reasoning.feed(out.text)
+            if out.finished:
+                more_thought, more_answer = self.reasoning.finish()
+                thought, answer = thought + more_thought, answer + more_answer
+        delta: dict = {"reasoning_content": thought, "reasoning": thought} if thought else {}
+        if self.tools is None:
+            if answer:
+                delta["content"] = answer
+            return delta, out.finish_reason
+        parser = self.tools
+        pieces = parser.feed(answer) + (parser.finish() if out.finished else [])
+        content = "".join(p for p in pieces if isinstance(p, str))
+        calls = [tools.streamed_call(p, parser.call_id) for p in pieces if not isinstance(p, str)]
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, tools.auto_finish_reason(parser.num_calls > 0 and not parser.broken, out.finish_reason)
+
+
+class _Readers:
+    """A _Reader per choice."""
+
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, reasoning_parser: str | None):
+        self.state, self.body, self.reasoning_parser = state, body, reasoning_parser
+        self.readers: dict[int, _Reader] = {}
+
+    def delta(self, index: int, out) -> tuple[dict, str | None]:
+        if index not in self.readers:
+            self.readers[index] = _Reader(self.state, self.body, self.reasoning_parser)
+        return self.readers[index].delta(out)

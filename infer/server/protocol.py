@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from infer.sampling_params import INT64_MAX, INT64_MIN, MAX_BAD_WORDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from infer.server.tools import check_tools, check_unique_names
+from infer.server.tools import as_chat_tool_choice, as_chat_tools, check_tools, check_unique_names
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
 MAX_N = 128
@@ -295,8 +295,8 @@ MAX_METADATA = 16  # OpenAI's bound on metadata pairs
 
 
 class ResponsesRequest(_SamplingFields):
-    """POST /v1/responses: OpenAI's Responses API over the chat template. Text in, text out: tools,
-    reasoning and background runs are refused (no model here calls tools or reasons). The sampling fields
+    """POST /v1/responses: OpenAI's Responses API over the chat template. Function tools as chat's
+    (infer.server.tools); reasoning options and background runs are refused. The sampling fields
     are chat's (vLLM's extensions included); chat's own output fields are refused: one output per
     request (n), text.format in place of response_format, truncation in place of truncate_prompt_tokens."""
 
@@ -335,13 +335,24 @@ class ResponsesRequest(_SamplingFields):
                 raise ValueError(f"{name} is not a Responses API field; use {instead}")
         if self.n != 1:
             raise ValueError("n: a response has one output; send several requests, or use chat completions")
-        if self.tools:
+        if self.tools is not None:
             check_unique_names([tool.get("name") for tool in self.tools])
-            raise ValueError("tools: this server does not call tools; send the conversation as text")
-        if self.tool_choice not in ("none", "auto"):
-            raise ValueError("tool_choice: there are no tools to call; send auto or none")
+            for i, tool in enumerate(self.tools):
+                if tool.get("type") != "function":
+                    raise ValueError(
+                        f"tools[{i}]: tools of type {tool.get('type')!r} are not supported; this server "
+                        'calls functions ({"type": "function", "name": ..., "parameters": {...}})'
+                    )
+        choice = None if self.tool_choice == "auto" and not self.tools else self.tool_choice  # the default
+        try:
+            check_tools(as_chat_tools(self.tools), as_chat_tool_choice(choice))
+        except ValueError as exc:
+            raise ValueError(str(exc).replace(".function.", ".")) from None
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise ValueError("reasoning: this server's models do not reason; leave it out")
+            raise ValueError(
+                "reasoning: effort and summaries are not supported; leave it out (a thinking model's "
+                "thinking comes back as a reasoning item when the server runs with --reasoning-parser)"
+            )
         if self.background:
             raise ValueError("background: responses run in the foreground here; stream it instead")
         if self.conversation is not None or self.prompt is not None:

@@ -1,10 +1,13 @@
 """POST /v1/responses (OpenAI's Responses API); GET and DELETE /v1/responses/{id}.
 
 A responses request is the chat request it amounts to: `instructions` as a system message, then, with
-`previous_response_id`, that response's conversation (its input and its output, from this server's
-store), then `input` (a string is one user message; items are messages whose content is a string or
-text parts: input_text / output_text). The conversation goes through the model's chat template and chat's
-sampling (protocol.ResponsesRequest); the output is one message item holding one output_text part.
+`previous_response_id`, that response's conversation (its input and its answer, from this server's
+store), then `input` as chat messages (infer.server.responses_input: messages of text, function calls
+and their outputs). The conversation goes through the model's chat template and chat's sampling
+(protocol.ResponsesRequest). The output is a message item holding one output_text part; with function
+`tools`, a `function_call` item per call (forced by tool_choice "required" or a named function, or read
+out of the text under "auto" with --enable-auto-tool-choice: infer.server.tools), after the message of
+the text before them; with --reasoning-parser, a `reasoning` item of the thinking first.
 
 Streaming sends OpenAI's typed events (`event: TYPE`, `data: JSON` with a sequence_number, no [DONE]):
 
@@ -16,6 +19,7 @@ Streaming sends OpenAI's typed events (`event: TYPE`, `data: JSON` with a sequen
                                                      response.incomplete when max_output_tokens cut it
                                                      short (vLLM 0.32 sends response.completed either way)
 
+With tools or a reasoning parser, the items open as the output reads (infer.server.responses_items).
 An engine error mid-stream sends `error` and then response.failed.
 
 The store: `store` is true by default (OpenAI's default). A stored response can be read back (GET),
@@ -37,6 +41,7 @@ counting one's way to another's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -47,8 +52,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from infer.engine.llm_engine import StepOutput
+from infer.server import tools
 from infer.server.auth import request_owner, same_owner
-from infer.server.chat import chat_prompt_ids
+from infer.server.chat import chat_prompt_ids, with_reasoning
 from infer.server.protocol import (
     GENERATE_RESPONSES,
     APIError,
@@ -56,6 +62,9 @@ from infer.server.protocol import (
     ResponsesRequest,
     bad_request,
 )
+from infer.server.reasoning import REASONING_PARSERS, split, thinking
+from infer.server.responses_input import input_messages
+from infer.server.responses_items import StreamedItems, call_item, plain_call, reasoning_item
 from infer.server.serving import (
     Fanout,
     Job,
@@ -72,11 +81,10 @@ from infer.server.serving import (
     sampling_params,
     sse,
 )
+from infer.server.tool_parsers import extract
 
 router = APIRouter()
 
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
 _LOGPROBS = "message.output_text.logprobs"
 
 
@@ -86,7 +94,7 @@ class Stored:
     owner: str  # the digest of the API key that stored it (infer.server.auth)
     body: bytes  # the response's JSON, as GET returns it
     conversation: list[dict]  # the messages that produced it, instructions left out (OpenAI's rule)
-    text: str  # its output
+    reply: dict  # its output as the assistant's chat message (content, tool_calls)
     size: int  # bytes counted against the store's bound
 
 
@@ -137,14 +145,17 @@ async def create_response(body: ResponsesRequest, request: Request):
     check_fields(body)
     state.check_open()
     check_priority(state, body.priority)
-    conversation = _input_messages(body.input)
+    conversation = input_messages(body.input)
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id, owner, param="previous_response_id")
-        reply = {"role": "assistant", "content": previous.text}
-        conversation = [*previous.conversation, reply, *conversation]
+        conversation = [*previous.conversation, previous.reply, *conversation]
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     messages = system + conversation
-    chat = ChatCompletionRequest(messages=messages, chat_template_kwargs=body.chat_template_kwargs)
+    chat = ChatCompletionRequest(
+        messages=messages,
+        chat_template_kwargs=body.chat_template_kwargs,
+        tools=tools.as_chat_tools(body.tools),
+    )
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, state, chat)  # CPU work off the event loop
     limit = state.max_request_len
     if body.truncation == "auto":  # the conversation's start goes, as vLLM's (a prompt's last tokens)
@@ -158,12 +169,16 @@ async def create_response(body: ResponsesRequest, request: Request):
         prompt_ids = prompt_ids[-keep:]
     max_tokens = body.max_output_tokens or max(1, limit - len(prompt_ids))
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if _wants_logprobs(body) else None)
+    parser = tools.auto_parser(state.args.tool_call_parser, body)
+    if parser is not None and parser.keeps_special_tokens:  # as in chat
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    reasoning, params = with_reasoning(state, body, params)
     await check_grammar(state, body, params)
     slo = objectives(state, body)
     state.admit(1, fits=state.fits(len(prompt_ids), max_tokens))
     response_id = new_id("resp")
     fanout = Fanout(state, [Job(prompt_ids, params, body.priority, slo)], response_id, arrival)
-    run = _Response(state, store, body, response_id, conversation, owner)
+    run = _Response(state, store, body, response_id, conversation, owner, reasoning)
     return await answer(request, fanout, run, body.stream, "input")
 
 
@@ -179,67 +194,40 @@ async def delete_response(response_id: str, request: Request) -> JSONResponse:
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-def _input_messages(items: str | list[dict]) -> list[dict]:
-    """The request's input as chat messages; 400 for items that are not messages of text."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    messages = []
-    for i, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind != "message":
-            raise bad_request(
-                f"input[{i}]: items of type {kind!r} are not supported; this server takes messages of text "
-                "(no tool calls, reasoning, files or images)",
-                param="input",
-            )
-        role = item.get("role")
-        if role not in _ROLES:
-            raise bad_request(
-                f"input[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}", param="input"
-            )
-        content = item.get("content")
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if not _is_text_part(part):
-                    raise bad_request(
-                        f"input[{i}].content[{j}]: only text parts (input_text, output_text) are supported",
-                        param="input",
-                    )
-            content = "\n".join(part["text"] for part in content)  # as chat joins text parts
-        if not isinstance(content, str):
-            raise bad_request(f"input[{i}].content must be a string or a list of text parts", param="input")
-        messages.append({"role": _ROLES[role], "content": content})
-    return messages
-
-
 def _wants_logprobs(body: ResponsesRequest) -> bool:
     return _LOGPROBS in (body.include or ())
 
 
-def _is_text_part(part) -> bool:
-    return isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str)
-
-
 class _Response:
     def __init__(
-        self, state: ServerState, store: ResponseStore, body, response_id: str, conversation, owner: str
+        self,
+        state: ServerState,
+        store: ResponseStore,
+        body,
+        response_id: str,
+        conversation,
+        owner: str,
+        reasoning_parser: str | None = None,
     ):
         self.state, self.store, self.body, self.id = state, store, body, response_id
+        self.reasoning_parser = reasoning_parser
         self.conversation, self.owner = conversation, owner
         self.created = int(time.time())
         self.item_id = new_id("msg")
         self.include_logprobs = _wants_logprobs(body)
+        self.forced = body.tools is not None and tools.forces_calls(body)
+        self.reads_calls = self.forced or tools.auto_parser(state.args.tool_call_parser, body) is not None
 
-    def _logprobs(self, out: StepOutput) -> list[dict]:
+    def token_logprobs(self, out: StepOutput) -> list[dict]:
         if not self.include_logprobs:
             return []
         entry = sampled_logprobs(self.state, out, self.body.top_logprobs or 0)
         return [entry] if entry is not None else []
 
-    def _part(self, text: str, logprobs: list[dict] | None) -> dict:
+    def text_part(self, text: str, logprobs: list[dict] | None) -> dict:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
-    def _item(self, status: str, content: list[dict]) -> dict:
+    def message(self, status: str, content: list[dict]) -> dict:
         return {
             "id": self.item_id,
             "type": "message",
@@ -248,7 +236,15 @@ class _Response:
             "content": content,
         }
 
-    def _response(self, status: str, output: list[dict], last: StepOutput | None = None) -> dict:
+    def reasoning_reader(self):
+        """A parser of the output's thinking (--reasoning-parser), or None."""
+        if self.reasoning_parser is None:
+            return None
+        return REASONING_PARSERS[self.reasoning_parser](thinking(self.body.chat_template_kwargs))
+
+    def _response(
+        self, status: str, output: list[dict], last: StepOutput | None = None, num_reasoning: int = 0
+    ) -> dict:
         body = self.body
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
         usage = None
@@ -257,7 +253,7 @@ class _Response:
                 "input_tokens": last.num_prompt_tokens,
                 "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
                 "output_tokens": last.num_output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": num_reasoning},
                 "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
             }
         return {
@@ -280,7 +276,7 @@ class _Response:
             "temperature": body.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": body.tool_choice,
-            "tools": [],
+            "tools": body.tools or [],
             "top_logprobs": body.top_logprobs or 0,
             "top_p": body.top_p,
             "truncation": body.truncation,
@@ -288,64 +284,142 @@ class _Response:
             "user": body.user,
         }
 
-    def _finish(self, text: str, logprobs: list[dict], last: StepOutput) -> dict:
-        """The whole response once the output ended; stored if asked."""
+    def _output(self, text: str, reason: str | None) -> tuple[str, list[dict]]:
+        """A whole output's message text and calls ([{"id", "function": {"name", "arguments"}}]), as chat
+        reads them."""
+        if self.forced:
+            calls, _ = tools.calls_and_reason(self.body, text, reason)
+            return "", calls or []
+        parser = tools.auto_parser(self.state.args.tool_call_parser, self.body)
+        if parser is None:
+            return text, []
+        found = extract(parser, text)
+        return found.content or "", found.calls
+
+    def _finish(
+        self, items: list[dict], text: str, calls: list[dict], last: StepOutput, num_reasoning: int = 0
+    ) -> dict:
+        """The whole response once the output ended (its items, as they were streamed); stored if asked.
+        The stored reply is the answer: the thinking stays out of the history (as the templates of
+        thinking models leave it out of earlier turns)."""
         status = {"stop": "completed", "length": "incomplete"}.get(last.finish_reason, "cancelled")
-        part = self._part(text, logprobs if self.include_logprobs else None)
-        item = self._item("completed" if status == "completed" else "incomplete", [part])
-        response = self._response(status, [item], last)
+        response = self._response(status, items, last, num_reasoning)
         if self.body.store and status != "cancelled":
+            reply = {"role": "assistant", "content": text}
+            if calls:
+                reply["tool_calls"] = [{**c, "type": "function"} for c in calls]
             # the body holds the output, the instructions, metadata and logprobs: all sized by the client
             body = orjson.dumps(response)
-            size = len(body) + len(text.encode()) + sum(len(m["content"].encode()) for m in self.conversation)
-            stored = Stored(self.id, self.owner, body, self.conversation, text, size + 1024)
+            size = len(body) + len(orjson.dumps(reply)) + len(orjson.dumps(self.conversation))
+            stored = Stored(self.id, self.owner, body, self.conversation, reply, size + 1024)
             response["store"] = self.store.put(stored)
         return response
 
+    def _message_item(self, text: str, logprobs: list[dict], status: str) -> dict:
+        return self.message(status, [self.text_part(text, logprobs if self.include_logprobs else None)])
+
     async def collect(self, fanout: Fanout) -> dict:
         texts, logprobs, last = [], [], None
+        counter, num_reasoning = self.reasoning_reader(), 0
         try:
             async for _, out in fanout.outputs():
                 texts.append(out.text)
-                logprobs += self._logprobs(out)
+                logprobs += self.token_logprobs(out)
                 last = out
+                if counter is not None and not counter.in_content:  # a token that ends the thinking counts
+                    num_reasoning += len(out.token_ids)
+                    counter.feed(out.text)
         except (ValueError, RuntimeError) as exc:
             raise engine_error(exc, "input") from exc
-        return self._finish("".join(texts), logprobs, last)
+        text = "".join(texts)
+        status = "incomplete" if last.finish_reason == "length" else "completed"
+        items = []
+        parser = self.reasoning_reader()
+        if parser is not None:
+            thought, text = split(parser, text)
+            text = text or ""
+            if thought:
+                answered = parser.in_content or status == "completed"
+                items.append(reasoning_item(new_id("rs"), thought, "completed" if answered else "incomplete"))
+        text, calls = self._output(text, last.finish_reason)
+        if text or not (calls or items):
+            items.append(self._message_item(text, logprobs, status))
+        items += [call_item(new_id("fc"), c["id"], **c["function"]) for c in calls]
+        return self._finish(items, text, [plain_call(c) for c in calls], last, num_reasoning)
 
     async def stream(self, fanout: Fanout) -> AsyncIterator[str]:
+        if self.reads_calls or self.reasoning_parser is not None:
+            async for event in self._stream_items(fanout):
+                yield event
+            return
         events = _Events()
         started = self._response("in_progress", [])
         yield events("response.created", response=started)
         yield events("response.in_progress", response=started)
-        yield events("response.output_item.added", output_index=0, item=self._item("in_progress", []))
+        yield events("response.output_item.added", output_index=0, item=self.message("in_progress", []))
         where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        yield events("response.content_part.added", **where, part=self._part("", []))
+        yield events("response.content_part.added", **where, part=self.text_part("", []))
         texts, logprobs, last = [], [], None
         try:
             async for _, out in fanout.outputs():
                 last = out
-                entries = self._logprobs(out)
+                entries = self.token_logprobs(out)
                 if out.text or entries:
                     texts.append(out.text)
                     logprobs += entries
                     yield events("response.output_text.delta", **where, delta=out.text, logprobs=entries)
         except (ValueError, RuntimeError) as exc:
-            error = engine_error(exc, "input")
-            yield events("error", code=error.code or error.type, message=error.message, param=error.param)
-            failed = self._response("failed", [])
-            failed["error"] = {"code": error.code or error.type, "message": error.message}
-            yield events("response.failed", response=failed)
+            for event in _failed(events, self._response("failed", []), exc):
+                yield event
             return
-        response = self._finish("".join(texts), logprobs, last)
+        text = "".join(texts)
+        status = "incomplete" if last.finish_reason == "length" else "completed"
+        response = self._finish([self._message_item(text, logprobs, status)], text, [], last)
         (item,) = response["output"]
         yield events("response.output_text.done", **where, text=item["content"][0]["text"], logprobs=logprobs)
         yield events("response.content_part.done", **where, part=item["content"][0])
         yield events("response.output_item.done", output_index=0, item=item)
-        if response["status"] == "cancelled":  # the server aborted it (a drain that timed out)
-            response["error"] = {"code": "cancelled", "message": "the server aborted this response"}
-        kinds = {"completed": "response.completed", "incomplete": "response.incomplete"}
-        yield events(kinds.get(response["status"], "response.failed"), response=response)
+        for event in _ended(events, response):
+            yield event
+
+    async def _stream_items(self, fanout: Fanout) -> AsyncIterator[str]:
+        """A stream whose output may hold calls: the items open as the output reads (_StreamedItems)."""
+        events = _Events()
+        started = self._response("in_progress", [])
+        yield events("response.created", response=started)
+        yield events("response.in_progress", response=started)
+        items = StreamedItems(self, events)
+        last = None
+        try:
+            async for _, out in fanout.outputs():
+                last = out
+                for event in items.feed(out):
+                    yield event
+        except (ValueError, RuntimeError) as exc:
+            for event in _failed(events, self._response("failed", []), exc):
+                yield event
+            return
+        for event in items.close(last.finish_reason):
+            yield event
+        response = self._finish(items.items, items.text, items.calls, last, items.num_reasoning)
+        for event in _ended(events, response):
+            yield event
+
+
+def _failed(events: _Events, failed: dict, exc: Exception) -> list[str]:
+    error = engine_error(exc, "input")
+    failed["error"] = {"code": error.code or error.type, "message": error.message}
+    return [
+        events("error", code=error.code or error.type, message=error.message, param=error.param),
+        events("response.failed", response=failed),
+    ]
+
+
+def _ended(events: _Events, response: dict) -> list[str]:
+    if response["status"] == "cancelled":  # the server aborted it (a drain that timed out)
+        response["error"] = {"code": "cancelled", "message": "the server aborted this response"}
+    kinds = {"completed": "response.completed", "incomplete": "response.incomplete"}
+    return [events(kinds.get(response["status"], "response.failed"), response=response)]
 
 
 class _Events:

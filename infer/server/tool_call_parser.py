@@ -14,6 +14,9 @@ the deltas of a call concatenate to what a response that is not streamed returns
 once its name is complete; arguments generated before that (a `parameters` key ahead of `name`) wait for
 it. Text outside the calls (brackets, commas, other keys) is no call's and is never returned.
 
+The same scan reads one call object, `{"name": ..., "arguments": {...}}`, inside the text a model writes on
+its own (infer.server.tool_parsers): `CallListParser(single_object=True, argument_keys=("arguments",))`.
+
 The scan is one pass over each character, in O(1) state besides the open brackets of the current value
 and the text of a name or key being read.
 """
@@ -61,10 +64,22 @@ class _Call:
 class CallListParser:
     """tool_choice "required": a JSON list of {"name", "parameters"} objects, fed as it is generated.
     `complete` once the list has closed; text after it, or after anything that is not such a list,
-    is ignored."""
+    is ignored.
 
-    def __init__(self):
-        self._state = self._before_list
+    `single_object`: one call object, not a list of them. `argument_keys`: the keys whose value is the
+    call's arguments (the first one present counts). `needs_arguments`: a call is announced only once its
+    arguments begin, so that an object with a name and no arguments is no call (what a model writes
+    unprompted may be any JSON); otherwise a call without arguments has "{}"."""
+
+    def __init__(
+        self,
+        single_object: bool = False,
+        argument_keys: tuple[str, ...] = ("parameters",),
+        needs_arguments: bool = False,
+    ):
+        self._state = self._item_start if single_object else self._before_list
+        self.single_object, self.argument_keys = single_object, argument_keys
+        self.needs_arguments = needs_arguments
         self.complete = False
         self.failed = False
         self._call = _Call()
@@ -134,6 +149,11 @@ class CallListParser:
         elif char not in _WHITESPACE:
             self.failed = True
 
+    @property
+    def num_calls(self) -> int:
+        """Calls announced so far."""
+        return self._num_calls
+
     def _value_start(self, char: str) -> None:
         if char in _WHITESPACE:
             return
@@ -141,8 +161,10 @@ class CallListParser:
         self._target = None
         if self._key == "name" and call.name is None:
             self._target, self._value = "name", []
-        elif self._key == "parameters" and not call.has_parameters:
+        elif self._key in self.argument_keys and not call.has_parameters:
             self._target, call.has_parameters = "parameters", True
+            if call.name is not None and call.index < 0:
+                self._announce()
         self._value_stack, self._in_string, self._escaped = [], False, False
         self._state = self._value_text
         self._value_text(char)
@@ -188,10 +210,15 @@ class CallListParser:
         if not isinstance(name, str):
             self.failed = True  # not a call: the grammar's schema makes names strings
             return
+        self._call.name = name
+        if self._call.has_parameters or not self.needs_arguments:
+            self._announce()
+
+    def _announce(self) -> None:
         call = self._call
-        call.name, call.index = name, self._num_calls
+        call.index = self._num_calls
         self._num_calls += 1
-        self._out.append(CallDelta(call.index, name=name, arguments=call.pending))
+        self._out.append(CallDelta(call.index, name=call.name, arguments=call.pending))
 
     def _after_value(self, char: str) -> None:
         if char == ",":
@@ -203,9 +230,10 @@ class CallListParser:
 
     def _end_call(self) -> None:
         call = self._call
-        if call.name is not None and not call.has_parameters:  # no parameters: none, as an empty object
+        if call.index >= 0 and not call.has_parameters:  # no parameters: none, as an empty object
             self._out.append(CallDelta(call.index, arguments="{}"))
         self._state = self._after_item
+        self.complete = self.single_object
 
     def _after_item(self, char: str) -> None:
         if char == ",":
@@ -217,7 +245,7 @@ class CallListParser:
 
     def _arguments(self, text: str) -> None:
         call = self._call
-        if call.name is None:
+        if call.index < 0:
             call.pending += text
         else:
             self._out.append(CallDelta(call.index, arguments=text))

@@ -10,9 +10,10 @@ for them (for "required", the `parameters` value as written). Streamed, each cal
 name is complete and its arguments follow as they are generated (infer.server.tool_call_parser), so the
 stream accumulates to the response that is not streamed; JSON that is no call's never becomes content.
 
-"auto" (the default when tools are sent) and "none" leave the output as text: the tools reach the chat
-template, and nothing reads calls out of the text (vLLM does that only with a model-specific
---tool-call-parser; none is built here).
+"auto" (the default when tools are sent) leaves the output free: the tools reach the chat template, and
+with --enable-auto-tool-choice the server's --tool-call-parser reads the calls the model writes out of
+its text (infer.server.tool_parsers), the text before them being the content; without it, and under
+"none", the output is text.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import secrets
 
 from infer.server.tool_call_parser import CallDelta, CallListParser, NamedCallParser, parse_calls
+from infer.server.tool_parsers import ToolParser, tool_parser_class
 
 MAX_TOOLS = 128
 
@@ -64,8 +66,34 @@ def check_unique_names(names: list) -> None:
 
 
 def named_function(body) -> str | None:
+    """The function a tool_choice names: chat's {"function": {"name"}}, the Responses API's {"name"}."""
     choice = body.tool_choice
-    return choice["function"]["name"] if isinstance(choice, dict) else None
+    return function_of(choice)["name"] if isinstance(choice, dict) else None
+
+
+def function_of(tool: dict) -> dict:
+    """A tool's function (name, description, parameters): nested in chat's tools, the tool itself in the
+    Responses API's."""
+    return tool.get("function", tool)
+
+
+def as_chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Tools as chat's shape, which chat templates read: {"type": "function", "function": {...}}."""
+    if tools is None:
+        return None
+    functions = [tool["function"] if "function" in tool else _without_type(tool) for tool in tools]
+    return [{"type": "function", "function": function} for function in functions]
+
+
+def _without_type(tool: dict) -> dict:
+    return {key: value for key, value in tool.items() if key != "type"}
+
+
+def as_chat_tool_choice(choice):
+    """The Responses API's tool_choice ({"type": "function", "name"}) as chat's."""
+    if isinstance(choice, dict) and "function" not in choice:
+        return {"type": choice.get("type"), "function": {"name": choice.get("name")}}
+    return choice
 
 
 def forces_calls(body) -> bool:
@@ -81,7 +109,7 @@ def tool_schema(body) -> dict | None:
     """The JSON schema the output must follow, or None when tool_choice does not force calls."""
     if not forces_calls(body):
         return None
-    functions = [tool["function"] for tool in body.tools]
+    functions = [function_of(tool) for tool in body.tools]
     name = named_function(body)
     if name is not None:
         return _parameters(next(f for f in functions if f["name"] == name))
@@ -131,13 +159,26 @@ def calls_and_reason(body, text: str, reason: str | None) -> tuple[list[dict] | 
     return calls, finish_reason(parser, reason)
 
 
-def streamed_call(delta: CallDelta) -> dict:
+def auto_parser(parser_name: str | None, body) -> ToolParser | None:
+    """A parser of the calls in one choice's free output: with --enable-auto-tool-choice, tools and
+    tool_choice "auto" (or left out); None otherwise."""
+    if parser_name is None or not body.tools or body.tool_choice not in (None, "auto"):
+        return None
+    return tool_parser_class(parser_name)()
+
+
+def auto_finish_reason(has_calls: bool, reason: str | None) -> str | None:
+    """vLLM's: "tool_calls" once the output holds calls that parsed (an abort stays an abort)."""
+    return "tool_calls" if has_calls and reason in ("stop", "length") else reason
+
+
+def streamed_call(delta: CallDelta, new_id=call_id) -> dict:
     """A CallDelta as an entry of a chunk's `delta.tool_calls`: the id, type and name in the call's
     first entry only (clients concatenate what repeats)."""
     if delta.name is None:
         return {"index": delta.index, "function": {"arguments": delta.arguments}}
     function = {"name": delta.name, "arguments": delta.arguments}
-    return {"index": delta.index, "id": call_id(), "type": "function", "function": function}
+    return {"index": delta.index, "id": new_id(), "type": "function", "function": function}
 
 
 def _call(name: str, arguments: str) -> dict:

@@ -459,3 +459,23 @@ def test_the_grammar_cache_is_bounded_by_an_estimate_of_bytes_checked_against_rs
     assert estimated // 20 > GRAMMAR_BASE_BYTES  # sized by its text, not counted
     cached = [key[1] for key in compiler._pool._cache]  # (kind, text, options), oldest first
     assert cached[-1] == specs[-1].text and specs[1].text not in cached  # the least recent went
+
+
+def test_a_grammar_after_ids_constrains_only_what_follows_them():
+    """grammar_after_ids (the end of a model's thinking): the output is the free one up to and through
+    those ids, then the grammar's; ids that never come leave the whole output free."""
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [plain] = llm.generate(["In the beginning"], free)
+    after = tuple(plain.token_ids[2:4])
+    spec = StructuredOutputs(choice=["yes"])
+    deferred = SamplingParams(temperature=0, max_tokens=12, structured_outputs=spec, grammar_after_ids=after)
+    never = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, structured_outputs=spec, grammar_after_ids=(10**6,)
+    )
+    result, unconstrained = llm.generate(["In the beginning"] * 2, [deferred, never])
+    assert result.token_ids[:4] == plain.token_ids[:4] and result.finish_reason == "stop"
+    assert llm.engine.tokenizer.decode(result.token_ids[4:], skip_special_tokens=True) == "yes"
+    assert unconstrained.token_ids == plain.token_ids
+    llm.engine.step()
+    assert not llm.engine.runner.sampler.grammar_starts and not llm.engine.runner.sampler.grammar_scanned

@@ -167,15 +167,15 @@ def test_the_store_counts_what_a_stored_response_holds(fields):
     bound counts them. It counted only the input and output texts, so 4 MiB of instructions or metadata
     per response, at ~1 KB counted each, let 64 MiB of store hold ~250 GB."""
     store = ResponseStore(max_bytes=500_000)
-    state = SimpleNamespace(args=SimpleNamespace(model_name="m"))
+    state = SimpleNamespace(args=SimpleNamespace(model_name="m", tool_call_parser=None))
     body = ResponsesRequest(input="Hi", **fields)
     last = StepOutput("r", "", [], True, "stop", 3, 1, 0)
     for i in range(2):
-        _Response(state, store, body, f"resp-{i}", [_user("Hi")], "")._finish("out", [], last)
+        _Response(state, store, body, f"resp-{i}", [_user("Hi")], "")._finish([], "out", [], last)
     assert list(store.entries) == ["resp-1"] and store.num_bytes > 300_000
     assert json.loads(store.get("resp-1", "").body)["id"] == "resp-1"
     small = ResponseStore(max_bytes=100_000)  # one that cannot hold it at all: the response says so
-    response = _Response(state, small, body, "resp-2", [_user("Hi")], "")._finish("out", [], last)
+    response = _Response(state, small, body, "resp-2", [_user("Hi")], "")._finish([], "out", [], last)
     assert response["store"] is False and not small.entries
 
 
@@ -236,15 +236,18 @@ def test_truncation_auto_keeps_the_conversations_end(client, model):
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "function", "parameters": {}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"background": True}, "background"),
         ({"n": 2}, "n"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"return_token_ids": True}, "return_token_ids"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"include": ["nonsense"]}, "include"),
