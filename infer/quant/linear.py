@@ -73,11 +73,11 @@ class QuantizedLinear(nn.Module):
 
     def _pack_kernel(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self._ops = kernels.bf16_ops()
-        self._decode_rows = decode_rows(self._ops, w.bits)
-        q, zeros = _unsigned_int4(w) if w.bits == 4 else (w.q, w.zeros)
+        self._decode_rows = decode_rows(self._ops, w.bits, w.group_size)
+        q, offsets = _unsigned_int4(w) if w.bits == 4 else (w.q, w.offsets())
         self.register_buffer("qweight", pack_kernel(q, w.bits), persistent=False)
         self.register_buffer("scales", w.scales.t().contiguous(), persistent=False)  # [groups, out]
-        offsets = None if zeros is None else (-zeros * w.scales).t().contiguous()
+        offsets = None if offsets is None else offsets.t().contiguous()  # [groups, out]: weight at code 0
         self.register_buffer("offsets", offsets, persistent=False)
         # int8 weights with int8 activations take back 128 x each group's sum of codes (kernel comment)
         groups = q.view(self.out_features, -1, w.group_size)
@@ -89,10 +89,10 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", w.q.contiguous(), persistent=False)
             self.register_buffer("scales", w.scales.view(-1).to(dtype), persistent=False)
             return
-        q, zeros = _unsigned_int4(w)
+        q, offsets = _unsigned_int4(w)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        # torch's int4 dequantization is (code - 8) * scale + zero: zero = (8 - our zero) * scale
-        scales_and_zeros = torch.stack([w.scales, (8 - zeros) * w.scales], -1)  # [out, groups, 2]
+        # torch's int4 dequantization is (code - 8) * scale + zero: zero = our weight at code 8
+        scales_and_zeros = torch.stack([w.scales, offsets + 8 * w.scales], -1)  # [out, groups, 2]
         self.register_buffer("qweight", packed, persistent=False)
         self.register_buffer(
             "scales", scales_and_zeros.transpose(0, 1).contiguous().to(dtype), persistent=False
@@ -134,19 +134,20 @@ class QuantizedLinear(nn.Module):
 
 
 @functools.cache
-def decode_rows(ops, bits: int) -> int:
-    """The most rows a step of the kernel takes with bf16 activations (above them, int8: see DECODE_ROWS)."""
-    if "+amx" in ops.isa():
+def decode_rows(ops, bits: int, group_size: int) -> int:
+    """The most rows a step of the kernel takes with bf16 activations (above them, int8: see DECODE_ROWS).
+    The AMX tiles hold 64 inputs: groups of 32 (llama.cpp's blocks) take the VNNI path's rule."""
+    if "+amx" in ops.isa() and group_size % 64 == 0:
         return 0 if bits == 8 else 1
     return DECODE_ROWS
 
 
 def _unsigned_int4(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 codes as both kernels store them, 0..15 with a zero point: symmetric codes -8..7 shift to
-    0..15 around a zero of 8 (the same weights)."""
-    if w.zeros is None:
-        return w.q + 8, torch.full_like(w.scales, 8.0)
-    return w.q, w.zeros
+    """int4 codes as both kernels store them, 0..15, and each group's weight at code 0: symmetric codes
+    -8..7 shift to 0..15 with -8 * scale at code 0 (the same weights)."""
+    if w.zeros is None and w.mins is None:
+        return w.q + 8, -8 * w.scales
+    return w.q, w.offsets()
 
 
 def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
@@ -156,7 +157,7 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
     kernel_shape = out_features % 16 == 0 and in_features % 32 == 0 and w.group_size % 32 == 0
     if dtype == torch.bfloat16 and kernel_shape and kernels.bf16_ops() is not None:
         found.append("infer")
-    if w.bits == 8 and w.zeros is None and w.group_size == in_features:
+    if w.bits == 8 and w.zeros is None and w.mins is None and w.group_size == in_features:
         found.append("torch")
     if w.bits == 4 and w.group_size in (32, 64, 128, 256):
         found.append("torch")
