@@ -10,8 +10,10 @@ dict for `ModelConfig.from_hf` and the tensors under Hugging Face's names, so on
     model-00001-of-00003.gguf          the first of split files; the others are found beside it
     folder/                            a folder holding one .gguf (or one set of splits)
 
-Unquantized tensors (F32, F16, BF16) load as `--dtype` says; every other type is refused, naming the
-tensor and its type, before the model is allocated.
+Unquantized tensors (F32, F16, BF16) load as `--dtype` says. Matrices in Q8_0, Q4_0 or Q4_1 stay
+quantized (infer.quant.gguf_blocks: int8 / int4 codes in groups of 32, run by the quantized linears);
+a quantized token embedding is dequantized, as it is a lookup, not a matmul (a head tied to it keeps
+the codes). Every other type is refused, naming the tensor and its type, before the model is allocated.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import numpy as np
 import torch
 
 from infer.models.config import ModelConfig
+from infer.quant.gguf_blocks import BLOCK_BYTES, unpack_blocks
+from infer.quant.weights import QuantizedWeight
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -54,6 +58,8 @@ EOG_TEXTS = {
     "<|end_of_text|>",
 }
 UNQUANTIZED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+QUANTIZED = tuple(BLOCK_BYTES)  # Q8_0, Q4_0, Q4_1: kept quantized
+EMBEDDING = "token_embd.weight"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # blk.N.<llama.cpp name> -> model.layers.N.<Hugging Face name>
@@ -143,6 +149,10 @@ class GGUFModel:
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+    def quantized(self) -> bool:
+        """Whether any tensor is in a quantized block type (which loads as such)."""
+        return any(t.type_name in QUANTIZED for t in self.tensors.values())
 
     def type_counts(self) -> dict[str, int]:
         return dict(Counter(t.type_name for t in self.tensors.values()).most_common())
@@ -249,24 +259,33 @@ def _check_overlaps(file: str, reader) -> None:
 
 
 def check_loadable(model: GGUFModel) -> None:
-    """ValueError unless the architecture is one we build and every tensor is F32/F16/BF16."""
+    """ValueError unless the architecture is one we build and every tensor is F32/F16/BF16, or a matrix
+    in Q8_0/Q4_0/Q4_1."""
     arch = model.architecture
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"{model.name}: GGUF architecture {arch!r} is not supported; "
             f"supported: {', '.join(sorted(ARCHITECTURES))}"
         )
-    quantized = [t for t in model.tensors.values() if t.type_name not in UNQUANTIZED]
-    if quantized:
-        first = quantized[0]
-        counts = Counter(t.type_name for t in quantized)
+    refused = [t for t in model.tensors.values() if t.type_name not in (*UNQUANTIZED, *QUANTIZED)]
+    if refused:
+        first = refused[0]
+        counts = Counter(t.type_name for t in refused)
         kinds = ", ".join(f"{n} {k}" for k, n in counts.most_common())
         raise ValueError(
             f"{model.name}: tensor {first.name!r} is {first.type_name}, a quantized type infer cannot "
-            f"run yet ({kinds} tensors in all); GGUF files load with F32, F16 or BF16 tensors only: "
-            "convert the model with `--outtype bf16` (llama.cpp's convert_hf_to_gguf.py), or serve its "
-            "Hugging Face folder with --quantization int8 / int4"
+            f"run yet ({kinds} tensors in all); infer runs F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors "
+            "(K-quants such as Q4_K, Q5_K, Q6_K are not read yet): requantize the file to Q8_0 or Q4_0 "
+            "(llama-quantize --allow-requantize), convert the model with `--outtype q8_0` or `bf16` "
+            "(llama.cpp's convert_hf_to_gguf.py), or serve its Hugging Face folder with --quantization "
+            "int8 / int4"
         )
+    for t in model.tensors.values():
+        if t.type_name in QUANTIZED and len(t.shape) != 2:
+            raise ValueError(
+                f"{model.name}: tensor {t.name!r} is {t.type_name} with shape {list(t.shape)}: infer keeps "
+                "only matrices quantized"
+            )
 
 
 def hf_config(model: GGUFModel) -> dict[str, Any]:
@@ -380,6 +399,9 @@ def rope_freq_factors(model: GGUFModel) -> tuple[float, ...] | None:
 
 def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
     """(Hugging Face name, tensor) for every weight of the file, memory-mapped where nothing changes.
+    Q8_0/Q4_0/Q4_1 matrices come as `QuantizedWeight`s (their codes, never widened), except the token
+    embedding: a lookup, not a matmul, it comes dequantized (float32), and a head tied to it comes as
+    lm_head.weight with the embedding's codes.
 
     Undoes what llama.cpp's converter did to the tensors: for llama, the rows of q and k are permuted
     (LlamaModel.permute) for llama.cpp's rope; for Gemma 3, 1 was added to every norm weight.
@@ -392,12 +414,32 @@ def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
         hf_name = _hf_name(name, layer_names)
         if hf_name is None:
             raise ValueError(f"{model.name}: unexpected tensor {name!r} for architecture {arch!r}")
+        heads = num_heads if ".attn_q." in name else num_kv_heads
+        permuted = arch == "llama" and (".attn_q." in name or ".attn_k." in name)
+        if tensor.type_name in QUANTIZED:
+            weight = _quantized(model, tensor)
+            if permuted:
+                weight = weight.rows(_unpermute(torch.arange(weight.shape[0]), heads))
+            if name != EMBEDDING:
+                yield hf_name, weight
+                continue
+            if "output.weight" not in model.tensors:  # the tied head
+                yield GLOBAL_TENSORS["output.weight"], weight
+            yield hf_name, weight.dequantize()
+            continue
         data = tensor.to_torch()
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            data = _unpermute(data, num_heads if ".attn_q." in name else num_kv_heads)
+        if permuted:
+            data = _unpermute(data, heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data - 1.0
         yield hf_name, data
+
+
+def _quantized(model: GGUFModel, tensor: GGUFTensor) -> QuantizedWeight:
+    try:
+        return unpack_blocks(tensor.type_name, tensor.data, tensor.shape)
+    except ValueError as e:
+        raise ValueError(f"{model.name}: tensor {tensor.name!r}: {e}") from e
 
 
 def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:

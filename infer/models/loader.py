@@ -7,7 +7,9 @@ parallelism each rank reads only its slice of each tensor (LazyTensor), as the m
 
 from __future__ import annotations
 
+import functools
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -22,8 +24,14 @@ from infer.models import gguf
 from infer.models.config import ModelConfig
 from infer.models.dtypes import to_torch_dtype
 from infer.models.registry import model_class
+from infer.quant import gguf_blocks
 from infer.quant.formats import CheckpointQuant, parse_quantization_config, quantized_linear_prefix
-from infer.quant.linear import quantize_model, summarize, swap_quantized
+from infer.quant.formats import unpack as unpack_checkpoint
+from infer.quant.gguf_blocks import block_type
+from infer.quant.linear import linear_target, quantize_model, summarize, swap_quantized
+from infer.quant.weights import QuantizedWeight
+
+BACKEND_NAMES = {"infer": "infer kernel", "torch": "torch kernel", "dequant": "dequantized: no kernel here"}
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED_MODEL = ASSETS / "embedded"
@@ -154,30 +162,36 @@ def load_model(
         if hasattr(module, "init_buffers"):
             module.init_buffers()
     quant = None if load_format == "dummy" else parse_quantization_config(hf_config)
+    if gguf_model is not None and gguf_model.quantized() and load_format != "dummy":
+        quant = "gguf"  # its Q8_0 / Q4_0 / Q4_1 matrices
     if quant is not None and quantization != "none":
         raise ValueError(
-            f"{path.name} is already quantized ({quant.method}): drop --quantization {quantization}"
+            f"{path.name} is already quantized ({_method(quant)}): drop --quantization {quantization}"
         )
     if quant is not None and tp.size > 1:
         raise ValueError(
-            f"{path.name} is pre-quantized ({quant.method}): tensor parallelism loads bf16/fp32 checkpoints "
-            "only (--quantization int8/int4 quantizes each rank's shard at load)"
+            f"{path.name} is pre-quantized ({_method(quant)}): tensor parallelism loads bf16/fp32 "
+            "checkpoints only (--quantization int8/int4 quantizes each rank's shard at load)"
         )
     swapped = {}
     if load_format == "dummy":
         init_dummy_weights(net, seed)
     elif gguf_model is not None:
-        tensors = gguf.hf_tensors(gguf_model, cfg.num_heads, cfg.num_kv_heads)
-        held = ((name, LazyTensor(HeldTensor(t))) for name, t in tensors)
-        check_complete(net, copy_weights(net, held, path.name, tp), path.name)
+        swapped, paths = load_gguf_weights(net, gguf_model, cfg, torch_dtype, tp)
     else:
         swapped = load_weights(net, path, quant, tp)
     net = net.eval().requires_grad_(False)
-    net.gguf = gguf_model.summary() if gguf_model is not None else None
+    net.gguf = None
+    if gguf_model is not None:
+        net.gguf = gguf_model.summary() | {"paths": paths}
     net.quantization = summarize(quant, swapped) if quant else quantize_model(net, quantization)
     if prepack and can_prepack(torch_dtype):
         prepack_linears(net)
     return net, cfg, path
+
+
+def _method(quant) -> str:
+    return quant if isinstance(quant, str) else quant.method
 
 
 def check_model_files(model: str | None, load_format: str = "auto") -> None:
@@ -239,9 +253,69 @@ def load_weights(
                         yield ckpt_name, LazyTensor(f.get_slice(ckpt_name))
 
     loaded = copy_weights(net, tensors(), path.name, tp)
-    swapped = swap_quantized(net, quant, pending, packed) if pending else {}
+    unpack = {prefix: functools.partial(unpack_checkpoint, quant, prefix, t) for prefix, t in pending.items()}
+    swapped = swap_quantized(net, unpack, packed) if pending else {}
     check_complete(net, loaded | {f"{prefix}.weight" for prefix in pending}, path.name)
     return swapped
+
+
+@torch.no_grad()
+def load_gguf_weights(
+    net: nn.Module, model: gguf.GGUFModel, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel
+) -> tuple[dict, dict[str, str]]:
+    """Copy a GGUF file's tensors into `net` (this rank's slices); its quantized matrices swap their
+    linears for QuantizedLinear layers of the file's codes. Returns what was swapped (swap_quantized) and
+    what became of each tensor type (gguf_paths)."""
+    quantized: dict[str, QuantizedWeight] = {}  # linear prefix -> its weight
+
+    def tensors():
+        for name, t in gguf.hf_tensors(model, cfg.num_heads, cfg.num_kv_heads):
+            if isinstance(t, QuantizedWeight):
+                quantized[name.removesuffix(".weight")] = t
+            else:
+                yield name, LazyTensor(HeldTensor(t))
+
+    loaded = copy_weights(net, tensors(), model.name, tp)
+    unpack = {prefix: functools.partial(_shaped, model.name, prefix, w) for prefix, w in quantized.items()}
+    packed = _packed_shards(net)
+    swapped = swap_quantized(net, unpack, packed) if quantized else {}
+    check_complete(net, loaded | {f"{prefix}.weight" for prefix in quantized}, model.name)
+    layers: dict[str, dict[str, str]] = {}  # block type -> {module path: backend}
+    for prefix, weight in quantized.items():
+        target, _ = linear_target(net, prefix, packed)
+        layers.setdefault(block_type(weight), {})[target] = swapped[target].backend
+    return swapped, gguf_paths(model, layers, dtype)
+
+
+def _shaped(source: str, prefix: str, weight: QuantizedWeight, shape: tuple[int, int]) -> QuantizedWeight:
+    if tuple(weight.shape) != tuple(shape):
+        expected = list(shape)
+        raise ValueError(f"{source}: {prefix}.weight is {list(weight.shape)}, the model expects {expected}")
+    return weight
+
+
+def gguf_paths(model: gguf.GGUFModel, layers: dict[str, dict[str, str]], dtype: torch.dtype) -> dict:
+    """What became of each tensor type of a GGUF file, for the start-up log and /server_info, e.g.
+    {"Q8_0": "int8 in groups of 32: 9 linear layers (infer kernel x9); token_embd.weight dequantized to
+    bfloat16 for lookups (a lookup, not a matmul)", "F32": "bfloat16 (--dtype)"}."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    embedding = model.tensors.get(gguf.EMBEDDING)
+    paths = {}
+    for kind in model.type_counts():
+        if kind in gguf.UNQUANTIZED:
+            paths[kind] = f"{dtype_name} (--dtype)"
+            continue
+        parts = []
+        if kind in layers:
+            backends = Counter(layers[kind].values())
+            runs = ", ".join(f"{BACKEND_NAMES[b]} x{n}" for b, n in backends.most_common())
+            bits = gguf_blocks.BITS[kind]
+            count = len(layers[kind])
+            parts.append(f"int{bits} in groups of 32: {count} linear layer{'s' * (count != 1)} ({runs})")
+        if embedding is not None and embedding.type_name == kind:
+            parts.append(f"{gguf.EMBEDDING} dequantized to {dtype_name} for lookups (a lookup, not a matmul)")
+        paths[kind] = "; ".join(parts)
+    return paths
 
 
 def _packed_shards(net: nn.Module) -> dict[str, tuple[str, int]]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -214,34 +215,18 @@ def _group_for(in_features: int, group_size: int) -> int:
     return in_features
 
 
-def swap_quantized(net: nn.Module, quant, pending: dict[str, dict[str, torch.Tensor]], packed: dict) -> dict:
-    """The quantized linears of a pre-quantized checkpoint: `pending` holds each one's tensors (by the
-    checkpoint's linear prefix and leaf), `packed` maps a checkpoint projection to (fused module, shard).
-    Unpacks each (infer.quant.formats), joins the shards of fused projections (q/k/v, gate/up) and swaps
-    the module for a QuantizedLinear. Returns {module path: QuantizedLinear}."""
-    from infer.quant.formats import unpack
-
+def swap_quantized(net: nn.Module, pending: dict[str, Callable[..., QuantizedWeight]], packed: dict) -> dict:
+    """The quantized linears of a pre-quantized checkpoint or GGUF file: `pending` maps each one's
+    checkpoint prefix to a function of the (out, in) shape the model expects that returns its weight
+    (unpacked and checked against that shape), `packed` maps a checkpoint projection to (fused module,
+    shard). Joins the shards of fused projections (q/k/v, gate/up) and swaps the module for a
+    QuantizedLinear. Returns {module path: QuantizedLinear}."""
     shards: dict[str, dict[int, QuantizedWeight]] = {}
-    for prefix, tensors in pending.items():
-        probe = torch.empty(0)
-        remapped = net.remap_weight(f"{prefix}.weight", probe)
-        if remapped is None or remapped[1] is not probe:
-            raise ValueError(f"{prefix}: quantized weights are not supported for {net.config.architecture}")
-        module_path = remapped[0].removesuffix(".weight")
-        parent, _, child = module_path.rpartition(".")
-        target, shard = (
-            (f"{parent}.{packed[child][0]}" if parent else packed[child][0], packed[child][1])
-            if (child in packed)
-            else (module_path, 0)
-        )
-        try:
-            module = net.get_submodule(target)
-        except AttributeError:
-            raise ValueError(f"{prefix}: quantized weights for a layer the model does not have") from None
-        out_features = module.output_sizes[shard] if child in packed else module.out_features
-        shards.setdefault(target, {})[shard] = unpack(
-            quant, prefix, tensors, (out_features, module.in_features)
-        )
+    for prefix, unpack in pending.items():
+        target, shard = linear_target(net, prefix, packed)
+        module = net.get_submodule(target)
+        out_features = module.out_features if shard is None else module.output_sizes[shard]
+        shards.setdefault(target, {})[shard or 0] = unpack((out_features, module.in_features))
     swapped = {}
     for target, parts in shards.items():
         module = net.get_submodule(target)
@@ -250,12 +235,36 @@ def swap_quantized(net: nn.Module, quant, pending: dict[str, dict[str, torch.Ten
             raise ValueError(
                 f"{target}: only {len(parts)} of its {len(sizes)} fused projections are quantized"
             )
-        weight = concat([parts[i] for i in range(len(parts))])
+        try:
+            weight = concat([parts[i] for i in range(len(parts))])
+        except ValueError as e:
+            raise ValueError(f"{target}: {e}") from None
         new = QuantizedLinear(weight, module.bias, module.weight.dtype, sizes)
         parent, _, child = target.rpartition(".")
         setattr(net.get_submodule(parent) if parent else net, child, new)
         swapped[target] = new
     return swapped
+
+
+def linear_target(net: nn.Module, prefix: str, packed: dict) -> tuple[str, int | None]:
+    """(module path, shard) of the linear a checkpoint's `prefix` loads into: q_proj -> (qkv_proj, 0),
+    o_proj -> (o_proj, None)."""
+    probe = torch.empty(0)
+    remapped = net.remap_weight(f"{prefix}.weight", probe)
+    if remapped is None or remapped[1] is not probe:
+        raise ValueError(f"{prefix}: quantized weights are not supported for {net.config.architecture}")
+    module_path = remapped[0].removesuffix(".weight")
+    parent, _, child = module_path.rpartition(".")
+    target, shard = (
+        (f"{parent}.{packed[child][0]}" if parent else packed[child][0], packed[child][1])
+        if (child in packed)
+        else (module_path, None)
+    )
+    try:
+        net.get_submodule(target)
+    except AttributeError:
+        raise ValueError(f"{prefix}: quantized weights for a layer the model does not have") from None
+    return target, shard
 
 
 def summarize(method, swapped: dict[str, QuantizedLinear]) -> dict:
