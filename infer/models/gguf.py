@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from infer.models.config import ModelConfig
-from infer.quant.gguf_blocks import BLOCK_BYTES, unpack_blocks
+from infer.quant.gguf_blocks import BITS, BLOCK_BYTES, unpack_blocks
 from infer.quant.weights import QuantizedWeight
 
 GGUF_MAGIC = b"GGUF"
@@ -60,6 +60,7 @@ EOG_TEXTS = {
 UNQUANTIZED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 QUANTIZED = tuple(BLOCK_BYTES)  # Q8_0, Q4_0, Q4_1: kept quantized
 EMBEDDING = "token_embd.weight"
+BACKEND_NAMES = {"infer": "infer kernel", "torch": "torch kernel", "dequant": "dequantized: no kernel here"}
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # blk.N.<llama.cpp name> -> model.layers.N.<Hugging Face name>
@@ -433,6 +434,31 @@ def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data - 1.0
         yield hf_name, data
+
+
+def tensor_paths(model: GGUFModel, layers: dict[str, dict[str, str]], dtype: torch.dtype) -> dict:
+    """What became of each tensor type of a GGUF file, for the start-up log and /server_info, e.g.
+    {"Q8_0": "int8 in groups of 32: 9 linear layers (infer kernel x9); token_embd.weight dequantized to
+    bfloat16 for lookups (a lookup, not a matmul)", "F32": "bfloat16 (--dtype)"}. `layers`: block type ->
+    {module path: backend} of the quantized linears made from it."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    embedding = model.tensors.get(EMBEDDING)
+    paths = {}
+    for kind in model.type_counts():
+        if kind in UNQUANTIZED:
+            paths[kind] = f"{dtype_name} (--dtype)"
+            continue
+        parts = []
+        if kind in layers:
+            backends = Counter(layers[kind].values())
+            runs = ", ".join(f"{BACKEND_NAMES[b]} x{n}" for b, n in backends.most_common())
+            bits = BITS[kind]
+            count = len(layers[kind])
+            parts.append(f"int{bits} in groups of 32: {count} linear layer{'s' * (count != 1)} ({runs})")
+        if embedding is not None and embedding.type_name == kind:
+            parts.append(f"{EMBEDDING} dequantized to {dtype_name} for lookups (a lookup, not a matmul)")
+        paths[kind] = "; ".join(parts)
+    return paths
 
 
 def _quantized(model: GGUFModel, tensor: GGUFTensor) -> QuantizedWeight:

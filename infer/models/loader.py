@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -24,14 +23,11 @@ from infer.models import gguf
 from infer.models.config import ModelConfig
 from infer.models.dtypes import to_torch_dtype
 from infer.models.registry import model_class
-from infer.quant import gguf_blocks
 from infer.quant.formats import CheckpointQuant, parse_quantization_config, quantized_linear_prefix
 from infer.quant.formats import unpack as unpack_checkpoint
 from infer.quant.gguf_blocks import block_type
 from infer.quant.linear import linear_target, quantize_model, summarize, swap_quantized
 from infer.quant.weights import QuantizedWeight
-
-BACKEND_NAMES = {"infer": "infer kernel", "torch": "torch kernel", "dequant": "dequantized: no kernel here"}
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED_MODEL = ASSETS / "embedded"
@@ -173,7 +169,7 @@ def load_model(
             f"{path.name} is pre-quantized ({_method(quant)}): tensor parallelism loads bf16/fp32 "
             "checkpoints only (--quantization int8/int4 quantizes each rank's shard at load)"
         )
-    swapped = {}
+    swapped, paths = {}, {}
     if load_format == "dummy":
         init_dummy_weights(net, seed)
     elif gguf_model is not None:
@@ -265,7 +261,7 @@ def load_gguf_weights(
 ) -> tuple[dict, dict[str, str]]:
     """Copy a GGUF file's tensors into `net` (this rank's slices); its quantized matrices swap their
     linears for QuantizedLinear layers of the file's codes. Returns what was swapped (swap_quantized) and
-    what became of each tensor type (gguf_paths)."""
+    what became of each tensor type (gguf.tensor_paths)."""
     quantized: dict[str, QuantizedWeight] = {}  # linear prefix -> its weight
 
     def tensors():
@@ -284,7 +280,7 @@ def load_gguf_weights(
     for prefix, weight in quantized.items():
         target, _ = linear_target(net, prefix, packed)
         layers.setdefault(block_type(weight), {})[target] = swapped[target].backend
-    return swapped, gguf_paths(model, layers, dtype)
+    return swapped, gguf.tensor_paths(model, layers, dtype)
 
 
 def _shaped(source: str, prefix: str, weight: QuantizedWeight, shape: tuple[int, int]) -> QuantizedWeight:
@@ -292,30 +288,6 @@ def _shaped(source: str, prefix: str, weight: QuantizedWeight, shape: tuple[int,
         expected = list(shape)
         raise ValueError(f"{source}: {prefix}.weight is {list(weight.shape)}, the model expects {expected}")
     return weight
-
-
-def gguf_paths(model: gguf.GGUFModel, layers: dict[str, dict[str, str]], dtype: torch.dtype) -> dict:
-    """What became of each tensor type of a GGUF file, for the start-up log and /server_info, e.g.
-    {"Q8_0": "int8 in groups of 32: 9 linear layers (infer kernel x9); token_embd.weight dequantized to
-    bfloat16 for lookups (a lookup, not a matmul)", "F32": "bfloat16 (--dtype)"}."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    embedding = model.tensors.get(gguf.EMBEDDING)
-    paths = {}
-    for kind in model.type_counts():
-        if kind in gguf.UNQUANTIZED:
-            paths[kind] = f"{dtype_name} (--dtype)"
-            continue
-        parts = []
-        if kind in layers:
-            backends = Counter(layers[kind].values())
-            runs = ", ".join(f"{BACKEND_NAMES[b]} x{n}" for b, n in backends.most_common())
-            bits = gguf_blocks.BITS[kind]
-            count = len(layers[kind])
-            parts.append(f"int{bits} in groups of 32: {count} linear layer{'s' * (count != 1)} ({runs})")
-        if embedding is not None and embedding.type_name == kind:
-            parts.append(f"{gguf.EMBEDDING} dequantized to {dtype_name} for lookups (a lookup, not a matmul)")
-        paths[kind] = "; ".join(parts)
-    return paths
 
 
 def _packed_shards(net: nn.Module) -> dict[str, tuple[str, int]]:
