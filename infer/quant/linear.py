@@ -136,9 +136,8 @@ class QuantizedLinear(nn.Module):
 
 @functools.cache
 def decode_rows(ops, bits: int, group_size: int) -> int:
-    """The most rows a step of the kernel takes with bf16 activations (above them, int8: see DECODE_ROWS).
-    The AMX tiles hold 64 inputs: groups of 32 (llama.cpp's blocks) take the VNNI path's rule."""
-    if "+amx" in ops.isa() and group_size % 64 == 0:
+    """The most rows a step of the kernel takes with bf16 activations (above them, int8: see DECODE_ROWS)."""
+    if "+amx" in ops.isa():
         return 0 if bits == 8 else 1
     return DECODE_ROWS
 
