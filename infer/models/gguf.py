@@ -11,9 +11,10 @@ dict for `ModelConfig.from_hf` and the tensors under Hugging Face's names, so on
     folder/                            a folder holding one .gguf (or one set of splits)
 
 Unquantized tensors (F32, F16, BF16) load as `--dtype` says. Matrices in Q8_0, Q4_0 or Q4_1 stay
-quantized (infer.quant.gguf_blocks: int8 / int4 codes in groups of 32, run by the quantized linears);
-a quantized token embedding is dequantized, as it is a lookup, not a matmul (a head tied to it keeps
-the codes). Every other type is refused, naming the tensor and its type, before the model is allocated.
+quantized (infer.quant.gguf_blocks: int8 / int4 codes in groups of 32, run by the quantized linears;
+a quantized token embedding keeps its codes too, its rows dequantized as they are looked up, and a
+head tied to it gets them as well). Every other type is refused, naming the tensor and its type, before
+the model is allocated.
 """
 
 from __future__ import annotations
@@ -400,9 +401,8 @@ def rope_freq_factors(model: GGUFModel) -> tuple[float, ...] | None:
 
 def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
     """(Hugging Face name, tensor) for every weight of the file, memory-mapped where nothing changes.
-    Q8_0/Q4_0/Q4_1 matrices come as `QuantizedWeight`s (their codes, never widened), except the token
-    embedding: a lookup, not a matmul, it comes dequantized (float32), and a head tied to it comes as
-    lm_head.weight with the embedding's codes.
+    Q8_0/Q4_0/Q4_1 matrices come as `QuantizedWeight`s (their codes, never widened); a head tied to a
+    quantized token embedding comes as lm_head.weight with the embedding's codes.
 
     Undoes what llama.cpp's converter did to the tensors: for llama, the rows of q and k are permuted
     (LlamaModel.permute) for llama.cpp's rope; for Gemma 3, 1 was added to every norm weight.
@@ -421,12 +421,9 @@ def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
             weight = _quantized(model, tensor)
             if permuted:
                 weight = weight.rows(_unpermute(torch.arange(weight.shape[0]), heads))
-            if name != EMBEDDING:
-                yield hf_name, weight
-                continue
-            if "output.weight" not in model.tensors:  # the tied head
+            if name == EMBEDDING and "output.weight" not in model.tensors:  # the tied head
                 yield GLOBAL_TENSORS["output.weight"], weight
-            yield hf_name, weight.dequantize()
+            yield hf_name, weight
             continue
         data = tensor.to_torch()
         if permuted:
@@ -438,8 +435,8 @@ def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
 
 def tensor_paths(model: GGUFModel, layers: dict[str, dict[str, str]], dtype: torch.dtype) -> dict:
     """What became of each tensor type of a GGUF file, for the start-up log and /server_info, e.g.
-    {"Q8_0": "int8 in groups of 32: 9 linear layers (infer kernel x9); token_embd.weight dequantized to
-    bfloat16 for lookups (a lookup, not a matmul)", "F32": "bfloat16 (--dtype)"}. `layers`: block type ->
+    {"Q8_0": "int8 in groups of 32: 9 linear layers (infer kernel x9); token_embd.weight as int8 in groups
+    of 32, rows dequantized to bfloat16 as looked up", "F32": "bfloat16 (--dtype)"}. `layers`: block type ->
     {module path: backend} of the quantized linears made from it."""
     dtype_name = str(dtype).removeprefix("torch.")
     embedding = model.tensors.get(EMBEDDING)
@@ -456,7 +453,10 @@ def tensor_paths(model: GGUFModel, layers: dict[str, dict[str, str]], dtype: tor
             count = len(layers[kind])
             parts.append(f"int{bits} in groups of 32: {count} linear layer{'s' * (count != 1)} ({runs})")
         if embedding is not None and embedding.type_name == kind:
-            parts.append(f"{EMBEDDING} dequantized to {dtype_name} for lookups (a lookup, not a matmul)")
+            bits = BITS[kind]
+            parts.append(
+                f"{EMBEDDING} as int{bits} in groups of 32, rows dequantized to {dtype_name} as looked up"
+            )
         paths[kind] = "; ".join(parts)
     return paths
 

@@ -23,6 +23,7 @@ from infer.models import gguf
 from infer.models.config import ModelConfig
 from infer.models.dtypes import to_torch_dtype
 from infer.models.registry import model_class
+from infer.quant.embedding import QuantizedEmbedding
 from infer.quant.formats import CheckpointQuant, parse_quantization_config, quantized_linear_prefix
 from infer.quant.formats import unpack as unpack_checkpoint
 from infer.quant.gguf_blocks import block_type
@@ -272,6 +273,10 @@ def load_gguf_weights(
                 yield name, LazyTensor(HeldTensor(t))
 
     loaded = copy_weights(net, tensors(), model.name, tp)
+    embedding = quantized.pop(gguf.GLOBAL_TENSORS[gguf.EMBEDDING].removesuffix(".weight"), None)
+    if embedding is not None:
+        _swap_embedding(net, embedding, dtype)
+        loaded.add(gguf.GLOBAL_TENSORS[gguf.EMBEDDING])
     unpack = {prefix: functools.partial(_shaped, model.name, prefix, w) for prefix, w in quantized.items()}
     packed = _packed_shards(net)
     swapped = swap_quantized(net, unpack, packed) if quantized else {}
@@ -281,6 +286,17 @@ def load_gguf_weights(
         target, _ = linear_target(net, prefix, packed)
         layers.setdefault(block_type(weight), {})[target] = swapped[target].backend
     return swapped, gguf.tensor_paths(model, layers, dtype)
+
+
+def _swap_embedding(net: nn.Module, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+    """The model's embedding replaced by one that keeps `weight`'s codes (infer.quant.embedding)."""
+    old = net.input_embeddings()
+    if tuple(weight.shape) != (old.num_embeddings, old.embedding_dim):
+        expected = [old.num_embeddings, old.embedding_dim]
+        raise ValueError(f"token_embd.weight is {list(weight.shape)}, the model expects {expected}")
+    path = next(name for name, module in net.named_modules() if module is old)
+    parent, _, child = path.rpartition(".")
+    setattr(net.get_submodule(parent) if parent else net, child, QuantizedEmbedding(weight, dtype))
 
 
 def _shaped(source: str, prefix: str, weight: QuantizedWeight, shape: tuple[int, int]) -> QuantizedWeight:

@@ -2,8 +2,9 @@
 logits are those of the dequantized weights, and greedy text follows the unquantized model's.
 
 Q8_0 comes from llama.cpp's converter (`--outtype q8_0`); Q4_0 and Q4_1, which only llama-quantize
-writes, from the converter's float32 file re-encoded by the gguf package's reference quantizers, with
-the token embedding in Q8_0 as llama-quantize leaves it when rows are not multiples of 256.
+writes, from the converter's float32 file re-encoded by the gguf package's reference quantizers: Q4_0
+with the token embedding (the head tied to it) in Q8_0, as llama-quantize leaves it when rows are not
+multiples of 256, Q4_1 with it in Q4_1.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from gguf import GGMLQuantizationType
 from infer import kernels
 from infer.engine.llm import LLM
 from infer.models.loader import EMBEDDED_MODEL, load_model
+from infer.quant.embedding import QuantizedEmbedding
 from infer.quant.linear import QuantizedLinear
 from infer.sampling_params import SamplingParams
 
@@ -52,7 +54,8 @@ def files(tmp_path_factory) -> dict:
         def encode(name, values, qtype=qtype):
             if values.ndim != 2:
                 return None  # norms stay float32
-            return GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else qtype
+            embedding = name == "token_embd.weight" and qtype == GGMLQuantizationType.Q4_0
+            return GGMLQuantizationType.Q8_0 if embedding else qtype
 
         out[kind] = rewrite(out["f32"], root / f"embedded-{kind}.gguf", encode)
     for kind in QUANTIZED:
@@ -75,7 +78,10 @@ def test_logits_are_the_dequantized_weights(files, kind):
     linears = {name: m for name, m in ours.named_modules() if isinstance(m, QuantizedLinear)}
     assert len(linears) == cfg.num_layers * 4 + 1  # qkv, o, gate_up, down; the head tied to token_embd
     assert {(m.bits, m.group_size) for n, m in linears.items() if n != "lm_head"} == {(BITS[kind], 32)}
-    assert (linears["lm_head"].bits, linears["lm_head"].group_size) == (8, 32)  # token_embd is Q8_0
+    head_bits = 4 if kind == "q4_1" else 8  # the type of token_embd
+    assert (linears["lm_head"].bits, linears["lm_head"].group_size) == (head_bits, 32)
+    embedding = ours.input_embeddings()
+    assert isinstance(embedding, QuantizedEmbedding) and embedding.bits == head_bits
     assert ours.quantization["method"] == "gguf" and ref.quantization["method"] == "none"
     ids = _ids(cfg.vocab_size)
     a, b = forward_logits(ours, ids), forward_logits(ref, ids)
@@ -92,8 +98,8 @@ def test_logits_are_the_dequantized_weights(files, kind):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 
-def _greedy(path) -> list[list[int]]:
-    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64)
+def _greedy(path, dtype: str = "bfloat16") -> list[list[int]]:
+    llm = LLM(str(path), dtype=dtype, num_kv_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     return [out.token_ids for out in llm.generate(PROMPTS, params)]
 
@@ -114,12 +120,17 @@ def test_q8_0_greedy_text_follows_the_bf16_file(files):
     assert share >= 0.6 and equal >= 4
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
-def test_int4_greedy_text_follows_its_dequantized_weights(files, kind):
-    """Our int4 kernel against the same weights dequantized, through the unquantized bf16 path. Measured:
-    88-90% of the tokens before the first difference, 6-7 of 8 prompts equal throughout."""
-    share, equal = _agreement(_greedy(files[kind]), _greedy(files[f"{kind}-dequantized"]))
-    assert share >= 0.6 and equal >= 4
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_greedy_text_is_that_of_the_dequantized_weights(files, kind):
+    """float32 (torch's paths): the text of the dequantized weights, token for token. bf16 (our kernels,
+    int8 activations in batches): about as close to it as the unquantized bf16 path of the same weights.
+    Measured, share of tokens before the first difference from the float32 text: ours 66-77%, the bf16
+    path 81-91%; the embedded model is small and its top tokens close."""
+    exact = _greedy(files[f"{kind}-dequantized"], "float32")
+    assert _greedy(files[kind], "float32") == exact
+    ours, _ = _agreement(_greedy(files[kind]), exact)
+    bf16, _ = _agreement(_greedy(files[f"{kind}-dequantized"]), exact)
+    assert ours >= 0.5 and ours >= bf16 - 0.25, (ours, bf16)
 
 
 def test_a_quantized_file_takes_no_more_quantization_nor_tensor_parallelism(files):
@@ -151,7 +162,7 @@ def test_server_says_which_path_each_type_took(files, tmp_path):
         "Q4_0": f"int4 in groups of 32: 24 linear layers ({int4} x24)",
         "F32": "bfloat16 (--dtype)",
         "Q8_0": f"int8 in groups of 32: 1 linear layer ({int8} x1); "
-        "token_embd.weight dequantized to bfloat16 for lookups (a lookup, not a matmul)",
+        "token_embd.weight as int8 in groups of 32, rows dequantized to bfloat16 as looked up",
     }
     for kind, path in held["paths"].items():
         assert f"GGUF {kind} tensors: {path}" in log

@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from infer.quant.embedding import QuantizedEmbedding
 from infer.quant.gguf_blocks import block_type, unpack_blocks
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1"]
@@ -40,6 +41,19 @@ def test_dequantized_weight_is_llama_cpps_bit_for_bit(kind):
     assert weight.q.dtype == torch.int8
     low, high = {"Q8_0": (-128, 127), "Q4_0": (-8, 7), "Q4_1": (0, 15)}[kind]
     assert low <= int(weight.q.min()) and int(weight.q.max()) <= high
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_quantized_embedding_rows_are_the_dequantized_rows(kind):
+    """The embedding keeps the codes (int4 two a byte) and gives each row bit for bit as dequantize()."""
+    data = quants.quantize(_weights(48, 128), GGMLQuantizationType[kind])
+    weight = unpack_blocks(kind, data, (48, 128))
+    ids = torch.tensor([[0, 1, 2], [3, 4, 47]])
+    embedding = QuantizedEmbedding(weight, torch.float32)
+    assert torch.equal(embedding(ids), weight.dequantize()[ids])
+    assert embedding.codes.numel() == 48 * 128 * weight.bits // 8
+    bf16 = QuantizedEmbedding(weight, torch.bfloat16)(ids)
+    assert torch.equal(bf16, weight.dequantize(torch.bfloat16)[ids])
 
 
 def test_nibbles_hold_elements_j_and_j_plus_16():
