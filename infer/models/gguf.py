@@ -288,6 +288,21 @@ def check_loadable(model: GGUFModel) -> None:
                 f"{model.name}: tensor {t.name!r} is {t.type_name} with shape {list(t.shape)}: infer keeps "
                 "only matrices quantized"
             )
+    _check_fused_types(model)
+
+
+def _check_fused_types(model: GGUFModel) -> None:
+    """q/k/v and gate/up run as one fused layer each (the models' packed_modules): of one type."""
+    for i in range(int(model.get("block_count", 0) or 0)):
+        for names in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")):
+            found = [t for n in names if (t := model.tensors.get(f"blk.{i}.{n}.weight")) is not None]
+            kinds = {t.type_name for t in found}
+            if len(kinds) > 1 and kinds & set(QUANTIZED):
+                held = ", ".join(f"{t.name} is {t.type_name}" for t in found)
+                raise ValueError(
+                    f"{model.name}: {held}: infer runs {' / '.join(names)} as one layer, of one type; "
+                    "requantize the file with one type for them"
+                )
 
 
 def hf_config(model: GGUFModel) -> dict[str, Any]:

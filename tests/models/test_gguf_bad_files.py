@@ -129,6 +129,27 @@ def test_a_quantized_vector_is_refused_naming_it(tmp_path):
     )
 
 
+def test_fused_projections_of_different_types_are_refused(tmp_path):
+    """q/k/v run as one layer: Q4_0 q with Q8_0 v has no one kernel (nor an exact shared format)."""
+    writer = GGUFWriter(tmp_path / "mix.gguf", "llama")
+    for key, value in [("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 128),
+                       ("attention.head_count", 4)]:  # fmt: skip
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_tensor("token_embd.weight", np.ones((16, 64), dtype=np.float32))
+    for name, kind, size in [("attn_q", "Q4_0", 18), ("attn_k", "Q4_0", 18), ("attn_v", "Q8_0", 34)]:
+        codes = np.zeros((64, 2 * size), dtype=np.uint8)
+        writer.add_tensor(f"blk.0.{name}.weight", codes, raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    refused(
+        tmp_path / "mix.gguf",
+        r"blk.0.attn_q.weight is Q4_0, blk.0.attn_k.weight is Q4_0, blk.0.attn_v.weight is Q8_0: infer runs "
+        r"attn_q / attn_k / attn_v as one layer, of one type",
+    )
+
+
 def test_folder_with_two_models_asks_for_the_file(tmp_path):
     write_gguf(tmp_path / "a.gguf")
     write_gguf(tmp_path / "b.gguf")
