@@ -27,7 +27,7 @@
 //   int4   [N / 16][K / 4][32 bytes] uint8, codes 0..15: two chunks (pairs 2i, 2i + 1) share 32 bytes,
 //          byte j holding code j of the first (low nibble) and of the second (high nibble)
 //   scales float32 [K / group][N] (inputs-major, so that 16 channels are one load); offsets alike,
-//          = -zero * scale, or absent
+//          = the weight at code 0 (-zero * scale, or a group's min), or absent
 // Requires N a multiple of 16, K and the group size multiples of 32; the caller checks.
 
 #include <ATen/Parallel.h>
