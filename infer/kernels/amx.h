@@ -32,14 +32,16 @@ inline bool permitted() {
 
 // The linears' layout (small_linear.cpp, quant_linear.cpp): C tiles 0-3 (two blocks of up to 16 rows x
 // two of 16 channels), A tiles 4-5 (the two row blocks), B tiles 6-7 (the two channel blocks), 64 bytes
-// a row each; for `rows` (1-32) rows of x
-inline TileConfig rows_config(int64_t rows) {
+// a row each; for `rows` (1-32) rows of x. `depth_bytes` < 64 makes the tiles shallower: A rows of that
+// many bytes, B tiles of depth_bytes / 4 rows (int8 groups of 32: one group a tile product)
+inline TileConfig rows_config(int64_t rows, int depth_bytes = 64) {
   const uint8_t r0 = std::min<int64_t>(16, rows), r1 = std::max<int64_t>(1, std::min<int64_t>(16, rows - 16));
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  cfg.colsb[4] = cfg.colsb[5] = depth_bytes;
   cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = r0;
   cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = r1;
-  cfg.rows[6] = cfg.rows[7] = 16;
+  cfg.rows[6] = cfg.rows[7] = depth_bytes / 4;
   return cfg;
 }
 

@@ -12,7 +12,7 @@
 //   batch (M > 4), the default: x rounded to int8 per row, vpdpbusd on 4-input quads of the same
 //       codes (run_a8, below: 2.6x the multiply-add rate of vdpbf16ps here)
 //   with AMX (Sapphire Rapids), int8 activations at every row count (int4: from 2 rows): the same int8
-//       sums on the tiles (run_amx_a8, below; K and the group size multiples of 64), the codes
+//       sums on the tiles (run_amx_a8, below; 64 inputs a tile product, 32 for groups of 32), the codes
 //       rearranged into B tiles as they are read
 //   batch with bf16 activations (INFER_INT8_ACTIVATIONS=0, or no VNNI): per tile of 2 blocks, per
 //       block of 512 inputs: the codes converted once into a 32 KB buffer (L1) -> for each 12 rows of
@@ -27,7 +27,7 @@
 //   int4   [N / 16][K / 4][32 bytes] uint8, codes 0..15: two chunks (pairs 2i, 2i + 1) share 32 bytes,
 //          byte j holding code j of the first (low nibble) and of the second (high nibble)
 //   scales float32 [K / group][N] (inputs-major, so that 16 channels are one load); offsets alike,
-//          = -zero * scale, or absent
+//          = the weight at code 0 (-zero * scale, or a group's min), or absent
 // Requires N a multiple of 16, K and the group size multiples of 32; the caller checks.
 
 #include <ATen/Parallel.h>
@@ -530,8 +530,12 @@ void run_a8(const Problem& P) {
 constexpr int64_t kAmxRows = 32;
 constexpr int64_t kAmxBlockBytes = 1 << 20;
 
-// B tiles of blocks b0..b0+NB for inputs [k0, k1) (kStream: k1 = k0 + 64) into w, block b's at
-// w + b * (k1 - k0) * 16: the codes' quads as quad_codes gives them, 64 inputs a tile
+// inputs a tile product covers: 64 (a full tile), or 32 where groups of 32 (llama.cpp's blocks) each need
+// their own sums
+inline int64_t amx_depth(const Problem& P) { return P.group % 64 == 0 ? 64 : 32; }
+
+// B tiles of blocks b0..b0+NB for inputs [k0, k1) (kStream: k1 = k0 + the tile depth) into w, block b's at
+// w + b * (k1 - k0) * 16: the codes' quads as quad_codes gives them, 64 (or 32) inputs a tile
 template <int BITS, int NB>
 inline void b_tiles(const Problem& P, int64_t b0, int64_t k0, int64_t k1, int8_t* w) {
   const int64_t chunk_bytes = BITS == 8 ? 64 : 32;  // a quad's codes in the weight
@@ -545,12 +549,12 @@ inline void b_tiles(const Problem& P, int64_t b0, int64_t k0, int64_t k1, int8_t
 }
 
 // rows m0..m0+32 x blocks b0..b0+NB; tiles: the caller's `rows_config`. w: the blocks' B tiles for all
-// of K, or with kStream a 2 KB buffer that each 64 inputs' tiles pass through (one pass of rows: the
-// codes go from memory to L1 to the tiles)
+// of K, or with kStream a 2 KB buffer that the tiles of each 64 (or 32) inputs pass through (one pass of
+// rows: the codes go from memory to L1 to the tiles)
 template <int BITS, int NB, bool kStream>
 void amx_tile_a8(const Problem& P, const Activations& A, int8_t* w, int64_t b0, int64_t m0) {
   const int64_t r0 = std::min<int64_t>(16, P.M - m0), r1 = std::min<int64_t>(16, P.M - m0 - r0);
-  const int64_t groups = P.K / P.group;
+  const int64_t groups = P.K / P.group, depth = amx_depth(P);
   const int8_t* x0 = reinterpret_cast<const int8_t*>(A.q.data()) + m0 * P.K;
   const int8_t* x1 = x0 + 16 * P.K;
   alignas(64) int32_t sums[32][32];
@@ -560,10 +564,10 @@ void amx_tile_a8(const Problem& P, const Activations& A, int8_t* w, int64_t b0, 
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t k = g * P.group; k < (g + 1) * P.group; k += 64) {
+    for (int64_t k = g * P.group; k < (g + 1) * P.group; k += depth) {
       const int8_t* w0 = kStream ? w : w + k * 16;
-      const int8_t* w1 = kStream ? w + 1024 : w + (P.K + k) * 16;  // the second block's tile
-      if constexpr (kStream) b_tiles<BITS, NB>(P, b0, k, k + 64, w);
+      const int8_t* w1 = kStream ? w + depth * 16 : w + (P.K + k) * 16;  // the second block's tile
+      if constexpr (kStream) b_tiles<BITS, NB>(P, b0, k, k + depth, w);
       _tile_loadd(6, w0, 64);
       if (NB == 2) _tile_loadd(7, w1, 64);
       _tile_loadd(4, x0 + k, P.K);
@@ -628,8 +632,8 @@ void run_amx_a8(const Problem& P) {
   for (int64_t m0 = 0; m0 < P.M; m0 += block_rows) {
     const int64_t m1 = std::min(P.M, m0 + block_rows);
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      const infer_amx::TileConfig full = infer_amx::rows_config(kAmxRows);
-      const infer_amx::TileConfig tail = infer_amx::rows_config((m1 - m0) % kAmxRows);
+      const infer_amx::TileConfig full = infer_amx::rows_config(kAmxRows, amx_depth(P));
+      const infer_amx::TileConfig tail = infer_amx::rows_config((m1 - m0) % kAmxRows, amx_depth(P));
       const infer_amx::TileConfig* loaded = nullptr;
       std::vector<__m512i> buf(P.K / 2);  // two blocks' B tiles: K x 32 bytes
       int8_t* w = reinterpret_cast<int8_t*>(buf.data());
@@ -714,7 +718,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
 #if defined(__AVX512VNNI__)
 #if defined(INFER_AMX) && defined(__AMX_INT8__)
   // the caller asks for int8 activations at every row count here (int4: from 2 rows; infer/quant/linear.py)
-  if (int8_activations && M > 0 && K % 64 == 0 && group_size % 64 == 0 && infer_amx::permitted())
+  if (int8_activations && M > 0 && infer_amx::permitted())
     return run_amx_a8(P), y;
 #endif
   if (int8_activations && M > kDecode) return run_a8(P), y;

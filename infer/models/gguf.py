@@ -10,8 +10,11 @@ dict for `ModelConfig.from_hf` and the tensors under Hugging Face's names, so on
     model-00001-of-00003.gguf          the first of split files; the others are found beside it
     folder/                            a folder holding one .gguf (or one set of splits)
 
-Unquantized tensors (F32, F16, BF16) load as `--dtype` says; every other type is refused, naming the
-tensor and its type, before the model is allocated.
+Unquantized tensors (F32, F16, BF16) load as `--dtype` says. Matrices in Q8_0, Q4_0 or Q4_1 stay
+quantized (infer.quant.gguf_blocks: int8 / int4 codes in groups of 32, run by the quantized linears;
+a quantized token embedding keeps its codes too, its rows dequantized as they are looked up, and a
+head tied to it gets them as well). Every other type is refused, naming the tensor and its type, before
+the model is allocated.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import numpy as np
 import torch
 
 from infer.models.config import ModelConfig
+from infer.quant.gguf_blocks import BITS, BLOCK_BYTES, unpack_blocks
+from infer.quant.weights import QuantizedWeight
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -54,6 +59,9 @@ EOG_TEXTS = {
     "<|end_of_text|>",
 }
 UNQUANTIZED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+QUANTIZED = tuple(BLOCK_BYTES)  # Q8_0, Q4_0, Q4_1: kept quantized
+EMBEDDING = "token_embd.weight"
+BACKEND_NAMES = {"infer": "infer kernel", "torch": "torch kernel", "dequant": "dequantized: no kernel here"}
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # blk.N.<llama.cpp name> -> model.layers.N.<Hugging Face name>
@@ -143,6 +151,10 @@ class GGUFModel:
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+    def quantized(self) -> bool:
+        """Whether any tensor is in a quantized block type (which loads as such)."""
+        return any(t.type_name in QUANTIZED for t in self.tensors.values())
 
     def type_counts(self) -> dict[str, int]:
         return dict(Counter(t.type_name for t in self.tensors.values()).most_common())
@@ -249,24 +261,48 @@ def _check_overlaps(file: str, reader) -> None:
 
 
 def check_loadable(model: GGUFModel) -> None:
-    """ValueError unless the architecture is one we build and every tensor is F32/F16/BF16."""
+    """ValueError unless the architecture is one we build and every tensor is F32/F16/BF16, or a matrix
+    in Q8_0/Q4_0/Q4_1."""
     arch = model.architecture
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"{model.name}: GGUF architecture {arch!r} is not supported; "
             f"supported: {', '.join(sorted(ARCHITECTURES))}"
         )
-    quantized = [t for t in model.tensors.values() if t.type_name not in UNQUANTIZED]
-    if quantized:
-        first = quantized[0]
-        counts = Counter(t.type_name for t in quantized)
+    refused = [t for t in model.tensors.values() if t.type_name not in (*UNQUANTIZED, *QUANTIZED)]
+    if refused:
+        first = refused[0]
+        counts = Counter(t.type_name for t in refused)
         kinds = ", ".join(f"{n} {k}" for k, n in counts.most_common())
         raise ValueError(
             f"{model.name}: tensor {first.name!r} is {first.type_name}, a quantized type infer cannot "
-            f"run yet ({kinds} tensors in all); GGUF files load with F32, F16 or BF16 tensors only: "
-            "convert the model with `--outtype bf16` (llama.cpp's convert_hf_to_gguf.py), or serve its "
-            "Hugging Face folder with --quantization int8 / int4"
+            f"run yet ({kinds} tensors in all); infer runs F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors "
+            "(K-quants such as Q4_K, Q5_K, Q6_K are not read yet): requantize the file to Q8_0 or Q4_0 "
+            "(llama-quantize --allow-requantize), convert the model with `--outtype q8_0` or `bf16` "
+            "(llama.cpp's convert_hf_to_gguf.py), or serve its Hugging Face folder with --quantization "
+            "int8 / int4"
         )
+    for t in model.tensors.values():
+        if t.type_name in QUANTIZED and len(t.shape) != 2:
+            raise ValueError(
+                f"{model.name}: tensor {t.name!r} is {t.type_name} with shape {list(t.shape)}: infer keeps "
+                "only matrices quantized"
+            )
+    _check_fused_types(model)
+
+
+def _check_fused_types(model: GGUFModel) -> None:
+    """q/k/v and gate/up run as one fused layer each (the models' packed_modules): of one type."""
+    for i in range(int(model.get("block_count", 0) or 0)):
+        for names in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")):
+            found = [t for n in names if (t := model.tensors.get(f"blk.{i}.{n}.weight")) is not None]
+            kinds = {t.type_name for t in found}
+            if len(kinds) > 1 and kinds & set(QUANTIZED):
+                held = ", ".join(f"{t.name} is {t.type_name}" for t in found)
+                raise ValueError(
+                    f"{model.name}: {held}: infer runs {' / '.join(names)} as one layer, of one type; "
+                    "requantize the file with one type for them"
+                )
 
 
 def hf_config(model: GGUFModel) -> dict[str, Any]:
@@ -380,6 +416,8 @@ def rope_freq_factors(model: GGUFModel) -> tuple[float, ...] | None:
 
 def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
     """(Hugging Face name, tensor) for every weight of the file, memory-mapped where nothing changes.
+    Q8_0/Q4_0/Q4_1 matrices come as `QuantizedWeight`s (their codes, never widened); a head tied to a
+    quantized token embedding comes as lm_head.weight with the embedding's codes.
 
     Undoes what llama.cpp's converter did to the tensors: for llama, the rows of q and k are permuted
     (LlamaModel.permute) for llama.cpp's rope; for Gemma 3, 1 was added to every norm weight.
@@ -392,12 +430,57 @@ def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
         hf_name = _hf_name(name, layer_names)
         if hf_name is None:
             raise ValueError(f"{model.name}: unexpected tensor {name!r} for architecture {arch!r}")
+        heads = num_heads if ".attn_q." in name else num_kv_heads
+        permuted = arch == "llama" and (".attn_q." in name or ".attn_k." in name)
+        if tensor.type_name in QUANTIZED:
+            weight = _quantized(model, tensor)
+            if permuted:
+                weight = weight.rows(_unpermute(torch.arange(weight.shape[0]), heads))
+            if name == EMBEDDING and "output.weight" not in model.tensors:  # the tied head
+                yield GLOBAL_TENSORS["output.weight"], weight
+            yield hf_name, weight
+            continue
         data = tensor.to_torch()
-        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-            data = _unpermute(data, num_heads if ".attn_q." in name else num_kv_heads)
+        if permuted:
+            data = _unpermute(data, heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data - 1.0
         yield hf_name, data
+
+
+def tensor_paths(model: GGUFModel, layers: dict[str, dict[str, str]], dtype: torch.dtype) -> dict:
+    """What became of each tensor type of a GGUF file, for the start-up log and /server_info, e.g.
+    {"Q8_0": "int8 in groups of 32: 9 linear layers (infer kernel x9); token_embd.weight as int8 in groups
+    of 32, rows dequantized to bfloat16 as looked up", "F32": "bfloat16 (--dtype)"}. `layers`: block type ->
+    {module path: backend} of the quantized linears made from it."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    embedding = model.tensors.get(EMBEDDING)
+    paths = {}
+    for kind in model.type_counts():
+        if kind in UNQUANTIZED:
+            paths[kind] = f"{dtype_name} (--dtype)"
+            continue
+        parts = []
+        if kind in layers:
+            backends = Counter(layers[kind].values())
+            runs = ", ".join(f"{BACKEND_NAMES[b]} x{n}" for b, n in backends.most_common())
+            bits = BITS[kind]
+            count = len(layers[kind])
+            parts.append(f"int{bits} in groups of 32: {count} linear layer{'s' * (count != 1)} ({runs})")
+        if embedding is not None and embedding.type_name == kind:
+            bits = BITS[kind]
+            parts.append(
+                f"{EMBEDDING} as int{bits} in groups of 32, rows dequantized to {dtype_name} as looked up"
+            )
+        paths[kind] = "; ".join(parts)
+    return paths
+
+
+def _quantized(model: GGUFModel, tensor: GGUFTensor) -> QuantizedWeight:
+    try:
+        return unpack_blocks(tensor.type_name, tensor.data, tensor.shape)
+    except ValueError as e:
+        raise ValueError(f"{model.name}: tensor {tensor.name!r}: {e}") from e
 
 
 def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:

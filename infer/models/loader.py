@@ -7,6 +7,7 @@ parallelism each rank reads only its slice of each tensor (LazyTensor), as the m
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -22,8 +23,12 @@ from infer.models import gguf
 from infer.models.config import ModelConfig
 from infer.models.dtypes import to_torch_dtype
 from infer.models.registry import model_class
+from infer.quant.embedding import QuantizedEmbedding
 from infer.quant.formats import CheckpointQuant, parse_quantization_config, quantized_linear_prefix
-from infer.quant.linear import quantize_model, summarize, swap_quantized
+from infer.quant.formats import unpack as unpack_checkpoint
+from infer.quant.gguf_blocks import block_type
+from infer.quant.linear import linear_target, quantize_model, summarize, swap_quantized
+from infer.quant.weights import QuantizedWeight
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED_MODEL = ASSETS / "embedded"
@@ -140,30 +145,36 @@ def load_model(
         if hasattr(module, "init_buffers"):
             module.init_buffers()
     quant = None if load_format == "dummy" else parse_quantization_config(hf_config)
+    if gguf_model is not None and gguf_model.quantized() and load_format != "dummy":
+        quant = "gguf"  # its Q8_0 / Q4_0 / Q4_1 matrices
     if quant is not None and quantization != "none":
         raise ValueError(
-            f"{path.name} is already quantized ({quant.method}): drop --quantization {quantization}"
+            f"{path.name} is already quantized ({_method(quant)}): drop --quantization {quantization}"
         )
     if quant is not None and tp.size > 1:
         raise ValueError(
-            f"{path.name} is pre-quantized ({quant.method}): tensor parallelism loads bf16/fp32 checkpoints "
-            "only (--quantization int8/int4 quantizes each rank's shard at load)"
+            f"{path.name} is pre-quantized ({_method(quant)}): tensor parallelism loads bf16/fp32 "
+            "checkpoints only (--quantization int8/int4 quantizes each rank's shard at load)"
         )
-    swapped = {}
+    swapped, paths = {}, {}
     if load_format == "dummy":
         init_dummy_weights(net, seed)
     elif gguf_model is not None:
-        tensors = gguf.hf_tensors(gguf_model, cfg.num_heads, cfg.num_kv_heads)
-        held = ((name, LazyTensor(HeldTensor(t))) for name, t in tensors)
-        check_complete(net, copy_weights(net, held, path.name, tp), path.name)
+        swapped, paths = load_gguf_weights(net, gguf_model, cfg, torch_dtype, tp)
     else:
         swapped = load_weights(net, path, quant, tp)
     net = net.eval().requires_grad_(False)
-    net.gguf = gguf_model.summary() if gguf_model is not None else None
+    net.gguf = None
+    if gguf_model is not None:
+        net.gguf = gguf_model.summary() | {"paths": paths}
     net.quantization = summarize(quant, swapped) if quant else quantize_model(net, quantization)
     if prepack and can_prepack(torch_dtype):
         prepack_linears(net)
     return net, cfg, path
+
+
+def _method(quant) -> str:
+    return quant if isinstance(quant, str) else quant.method
 
 
 def check_model_files(model: str | None, load_format: str = "auto") -> None:
@@ -225,9 +236,60 @@ def load_weights(
                         yield ckpt_name, LazyTensor(f.get_slice(ckpt_name))
 
     loaded = copy_weights(net, tensors(), path.name, tp)
-    swapped = swap_quantized(net, quant, pending, packed) if pending else {}
+    unpack = {prefix: functools.partial(unpack_checkpoint, quant, prefix, t) for prefix, t in pending.items()}
+    swapped = swap_quantized(net, unpack, packed) if pending else {}
     check_complete(net, loaded | {f"{prefix}.weight" for prefix in pending}, path.name)
     return swapped
+
+
+@torch.no_grad()
+def load_gguf_weights(
+    net: nn.Module, model: gguf.GGUFModel, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel
+) -> tuple[dict, dict[str, str]]:
+    """Copy a GGUF file's tensors into `net` (this rank's slices); its quantized matrices swap their
+    linears for QuantizedLinear layers of the file's codes. Returns what was swapped (swap_quantized) and
+    what became of each tensor type (gguf.tensor_paths)."""
+    quantized: dict[str, QuantizedWeight] = {}  # linear prefix -> its weight
+
+    def tensors():
+        for name, t in gguf.hf_tensors(model, cfg.num_heads, cfg.num_kv_heads):
+            if isinstance(t, QuantizedWeight):
+                quantized[name.removesuffix(".weight")] = t
+            else:
+                yield name, LazyTensor(HeldTensor(t))
+
+    loaded = copy_weights(net, tensors(), model.name, tp)
+    embedding = quantized.pop(gguf.GLOBAL_TENSORS[gguf.EMBEDDING].removesuffix(".weight"), None)
+    if embedding is not None:
+        _swap_embedding(net, embedding, dtype)
+        loaded.add(gguf.GLOBAL_TENSORS[gguf.EMBEDDING])
+    unpack = {prefix: functools.partial(_shaped, model.name, prefix, w) for prefix, w in quantized.items()}
+    packed = _packed_shards(net)
+    swapped = swap_quantized(net, unpack, packed) if quantized else {}
+    check_complete(net, loaded | {f"{prefix}.weight" for prefix in quantized}, model.name)
+    layers: dict[str, dict[str, str]] = {}  # block type -> {module path: backend}
+    for prefix, weight in quantized.items():
+        target, _ = linear_target(net, prefix, packed)
+        layers.setdefault(block_type(weight), {})[target] = swapped[target].backend
+    return swapped, gguf.tensor_paths(model, layers, dtype)
+
+
+def _swap_embedding(net: nn.Module, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+    """The model's embedding replaced by one that keeps `weight`'s codes (infer.quant.embedding)."""
+    old = net.input_embeddings()
+    if tuple(weight.shape) != (old.num_embeddings, old.embedding_dim):
+        expected = [old.num_embeddings, old.embedding_dim]
+        raise ValueError(f"token_embd.weight is {list(weight.shape)}, the model expects {expected}")
+    path = next(name for name, module in net.named_modules() if module is old)
+    parent, _, child = path.rpartition(".")
+    setattr(net.get_submodule(parent) if parent else net, child, QuantizedEmbedding(weight, dtype))
+
+
+def _shaped(source: str, prefix: str, weight: QuantizedWeight, shape: tuple[int, int]) -> QuantizedWeight:
+    if tuple(weight.shape) != tuple(shape):
+        expected = list(shape)
+        raise ValueError(f"{source}: {prefix}.weight is {list(weight.shape)}, the model expects {expected}")
+    return weight
 
 
 def _packed_shards(net: nn.Module) -> dict[str, tuple[str, int]]:

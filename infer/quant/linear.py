@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -73,11 +74,11 @@ class QuantizedLinear(nn.Module):
 
     def _pack_kernel(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self._ops = kernels.bf16_ops()
-        self._decode_rows = decode_rows(self._ops, w.bits)
-        q, zeros = _unsigned_int4(w) if w.bits == 4 else (w.q, w.zeros)
+        self._decode_rows = decode_rows(self._ops, w.bits, w.group_size)
+        q, offsets = _unsigned_int4(w) if w.bits == 4 else (w.q, w.offsets())
         self.register_buffer("qweight", pack_kernel(q, w.bits), persistent=False)
         self.register_buffer("scales", w.scales.t().contiguous(), persistent=False)  # [groups, out]
-        offsets = None if zeros is None else (-zeros * w.scales).t().contiguous()
+        offsets = None if offsets is None else offsets.t().contiguous()  # [groups, out]: weight at code 0
         self.register_buffer("offsets", offsets, persistent=False)
         # int8 weights with int8 activations take back 128 x each group's sum of codes (kernel comment)
         groups = q.view(self.out_features, -1, w.group_size)
@@ -89,10 +90,10 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("qweight", w.q.contiguous(), persistent=False)
             self.register_buffer("scales", w.scales.view(-1).to(dtype), persistent=False)
             return
-        q, zeros = _unsigned_int4(w)
+        q, offsets = _unsigned_int4(w)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        # torch's int4 dequantization is (code - 8) * scale + zero: zero = (8 - our zero) * scale
-        scales_and_zeros = torch.stack([w.scales, (8 - zeros) * w.scales], -1)  # [out, groups, 2]
+        # torch's int4 dequantization is (code - 8) * scale + zero: zero = our weight at code 8
+        scales_and_zeros = torch.stack([w.scales, offsets + 8 * w.scales], -1)  # [out, groups, 2]
         self.register_buffer("qweight", packed, persistent=False)
         self.register_buffer(
             "scales", scales_and_zeros.transpose(0, 1).contiguous().to(dtype), persistent=False
@@ -134,7 +135,7 @@ class QuantizedLinear(nn.Module):
 
 
 @functools.cache
-def decode_rows(ops, bits: int) -> int:
+def decode_rows(ops, bits: int, group_size: int) -> int:
     """The most rows a step of the kernel takes with bf16 activations (above them, int8: see DECODE_ROWS)."""
     if "+amx" in ops.isa():
         return 0 if bits == 8 else 1
@@ -142,11 +143,11 @@ def decode_rows(ops, bits: int) -> int:
 
 
 def _unsigned_int4(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 codes as both kernels store them, 0..15 with a zero point: symmetric codes -8..7 shift to
-    0..15 around a zero of 8 (the same weights)."""
-    if w.zeros is None:
-        return w.q + 8, torch.full_like(w.scales, 8.0)
-    return w.q, w.zeros
+    """int4 codes as both kernels store them, 0..15, and each group's weight at code 0: symmetric codes
+    -8..7 shift to 0..15 with -8 * scale at code 0 (the same weights)."""
+    if w.zeros is None and w.mins is None:
+        return w.q + 8, -8 * w.scales
+    return w.q, w.offsets()
 
 
 def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
@@ -156,7 +157,7 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
     kernel_shape = out_features % 16 == 0 and in_features % 32 == 0 and w.group_size % 32 == 0
     if dtype == torch.bfloat16 and kernel_shape and kernels.bf16_ops() is not None:
         found.append("infer")
-    if w.bits == 8 and w.zeros is None and w.group_size == in_features:
+    if w.bits == 8 and w.zeros is None and w.mins is None and w.group_size == in_features:
         found.append("torch")
     if w.bits == 4 and w.group_size in (32, 64, 128, 256):
         found.append("torch")
@@ -213,34 +214,18 @@ def _group_for(in_features: int, group_size: int) -> int:
     return in_features
 
 
-def swap_quantized(net: nn.Module, quant, pending: dict[str, dict[str, torch.Tensor]], packed: dict) -> dict:
-    """The quantized linears of a pre-quantized checkpoint: `pending` holds each one's tensors (by the
-    checkpoint's linear prefix and leaf), `packed` maps a checkpoint projection to (fused module, shard).
-    Unpacks each (infer.quant.formats), joins the shards of fused projections (q/k/v, gate/up) and swaps
-    the module for a QuantizedLinear. Returns {module path: QuantizedLinear}."""
-    from infer.quant.formats import unpack
-
+def swap_quantized(net: nn.Module, pending: dict[str, Callable[..., QuantizedWeight]], packed: dict) -> dict:
+    """The quantized linears of a pre-quantized checkpoint or GGUF file: `pending` maps each one's
+    checkpoint prefix to a function of the (out, in) shape the model expects that returns its weight
+    (unpacked and checked against that shape), `packed` maps a checkpoint projection to (fused module,
+    shard). Joins the shards of fused projections (q/k/v, gate/up) and swaps the module for a
+    QuantizedLinear. Returns {module path: QuantizedLinear}."""
     shards: dict[str, dict[int, QuantizedWeight]] = {}
-    for prefix, tensors in pending.items():
-        probe = torch.empty(0)
-        remapped = net.remap_weight(f"{prefix}.weight", probe)
-        if remapped is None or remapped[1] is not probe:
-            raise ValueError(f"{prefix}: quantized weights are not supported for {net.config.architecture}")
-        module_path = remapped[0].removesuffix(".weight")
-        parent, _, child = module_path.rpartition(".")
-        target, shard = (
-            (f"{parent}.{packed[child][0]}" if parent else packed[child][0], packed[child][1])
-            if (child in packed)
-            else (module_path, 0)
-        )
-        try:
-            module = net.get_submodule(target)
-        except AttributeError:
-            raise ValueError(f"{prefix}: quantized weights for a layer the model does not have") from None
-        out_features = module.output_sizes[shard] if child in packed else module.out_features
-        shards.setdefault(target, {})[shard] = unpack(
-            quant, prefix, tensors, (out_features, module.in_features)
-        )
+    for prefix, unpack in pending.items():
+        target, shard = linear_target(net, prefix, packed)
+        module = net.get_submodule(target)
+        out_features = module.out_features if shard is None else module.output_sizes[shard]
+        shards.setdefault(target, {})[shard or 0] = unpack((out_features, module.in_features))
     swapped = {}
     for target, parts in shards.items():
         module = net.get_submodule(target)
@@ -249,12 +234,36 @@ def swap_quantized(net: nn.Module, quant, pending: dict[str, dict[str, torch.Ten
             raise ValueError(
                 f"{target}: only {len(parts)} of its {len(sizes)} fused projections are quantized"
             )
-        weight = concat([parts[i] for i in range(len(parts))])
+        try:
+            weight = concat([parts[i] for i in range(len(parts))])
+        except ValueError as e:
+            raise ValueError(f"{target}: {e}") from None
         new = QuantizedLinear(weight, module.bias, module.weight.dtype, sizes)
         parent, _, child = target.rpartition(".")
         setattr(net.get_submodule(parent) if parent else net, child, new)
         swapped[target] = new
     return swapped
+
+
+def linear_target(net: nn.Module, prefix: str, packed: dict) -> tuple[str, int | None]:
+    """(module path, shard) of the linear a checkpoint's `prefix` loads into: q_proj -> (qkv_proj, 0),
+    o_proj -> (o_proj, None)."""
+    probe = torch.empty(0)
+    remapped = net.remap_weight(f"{prefix}.weight", probe)
+    if remapped is None or remapped[1] is not probe:
+        raise ValueError(f"{prefix}: quantized weights are not supported for {net.config.architecture}")
+    module_path = remapped[0].removesuffix(".weight")
+    parent, _, child = module_path.rpartition(".")
+    target, shard = (
+        (f"{parent}.{packed[child][0]}" if parent else packed[child][0], packed[child][1])
+        if (child in packed)
+        else (module_path, None)
+    )
+    try:
+        net.get_submodule(target)
+    except AttributeError:
+        raise ValueError(f"{prefix}: quantized weights for a layer the model does not have") from None
+    return target, shard
 
 
 def summarize(method, swapped: dict[str, QuantizedLinear]) -> dict:

@@ -5,13 +5,17 @@ A checkpoint format (AWQ, GPTQ, compressed-tensors: infer/quant/formats.py) or o
 infer/quant/linear.py repacks it once into the layout of the kernel that will run it.
 
     weight[n, k] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size]
+    weight[n, k] = q[n, k] * scales[n, k // group_size] + mins[n, k // group_size]     (with mins)
 
-    q       int8 [out, in]          integer codes: 0 .. 2^bits - 1 with zeros, or signed
+    q       int8 [out, in]          integer codes: 0 .. 2^bits - 1 with zeros or mins, or signed
                                     -2^(bits-1) .. 2^(bits-1) - 1 without (symmetric)
     scales  float32 [out, in / group_size]
     zeros   float32 [out, in / group_size] of integers, or None (symmetric: zero is 0)
+    mins    float32 [out, in / group_size], or None: the weight at code 0, any float (llama.cpp's
+            Q4_1 stores it as such; -zero * scale would not reproduce it bit for bit)
 
-Per output channel is the case group_size == in (one group per row).
+Per output channel is the case group_size == in (one group per row). The kernels only ever see the
+offset of each group, the weight at code 0: -zeros * scales, or mins (`offsets`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class QuantizedWeight:
     zeros: torch.Tensor | None
     bits: int
     group_size: int
+    mins: torch.Tensor | None = None
 
     def __post_init__(self):
         out_features, in_features = self.q.shape
@@ -38,7 +43,9 @@ class QuantizedWeight:
         if self.group_size <= 0 or in_features % self.group_size:
             raise ValueError(f"group size {self.group_size} does not divide the input size {in_features}")
         groups = (out_features, in_features // self.group_size)
-        for name in ("scales", "zeros"):
+        if self.zeros is not None and self.mins is not None:
+            raise ValueError("a weight has zero points or mins, not both")
+        for name in ("scales", "zeros", "mins"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != groups:
                 raise ValueError(f"{name}: expected shape {groups}, got {tuple(t.shape)}")
@@ -54,24 +61,43 @@ class QuantizedWeight:
         codes = self.q.float().view(out_features, -1, self.group_size)  # [out, groups, group_size]
         if self.zeros is not None:
             codes = codes - self.zeros[..., None]
-        return (codes * self.scales[..., None]).view(out_features, in_features).to(dtype)
+        weight = codes * self.scales[..., None]
+        if self.mins is not None:
+            weight = weight + self.mins[..., None]
+        return weight.view(out_features, in_features).to(dtype)
+
+    def offsets(self) -> torch.Tensor | None:
+        """The weight at code 0 of each group, [out, groups]: -zeros * scales, mins, or None (symmetric)."""
+        if self.mins is not None:
+            return self.mins
+        return None if self.zeros is None else -self.zeros * self.scales
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The weight with its output rows reordered (or selected) by `index`."""
+        q, scales, zeros, mins = (
+            None if t is None else t[index].contiguous() for t in (self.q, self.scales, self.zeros, self.mins)
+        )
+        return QuantizedWeight(q, scales, zeros, self.bits, self.group_size, mins)
 
 
 def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack weights along the output dimension (q/k/v into one merged projection)."""
     first = parts[0]
-    if any(
-        (p.bits, p.group_size, p.zeros is None) != (first.bits, first.group_size, first.zeros is None)
-        for p in parts
-    ):
+
+    def scheme(p: QuantizedWeight):
+        return p.bits, p.group_size, p.zeros is None, p.mins is None
+
+    if any(scheme(p) != scheme(first) for p in parts):
         raise ValueError("merged projections must share bits, group size and zero-point scheme")
     zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
     return QuantizedWeight(
         torch.cat([p.q for p in parts]),
         torch.cat([p.scales for p in parts]),
         zeros,
         first.bits,
         first.group_size,
+        mins,
     )
 
 

@@ -114,6 +114,8 @@ def log_config(args: ServerArgs, state: ServerState) -> None:
             types,
             gguf["tensor_mib"],
         )
+        for kind, path in gguf["paths"].items():
+            logger.info("GGUF %s tensors: %s", kind, path)
     logger.info("allocator: %s", tcmalloc.allocator())
     if args.cuda_graphs:
         logger.warning("--cuda-graphs: the engine has no GPU path yet; the flag has no effect")

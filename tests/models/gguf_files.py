@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,3 +65,37 @@ def convert(jobs: list[dict]) -> None:
         [sys.executable, "-c", DRIVER, str(root), json.dumps(jobs)], capture_output=True, text=True, env=env
     )
     assert result.returncode == 0, f"convert_hf_to_gguf.py failed:\n{result.stderr[-3000:]}"
+
+
+def rewrite(src: Path, dst: Path, encode) -> Path:
+    """A copy of the GGUF file `src` at `dst`, its metadata as it is and each tensor as
+    `encode(name, float32 values in torch order)` says: a GGMLQuantizationType to store it in (quantized
+    by the gguf package, llama.cpp's reference quantizers), or None to keep it as the file holds it.
+    How the tests make Q4_0 / Q4_1 files: llama.cpp's converter writes neither (llama-quantize does)."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
+
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # the writer writes these itself
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub_type)
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        values = quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        qtype = encode(t.name, values)
+        if qtype is None:  # float32 and float16 arrays say their type; others are bytes
+            plain = t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+            writer.add_tensor(t.name, t.data, raw_dtype=None if plain else t.tensor_type)
+        elif qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(t.name, np.ascontiguousarray(values, dtype=np.float32))
+        else:
+            writer.add_tensor(t.name, quants.quantize(values, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

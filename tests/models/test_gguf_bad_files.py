@@ -22,9 +22,9 @@ def write_gguf(path, arch="llama", quantized=False, skip=()):
             writer.add_uint32(f"{arch}.{key}", value)
     writer.add_tensor("token_embd.weight", np.ones((16, 64), dtype=np.float32))
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
-    if quantized:  # blocks of 32 weights: one fp16 scale and 32 int8 codes, 34 bytes
-        codes = np.zeros((64, 2 * 34), dtype=np.uint8)
-        writer.add_tensor("blk.0.attn_q.weight", codes, raw_dtype=GGMLQuantizationType.Q8_0)
+    if quantized:  # a K-quant: Q6_K super-blocks of 256 weights in 210 bytes
+        codes = np.zeros((64, 210), dtype=np.uint8)
+        writer.add_tensor("blk.0.ffn_down.weight", codes, raw_dtype=GGMLQuantizationType.Q6_K)
     writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -102,7 +102,52 @@ def test_missing_hyperparameter(tmp_path):
 
 def test_quantized_tensor_is_refused_naming_it(tmp_path):
     path = write_gguf(tmp_path / "q.gguf", quantized=True)
-    refused(path, r"q.gguf: tensor 'blk.0.attn_q.weight' is Q8_0, a quantized type infer cannot run yet")
+    refused(
+        path,
+        r"q.gguf: tensor 'blk.0.ffn_down.weight' is Q6_K, a quantized type infer cannot run yet \(1 Q6_K "
+        r"tensors in all\); infer runs F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors \(K-quants",
+    )
+
+
+def test_a_quantized_vector_is_refused_naming_it(tmp_path):
+    """Q8_0 runs as matrices only: a norm in Q8_0 is not something llama.cpp writes, nor we read."""
+    writer = GGUFWriter(tmp_path / "v.gguf", "llama")
+    for key, value in [("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 128),
+                       ("attention.head_count", 4)]:  # fmt: skip
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_tensor("token_embd.weight", np.ones((16, 64), dtype=np.float32))
+    writer.add_tensor(
+        "output_norm.weight", np.zeros(2 * 34, dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q8_0
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    refused(
+        tmp_path / "v.gguf",
+        r"tensor 'output_norm.weight' is Q8_0 with shape \[64\]: infer keeps only matrices",
+    )
+
+
+def test_fused_projections_of_different_types_are_refused(tmp_path):
+    """q/k/v run as one layer: Q4_0 q with Q8_0 v has no one kernel (nor an exact shared format)."""
+    writer = GGUFWriter(tmp_path / "mix.gguf", "llama")
+    for key, value in [("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 128),
+                       ("attention.head_count", 4)]:  # fmt: skip
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_tensor("token_embd.weight", np.ones((16, 64), dtype=np.float32))
+    for name, kind, size in [("attn_q", "Q4_0", 18), ("attn_k", "Q4_0", 18), ("attn_v", "Q8_0", 34)]:
+        codes = np.zeros((64, 2 * size), dtype=np.uint8)
+        writer.add_tensor(f"blk.0.{name}.weight", codes, raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    refused(
+        tmp_path / "mix.gguf",
+        r"blk.0.attn_q.weight is Q4_0, blk.0.attn_k.weight is Q4_0, blk.0.attn_v.weight is Q8_0: infer runs "
+        r"attn_q / attn_k / attn_v as one layer, of one type",
+    )
 
 
 def test_folder_with_two_models_asks_for_the_file(tmp_path):
@@ -125,7 +170,7 @@ def test_server_exits_2_with_the_message_and_no_traceback(tmp_path):
         [sys.executable, "-m", "infer", "serve", str(path), "--port", "0"], capture_output=True, text=True
     )
     assert result.returncode == 2
-    assert "tensor 'blk.0.attn_q.weight' is Q8_0" in result.stderr
+    assert "tensor 'blk.0.ffn_down.weight' is Q6_K" in result.stderr
     assert "Traceback" not in result.stderr
 
 

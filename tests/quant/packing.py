@@ -90,13 +90,26 @@ def quantize_asymmetric(
     return QuantizedWeight(q, scales, zeros - shift, bits, group_size)
 
 
+def quantize_with_mins(weight: torch.Tensor, group_size: int) -> QuantizedWeight:
+    """4-bit codes 0..15 from each group's min with a float min, not an integer zero (llama.cpp's Q4_1):
+    weight = q * scale + min."""
+    w, group_size = _grouped(weight, group_size)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-6)
+    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int8)
+    return QuantizedWeight(q.view(weight.shape), scales, None, 4, group_size, mins=lo.contiguous())
+
+
 def quantize_for(
     weight: torch.Tensor,
     bits: int,
     group_size: int | None,
-    symmetric: bool,
+    symmetric: bool | str,
     scale_dtype: torch.dtype = torch.float32,
 ) -> QuantizedWeight:
+    """symmetric: True (no zero point), False (integer zero points) or "mins" (quantize_with_mins)."""
+    if symmetric == "mins":
+        return quantize_with_mins(weight, group_size)
     if symmetric:
         return quantize_symmetric(weight, bits, group_size, scale_dtype)
     return quantize_asymmetric(weight, bits, group_size, scale_dtype)

@@ -20,6 +20,13 @@ from tests.quant.packing import quantize_for, write_quantized_checkpoint
 
 HAS_KERNEL = kernels.bf16_ops() is not None
 SCHEMES = [(8, None, True), (8, 32, False), (8, 64, True), (4, 32, False), (4, 64, True), (4, 128, False)]
+ROWS = [1, 2, 3, 4, 5, 13, 33]
+# llama.cpp's blocks of 32: Q8_0 (int8, one scale), Q4_0 (int4, one scale), Q4_1 (int4, scale and min)
+BLOCKS_OF_32 = [(8, 32, True), (4, 32, True), (4, 32, "mins")]
+# every scheme at every row count, each with both activation paths across the row counts (pairwise)
+BLOCKS_OF_32_CASES = [
+    (*scheme, rows, (i + j) % 2 == 0) for j, scheme in enumerate(BLOCKS_OF_32) for i, rows in enumerate(ROWS)
+]
 
 
 def _reference(x: torch.Tensor, layer_weight, bias) -> torch.Tensor:
@@ -28,13 +35,25 @@ def _reference(x: torch.Tensor, layer_weight, bias) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bits,group,symmetric", SCHEMES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 33])
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("int8_activations", [True, False])
 def test_every_backend_computes_the_dequantized_product(
     bits, group, symmetric, rows, int8_activations, monkeypatch
 ):
     """Every path against x @ dequantized W in float32: exact up to bf16 rounding, and up to the rounding
     of x to 8 bits per row where batches take int8 activations (the kernel's W8A8 path)."""
+    _check_every_backend(bits, group, symmetric, rows, int8_activations, monkeypatch)
+
+
+@pytest.mark.parametrize("bits,group,symmetric,rows,int8_activations", BLOCKS_OF_32_CASES)
+def test_blocks_of_32_compute_the_dequantized_product(
+    bits, group, symmetric, rows, int8_activations, monkeypatch
+):
+    """GGUF's layouts on every path, Q4_1's float min included (the kernel adds it as the group's offset)."""
+    _check_every_backend(bits, group, symmetric, rows, int8_activations, monkeypatch)
+
+
+def _check_every_backend(bits, group, symmetric, rows, int8_activations, monkeypatch) -> None:
     monkeypatch.setattr(quant_linear, "INT8_ACTIVATIONS", int8_activations)
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(80, 256, generator=gen) * 0.05  # 5 blocks of 16 channels: whole and partial tiles
@@ -49,7 +68,8 @@ def test_every_backend_computes_the_dequantized_product(
             try:
                 layer = QuantizedLinear(qw, bias, dtype, backend=backend)
             except ValueError:
-                assert backend == "torch" and (bits == 8) != (group is None and symmetric)  # no torch kernel
+                no_kernel = (bits == 8) != (group is None and symmetric is True)
+                assert backend == "torch" and no_kernel
                 continue
             y = layer(xd.view(rows, 1, 256)).view(rows, 80).float()
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -69,7 +89,7 @@ def _w8a8_reference(x: torch.Tensor, qw) -> torch.Tensor:
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="the kernel needs AVX-512 BF16")
 @pytest.mark.parametrize(
-    "bits,group,symmetric", [(8, None, True), (8, 64, False), (4, 64, True), (4, 128, False)]
+    "bits,group,symmetric", [(8, None, True), (8, 64, False), (4, 64, True), (4, 128, False), *BLOCKS_OF_32]
 )
 def test_int8_activation_paths_round_x_per_row_and_sum_exactly(bits, group, symmetric, monkeypatch):
     """Every step the kernel runs with int8 activations (with AMX on the tiles: int8 weights at every row
@@ -81,7 +101,7 @@ def test_int8_activation_paths_round_x_per_row_and_sum_exactly(bits, group, symm
     w = torch.randn(80, 512, generator=gen) * 0.05
     qw = quantize_for(w, bits, group, symmetric)
     layer = QuantizedLinear(qw, None, torch.bfloat16, backend="infer")
-    first = quant_linear.decode_rows(kernels.bf16_ops(), bits) + 1
+    first = layer._decode_rows + 1
     for rows in (first, first + 1, 13, 33, 70):
         x = torch.randn(rows, 512, generator=gen).bfloat16()
         ref = _w8a8_reference(x, qw)
