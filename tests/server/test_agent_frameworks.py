@@ -144,6 +144,14 @@ def _run_agent(agent_server, extra_body, model_class: str, streamed: bool):
     return asyncio.run(run()), cities, recorder.bodies
 
 
+def _rendered(agent_server, body: dict) -> str:
+    """The prompt the server renders from a chat request's messages and tools."""
+    http = httpx.Client(base_url=agent_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    request = {"model": MODEL, "messages": body["messages"], "tools": body["tools"]}
+    tokens = http.post("/tokenize", json=request).json()["tokens"]
+    return http.post("/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
+
+
 def _assert_one_round_trip(result, cities: list[str]) -> str:
     """One call with arguments the tool parsed, its result, then a final text; returns the call's id."""
     assert len(cities) == 1 and cities[0] in CITIES
@@ -166,6 +174,12 @@ def test_agents_sdk_chat_completions_round_trip(agent_server, extra_body, stream
     assistant, tool = second["messages"][-2:]
     assert assistant["tool_calls"][0]["id"] == call_id
     assert tool == {"role": "tool", "tool_call_id": call_id, "content": weather(cities[0])}
+    prompt = _rendered(agent_server, second)  # the history through Qwen3's template, as Qwen3 was trained
+    assert (
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{cities[0]}"}}}}\n</tool_call>'
+        in prompt
+    )
+    assert f"<tool_response>\n{weather(cities[0])}\n</tool_response>" in prompt
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
