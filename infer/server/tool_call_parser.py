@@ -30,6 +30,32 @@ _WHITESPACE = " \t\n\r"
 _CLOSING = {"{": "}", "[": "]"}
 
 
+class JsonNesting:
+    """Where the characters of a JSON value stand, fed one at a time: inside a string or not, and the
+    brackets open around them."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []  # the closing brackets awaited, innermost last
+        self.in_string = self.escaped = False
+
+    def feed(self, char: str) -> bool:
+        """Take one character; False when it closes a bracket that is not open."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif char == "\\":
+                self.escaped = True
+            elif char == '"':
+                self.in_string = False
+        elif char == '"':
+            self.in_string = True
+        elif char in _CLOSING:
+            self.stack.append(_CLOSING[char])
+        elif char in "]}":
+            return bool(self.stack) and self.stack.pop() == char
+        return True
+
+
 @dataclass
 class CallDelta:
     """What one fed text adds to call `index`: its name in the call's first delta only (with the id a
@@ -87,8 +113,8 @@ class CallListParser:
         self._target: str | None = None  # what the value being scanned is: "name", "parameters" or neither
         self._key = ""  # raw text of the key being read, then its decoded value
         self._value: list[str] = []  # raw text of a `name` value being read
-        self._value_stack: list[str] = []  # open brackets of the value being scanned
-        self._in_string = self._escaped = False
+        self._nesting = JsonNesting()  # where the value being scanned stands
+        self._escaped = False
         self._out: list[CallDelta] = []
 
     def feed(self, text: str) -> list[CallDelta]:
@@ -165,35 +191,23 @@ class CallListParser:
             self._target, call.has_parameters = "parameters", True
             if call.name is not None and call.index < 0:
                 self._announce()
-        self._value_stack, self._in_string, self._escaped = [], False, False
+        self._nesting = JsonNesting()
         self._state = self._value_text
         self._value_text(char)
 
     def _value_text(self, char: str) -> None:
         """One character of a value; a scalar ends at the first character not its own, which then
         belongs to what follows the value."""
-        stack = self._value_stack
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif char == "\\":
-                self._escaped = True
-            elif char == '"':
-                self._in_string = False
-        elif char == '"':
-            self._in_string = True
-        elif char in _CLOSING:
-            stack.append(_CLOSING[char])
-        elif char in "]}" and stack:
-            if stack.pop() != char:
-                self.failed = True
-                return
-        elif not stack and (char in _WHITESPACE or char in ",]}"):
+        nesting = self._nesting
+        if not (nesting.in_string or nesting.stack) and (char in _WHITESPACE or char in ",]}"):
             self._end_value()
             self._after_value(char)
             return
+        if not nesting.feed(char):
+            self.failed = True
+            return
         self._value_char(char)
-        if not (stack or self._in_string) and (char == '"' or char in "]}"):
+        if not (nesting.stack or nesting.in_string) and (char == '"' or char in "]}"):
             self._end_value()  # a string, object or list just closed
 
     def _value_char(self, char: str) -> None:

@@ -8,11 +8,10 @@ templates accept back in the history."""
 
 from __future__ import annotations
 
-from infer.server.tool_call_parser import CallDelta, CallListParser
+from infer.server.tool_call_parser import CallDelta, CallListParser, JsonNesting
 from infer.server.tool_parsers.base import Scanner, ToolParser, short_id
 
 _WHITESPACE = " \t\n\r"
-_CLOSING = {"{": "}", "[": "]"}
 
 
 class _MistralSection(Scanner):
@@ -21,8 +20,7 @@ class _MistralSection(Scanner):
     def __init__(self):
         self._list: CallListParser | None = None
         self._name = ""
-        self._stack: list[str] = []  # open brackets of the arguments
-        self._in_string = self._escaped = False
+        self._nesting = JsonNesting()  # where the arguments' text stands
 
     def feed(self, char: str) -> list[CallDelta]:
         if self._list is not None:
@@ -48,22 +46,12 @@ class _MistralSection(Scanner):
 
     def _arguments(self, char: str) -> list[CallDelta]:
         """The arguments object's raw text, until its brackets close."""
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif char == "\\":
-                self._escaped = True
-            elif char == '"':
-                self._in_string = False
-        elif char == '"':
-            self._in_string = True
-        elif char in _CLOSING:
-            self._stack.append(_CLOSING[char])
-        elif char in "]}":
-            if not self._stack or self._stack.pop() != char:
-                self.failed = True
-                return []
-            self.complete = not self._stack
+        nesting = self._nesting
+        if not nesting.feed(char):
+            self.failed = True
+            return []
+        if char in "]}" and not nesting.in_string:
+            self.complete = not nesting.stack
         return [CallDelta(0, arguments=char)]
 
 
