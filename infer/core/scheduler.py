@@ -51,6 +51,7 @@ Why no request is preempted forever:
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import insort
 from collections.abc import Callable, Iterable
@@ -87,7 +88,7 @@ class _StepPlan:
         self.num_new_tokens[req] = num_new_tokens
         self.cost[req] = num_new_tokens if cost is None else cost
         self.budget -= self.cost[req]
-        if self.paced is not None and num_new_tokens > 1:  # a prefill chunk (a decode is 1 token)
+        if self.paced is not None:  # set after the decodes' grants: this one is prefill
             self.paced = max(0, self.paced - self.cost[req])
 
     def revoke(self, req: Request) -> None:
@@ -264,7 +265,7 @@ class Scheduler:
         return self.prompt_logprob_token_cost if _wants_prompt_logprobs(req, start) else 1.0
 
     def _grant(self, plan: _StepPlan, req: Request, num_new: int, start: int) -> None:
-        plan.grant(req, num_new, min(plan.budget, -int(-num_new * self._token_cost(req, start) // 1)))
+        plan.grant(req, num_new, min(plan.budget, math.ceil(num_new * self._token_cost(req, start))))
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Decodes first, then prefill chunks of running requests, each pass best key first."""
