@@ -101,12 +101,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
 
 def with_reasoning(state: ServerState, body, params: SamplingParams) -> tuple[str | None, SamplingParams]:
     """The request's reasoning parser (--reasoning-parser), and its params with a constraint that holds
-    for the answer after the thinking (vLLM's). Forced tool calls are the whole output: no thinking."""
+    for the answer after the thinking (vLLM's), forced tool calls too: the model thinks, then calls."""
     reasoning = state.args.reasoning_parser
     if reasoning is None or params.structured_outputs is None:
         return reasoning, params
-    if tools.forces_calls(body):
-        return None, params
     if thinking(body.chat_template_kwargs):
         end_ids = state.llm.tokenizer.encode(THINKING_END, add_special_tokens=False)
         params = dataclasses.replace(params, grammar_after_ids=tuple(end_ids))
@@ -261,23 +259,24 @@ class _Chat:
         return {"content": [e for e in entries if e is not None], "refusal": None}
 
     def _message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
-        """A choice's message and finish_reason: its tool calls when tool_choice forced them
-        (infer.server.tools), else its text. What echo repeats stays the content beside the calls
-        (vLLM's; the stream sends it as a content chunk). Forced output cut short before any call's
-        name is complete has no call, and its partial JSON is no content (vLLM's: content empty).
-        With a reasoning parser, the thinking is `reasoning_content` (and vLLM's `reasoning`) and the
-        rest is read as the answer: its calls (an auto tool parser), or its text."""
-        calls, reason = tools.calls_and_reason(self.body, text, reason)
-        if calls is not None:
-            if not calls:
-                return {"role": self.role, "content": self.echo}, reason
-            return {"role": self.role, "content": self.echo or None, "tool_calls": calls}, reason
+        """A choice's message and finish_reason. With a reasoning parser, the thinking is
+        `reasoning_content` (and vLLM's `reasoning`) and the rest is read as the answer: its tool calls
+        when tool_choice forced them (infer.server.tools), those an auto tool parser finds, or its text.
+        What echo repeats stays the content beside the calls (vLLM's; the stream sends it as a content
+        chunk). Forced output cut short before any call's name is complete has no call, and its partial
+        JSON is no content (vLLM's: content empty)."""
         message: dict = {"role": self.role}
         reader = _Reader(self.state, self.body, self.reasoning_parser)
         if reader.reasoning is not None:
             thought, text = split(reader.reasoning, text)
             message["reasoning_content"] = message["reasoning"] = thought
             text = text or ""
+        calls, reason = tools.calls_and_reason(self.body, text, reason)
+        if calls is not None:
+            message["content"] = self.echo or (None if calls else "")
+            if calls:
+                message["tool_calls"] = calls
+            return message, reason
         if reader.tools is not None:
             found = extract(reader.tools, text)
             if found.calls:
@@ -337,7 +336,7 @@ class _Chat:
         per_token = self.body.logprobs or self.body.return_token_ids
         last, calls = {}, None
         if tools.forces_calls(self.body):
-            calls = _StreamedCalls(self.body)
+            calls = _StreamedCalls(self.body, self.reasoning_parser)
         elif not _Reader(self.state, self.body, self.reasoning_parser).is_plain:
             calls = _Readers(self.state, self.body, self.reasoning_parser)
         try:
@@ -371,19 +370,35 @@ class _Chat:
 
 
 class _StreamedCalls:
-    """Each choice's tool calls as deltas, read out of its output as it is generated: a call's id and
-    name once (with its name complete), then its arguments as they come (infer.server.tool_call_parser)."""
+    """Each choice's forced tool calls as deltas, read out of its output as it is generated: its thinking
+    first (--reasoning-parser), then a call's id and name once (with its name complete), then its
+    arguments as they come (infer.server.tool_call_parser)."""
 
-    def __init__(self, body: ChatCompletionRequest):
-        self.body = body
+    def __init__(self, body: ChatCompletionRequest, reasoning_parser: str | None):
+        self.body, self.reasoning_parser = body, reasoning_parser
         self.parsers: dict[int, tools.NamedCallParser | tools.CallListParser] = {}
+        self.reasonings: dict = {}
 
     def delta(self, index: int, out) -> tuple[dict, str | None]:
         if index not in self.parsers:
             self.parsers[index] = tools.call_parser(self.body)
+            if self.reasoning_parser is not None:
+                parser = REASONING_PARSERS[self.reasoning_parser](thinking(self.body.chat_template_kwargs))
+                self.reasonings[index] = parser
+        delta, answer = {}, out.text
+        reasoning = self.reasonings.get(index)
+        if reasoning is not None:
+            thought, answer = reasoning.feed(out.text)
+            if out.finished:
+                more_thought, more_answer = reasoning.finish()
+                thought, answer = thought + more_thought, answer + more_answer
+            if thought:
+                delta = {"reasoning_content": thought, "reasoning": thought}
         parser = self.parsers[index]
-        calls = [tools.streamed_call(d) for d in parser.feed(out.text)]
-        return ({"tool_calls": calls} if calls else {}), tools.finish_reason(parser, out.finish_reason)
+        calls = [tools.streamed_call(d) for d in parser.feed(answer)]
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, tools.finish_reason(parser, out.finish_reason)
 
 
 class _Reader:

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.server.conftest import API_KEY, ServerProcess
+from tests.server.test_openai_api import COMPACT
 
 ASK = [{"role": "user", "content": "In the beginning"}]
 
@@ -86,3 +87,31 @@ def test_responses_carry_the_thinking_as_a_reasoning_item(thinker):
     off = thinker.responses.create(**kwargs, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert [i.type for i in off.output] == ["message"] and off.output_text == text
     assert off.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_a_forced_call_comes_after_the_thinking(thinker):
+    """tool_choice "required" is a grammar on the answer: the embedded model, thinking, never reaches
+    `</think>`, so no call comes and the thinking is the free output's; told not to think, it calls."""
+    city = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}}]
+    forced = {"tools": tools, "tool_choice": "required"}
+    free = _create(thinker).choices[0].message.model_extra["reasoning_content"]
+    thought = _create(thinker, **forced).choices[0]
+    assert thought.message.model_extra["reasoning_content"] == free
+    assert thought.message.tool_calls is None and thought.finish_reason == "length"
+    chunks = list(_create(thinker, **forced, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == free
+    assert not any(d.tool_calls for d in deltas)
+    off = {**COMPACT, "chat_template_kwargs": {"enable_thinking": False}}
+    called = _create(thinker, **forced, max_tokens=60, extra_body=off).choices[0]
+    assert called.message.tool_calls[0].function.name == "get_weather"
+    assert called.message.model_extra.get("reasoning_content") is None
+    kwargs = {"model": "embedded", "input": ASK[0]["content"], "max_output_tokens": 16, "temperature": 0}
+    function = {"type": "function", "name": "get_weather", "parameters": city}
+    resp = thinker.responses.create(**kwargs, tools=[function], tool_choice="required")
+    assert [item.type for item in resp.output] == ["reasoning"] and resp.output[0].content[0].text == free

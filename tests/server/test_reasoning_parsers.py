@@ -6,6 +6,7 @@ streamed in random splits, which must accumulate to the same reasoning and conte
 
 from __future__ import annotations
 
+import json
 import random
 from types import SimpleNamespace
 
@@ -220,3 +221,80 @@ def test_random_text_splits_the_same_however_it_streams(name):
         text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 30)))
         reasoning, content = split(REASONING_PARSERS[name](), text)
         assert _streamed(name, _pieces(text, rng)) == (reasoning, content)
+
+
+# a forced tool_choice: the model thinks first, then the grammar holds the calls after `</think>`
+
+THOUGHT_AND_FORCED_CALL = (
+    '<think>Paris, so get_weather.</think>[{"name": "get_weather", "parameters": {"city": "Paris"}}]'
+)
+
+
+def _forced_stream(pieces: list[str], **fields) -> tuple[dict, str | None]:
+    from infer.server.chat import _StreamedCalls
+
+    _, _, body = _chat(tool_call_parser=None, tool_choice="required", **fields)
+    calls = _StreamedCalls(body, "qwen3")
+    message, reason = {"reasoning_content": "", "tool_calls": {}}, None
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = SimpleNamespace(text=piece, finished=last, finish_reason="stop" if last else None)
+        delta, reason = calls.delta(0, out)
+        assert "content" not in delta and delta.get("reasoning") == delta.get("reasoning_content")
+        message["reasoning_content"] += delta.get("reasoning_content", "")
+        for call in delta.get("tool_calls", ()):
+            entry = message["tool_calls"].setdefault(call["index"], {"name": None, "arguments": ""})
+            if "id" in call:
+                entry["name"] = call["function"]["name"]
+            entry["arguments"] += call["function"]["arguments"]
+    return message, reason
+
+
+def test_forced_calls_follow_the_thinking():
+    chat, _, _ = _chat(tool_call_parser=None, tool_choice="required")
+    message, reason = chat._message(THOUGHT_AND_FORCED_CALL, "stop")
+    assert reason == "tool_calls" and message["content"] is None
+    assert message["reasoning_content"] == message["reasoning"] == "Paris, so get_weather."
+    [call] = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    rng = random.Random(1)
+    for pieces in [
+        list(THOUGHT_AND_FORCED_CALL),
+        *(_pieces(THOUGHT_AND_FORCED_CALL, rng) for _ in range(10)),
+    ]:
+        streamed, streamed_reason = _forced_stream(pieces)
+        assert streamed_reason == "tool_calls"
+        assert streamed["reasoning_content"] == message["reasoning_content"]
+        [entry] = streamed["tool_calls"].values()
+        assert entry["name"] == "get_weather" and json.loads(entry["arguments"]) == {"city": "Paris"}
+
+
+def test_forced_calls_cut_short_while_thinking_are_none():
+    chat, _, _ = _chat(tool_call_parser=None, tool_choice="required")
+    message, reason = chat._message("<think>Paris, so", "length")
+    assert message["reasoning_content"] == "Paris, so" and "tool_calls" not in message
+    assert reason == "length"
+
+
+def test_forced_calls_without_thinking_are_the_whole_output():
+    fields = {"tool_choice": "required", "chat_template_kwargs": {"enable_thinking": False}}
+    chat, _, _ = _chat(tool_call_parser=None, **fields)
+    message, reason = chat._message(THOUGHT_AND_FORCED_CALL.split("</think>")[1], "stop")
+    assert reason == "tool_calls" and message["reasoning_content"] is None
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+
+
+def test_with_reasoning_starts_a_forced_call_grammar_after_the_thinking():
+    from infer.sampling_params import SamplingParams, StructuredOutputs
+    from infer.server.chat import with_reasoning
+
+    _, _, body = _chat(tool_call_parser=None, tool_choice="required")
+    end_ids = (7, 8)
+    state = SimpleNamespace(
+        args=SimpleNamespace(reasoning_parser="qwen3"),
+        llm=SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda text, add_special_tokens: list(end_ids))),
+    )
+    params = SamplingParams(structured_outputs=StructuredOutputs(json={"type": "array"}))
+    reasoning, params = with_reasoning(state, body, params)
+    assert reasoning == "qwen3" and params.grammar_after_ids == end_ids
