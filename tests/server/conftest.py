@@ -79,8 +79,9 @@ class ServerProcess:
             if status == 200:
                 return self
             time.sleep(0.05)
+        tail = self.log_tail()  # before stop() closes the log
         self.stop()
-        raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log_tail()}")
+        raise RuntimeError(f"server not healthy after {timeout}s:\n{tail}")
 
     def log_tail(self, n: int = 4000) -> str:
         self.log.flush()

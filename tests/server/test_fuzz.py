@@ -1,6 +1,7 @@
 """The HTTP API fuzzed from its own OpenAPI schema (schemathesis), then what people send wrong that a schema
 cannot generate: every answer is a 2xx or an OpenAI-shaped 4xx, never a 5xx, a hang or a dead server, and
-afterwards the engine is idle.
+afterwards the engine is idle; a bystander streaming beside the fuzz has every admitted request of its
+completed whole.
 
 The fuzzer runs a fixed number of examples per operation with a fixed seed, so that the default run is
 short and repeatable; a longer hunt (the lead's, on an idle machine):
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections import Counter
 
 import httpx
@@ -51,7 +53,7 @@ def fuzz_server(model_args, tmp_path_factory):
         "--max-request-bytes", str(MAX_BYTES),
         "--scheduling-policy", "priority",
     ]  # fmt: skip
-    proc = ServerProcess(args, tmp_path_factory.mktemp("fuzz") / "server.log").start()
+    proc = ServerProcess(args, tmp_path_factory.mktemp("fuzz") / "server.log").start(timeout=300)
     yield proc
     proc.stop()
 
@@ -127,21 +129,67 @@ def _fuzz(url: str, op, mode: GenerationMode) -> Counter:
     return statuses
 
 
+class Bystander(threading.Thread):
+    """A client streaming plain completions, one after another, until stopped: each admitted one must
+    end whole (BYSTANDER_TOKENS tokens, finish_reason "length", then [DONE]); a refusal at admission (the
+    fuzz may fill every seat and the queue) must be a 429 or 503 that says why."""
+
+    BYSTANDER_TOKENS = 4
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.stop = url, threading.Event()
+        self.whole, self.refused, self.broken = 0, Counter(), []
+
+    def run(self) -> None:
+        body = {"prompt": "A bystander", "max_tokens": self.BYSTANDER_TOKENS, "ignore_eos": True}
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        with httpx.Client(base_url=self.url, headers=AUTH, timeout=60) as http:
+            while not self.stop.is_set():
+                with http.stream("POST", CMPL, json=body) as resp:
+                    if resp.status_code in (429, 503):
+                        self.refused[resp.status_code] += 1
+                        assert resp.read() and resp.json()["error"]["message"]
+                        self.stop.wait(0.05)
+                        continue
+                    events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+                chunks = [json.loads(e) for e in events[:-1]]
+                reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+                usage = chunks[-1].get("usage") if chunks else None
+                if (
+                    resp.status_code == 200
+                    and events[-1] == "[DONE]"
+                    and reasons[-1] == "length"
+                    and usage["completion_tokens"] == self.BYSTANDER_TOKENS
+                ):
+                    self.whole += 1
+                else:
+                    self.broken.append((resp.status_code, events[-3:]))
+
+
 def test_fuzz_from_the_openapi_schema(fuzz_server):
     """Every operation of /openapi.json, with bodies that fit its schema (positive) and bodies that break it
-    (negative: wrong types, missing fields, out-of-range values)."""
+    (negative: wrong types, missing fields, out-of-range values), while a bystander streams beside it."""
     schema = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     paths = {CMPL, CHAT, RESP, "/v1/models", "/health", "/metrics", "/tokenize", "/detokenize"}
     assert paths <= {op.path for op in operations}
     seen = {}
-    for op in operations:
-        seen[op.label, "positive"] = _fuzz(fuzz_server.url, op, GenerationMode.POSITIVE)
-        if op.body:  # a GET has nothing a schema can break (a path parameter is any string)
-            seen[op.label, "negative"] = _fuzz(fuzz_server.url, op, GenerationMode.NEGATIVE)
-    print({k: dict(v) for k, v in seen.items()})
+    bystander = Bystander(fuzz_server.url)
+    bystander.start()
+    try:
+        for op in operations:
+            seen[op.label, "positive"] = _fuzz(fuzz_server.url, op, GenerationMode.POSITIVE)
+            if op.body:  # a GET has nothing a schema can break (a path parameter is any string)
+                seen[op.label, "negative"] = _fuzz(fuzz_server.url, op, GenerationMode.NEGATIVE)
+    finally:
+        bystander.stop.set()
+        bystander.join(timeout=120)
+    print({k: dict(v) for k, v in seen.items()}, "bystander:", bystander.whole, dict(bystander.refused))
     # the fuzz reached the engine: some generated requests were accepted, not only refused
     assert all(seen[f"POST {path}", "positive"][200] > 0 for path in (CMPL, CHAT, RESP))
+    assert not bystander.is_alive() and not bystander.broken, bystander.broken
+    assert bystander.whole > 10 * len(operations)  # it kept being served the whole time
 
 
 # What people send wrong that the schema cannot express (or the fuzzer rarely reaches), beyond what
