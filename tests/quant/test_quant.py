@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 
 from infer import kernels
 from infer.engine.llm import LLM
+from infer.eval.perplexity import decode_nll, held_out_text, perplexity
 from infer.models.loader import EMBEDDED_MODEL, load_model
 from infer.quant import linear as quant_linear
 from infer.quant.linear import QuantizedLinear, _group_for, quantize_model
-from infer.quant.perplexity import decode_nll, held_out_text, perplexity
 from infer.quant.weights import quantize
 from infer.sampling_params import SamplingParams
 from tests.quant.packing import quantize_for, write_quantized_checkpoint

@@ -25,14 +25,12 @@ ALLOWED: dict[str, set[str]] = {
     "core": {"config", "sampling_params"},
     "layers": {"kernels"},
     "quant": {"layers.linear", "kernels", "config"},
-    # the quality check runs a model through the paged cache (a harness that sits above quant)
-    "quant/perplexity.py": {"layers.attention", "runner.kv_cache"},
     "models": {"layers", "quant", "kernels", "config"},
-    # a direct generation loop that the model tests use (a harness that sits above models)
-    "models/generate.py": {"runner.kv_cache"},
     "runner": {"core.outputs", "layers", "kernels", "models.config", "config", "sampling_params"},
     # a rank > 0 loads its own shard of the weights
     "runner/parallel.py": {"models.loader"},
+    # harnesses that run a model directly through the paged cache: perplexity, a generation loop
+    "eval": {"layers", "runner.kv_cache"},
     "engine": {
         "core",
         "runner",
