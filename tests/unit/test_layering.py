@@ -43,8 +43,6 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"engine", "core.slo", "config", "sampling_params"},
     # a model's files (a GGUF's header) checked while the flags are parsed, so a bad one exits 2 at once
     "server/args.py": {"models.loader"},
-    # `python -m infer.server --replicas N` hands over to deploy
-    "server/__main__.py": {"deploy.app", "deploy.args"},
     "deploy": {
         "server",
         "engine",
@@ -56,7 +54,16 @@ ALLOWED: dict[str, set[str]] = {
         "sampling_params",
     },
     "bench": {"engine", "models", "core", "quant.linear", "config", "sampling_params"},
-    "cli": {"bench.cli", "deploy.args", "engine.llm", "models.presets", "server", "sampling_params"},
+    # `infer serve` runs one engine (server) or `--replicas N` of them (deploy.app)
+    "cli": {
+        "bench.cli",
+        "deploy.args",
+        "deploy.app",
+        "engine.llm",
+        "models.presets",
+        "server",
+        "sampling_params",
+    },
     "__main__": {"cli"},
     "__init__": set(),
 }
