@@ -41,8 +41,6 @@ ALLOWED: dict[str, set[str]] = {
         "sampling_params",
     },
     "server": {"engine", "core.slo", "config", "sampling_params"},
-    # a model's files (a GGUF's header) checked while the flags are parsed, so a bad one exits 2 at once
-    "server/args.py": {"models.loader"},
     "deploy": {
         "server",
         "engine",
