@@ -66,19 +66,14 @@ def model_shape(model: str | None, dtype: str, quantization: str = "none") -> di
 def _quantized_bytes(net, quantization: str, nbytes: int) -> int:
     from torch import nn
 
-    from infer.quant.linear import GROUP_SIZE, HEAD_BITS, _group_for
+    from infer.quant.linear import HEAD_BITS, quantized_bytes
 
     bits = 8 if quantization == "int8" else 4
     linear_params, total = set(), 0
     for name, module in net.named_modules():
         if isinstance(module, nn.Linear):
             head = name.rpartition(".")[2] == "lm_head"
-            layer_bits = HEAD_BITS if head else bits
-            groups = (
-                1 if layer_bits == 8 else module.in_features // _group_for(module.in_features, GROUP_SIZE)
-            )
-            per_group = 4 if layer_bits == 8 else 8  # float32 scale, plus a zero point for int4
-            total += module.out_features * (module.in_features * layer_bits // 8 + groups * per_group)
+            total += quantized_bytes(module.out_features, module.in_features, HEAD_BITS if head else bits)
             linear_params.add(id(module.weight))
     embedding = id(net.input_embeddings().weight)
     rest = sum(p.numel() for p in net.parameters() if id(p) not in linear_params | {embedding})
