@@ -46,7 +46,6 @@ ALLOWED: dict[str, set[str]] = {
         "engine",
         "core.block_hash",
         "core.slo",
-        "runner.grammar",
         "models.loader",
         "config",
         "sampling_params",
