@@ -54,13 +54,13 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
         "(OUT/NAME/engine.trace.json, for Perfetto); the HTML report draws its per-request timeline",
     )
     traffic.set_defaults(func=cmd_traffic)
-    from infer.bench import client_tests, html_report, race, roofline, stress
+    from infer.bench import client_latency, html_report, race, roofline, stress
 
     for name, module, func, help_text in [
         (
             "client",
-            client_tests,
-            client_tests.cmd_client,
+            client_latency,
+            client_latency.cmd_client,
             "cold and warm prefix TTFT, sequential and concurrent batches",
         ),
         (

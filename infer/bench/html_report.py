@@ -200,7 +200,7 @@ def _serving(page: Page, report: dict, _path: Path) -> None:
 
 
 def _client(page: Page, report: dict, _path: Path) -> None:
-    from infer.bench.client_tests import result_specs
+    from infer.bench.client_latency import result_specs
 
     page.heading("Tables")
     for spec in result_specs(report):
