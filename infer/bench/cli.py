@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import shlex
 import sys
 from pathlib import Path
 
@@ -99,18 +100,16 @@ def cmd_traffic(args: argparse.Namespace) -> int:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     out = args.out or Path("benchmarks/reports") / f"traffic-{stamp}"
     only = [n.strip() for n in args.only.split(",")] if args.only else None
+    command = shlex.join(
+        ["infer", *getattr(args, "argv", ["bench", "traffic", "--config", str(args.config)])]
+    )
     try:
-        run_config(args.config, out, only, trace=args.trace)
+        run_config(args.config, out, only, trace=args.trace, command=command)
     except (BenchError, RuntimeError) as exc:
         print(f"bench traffic: error: {exc}", file=sys.stderr)
         return 1
     if not args.no_report:
-        import shlex
-
         from infer.bench.html_report import write_html
 
-        command = shlex.join(
-            ["infer", *getattr(args, "argv", ["bench", "traffic", "--config", str(args.config)])]
-        )
-        write_html(out / "tradeoff.json", command=command)
+        write_html(out / "tradeoff.json")
     return 0

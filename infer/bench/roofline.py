@@ -17,13 +17,14 @@ decode step streams the weights) and matmul throughput (a square matmul), both m
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
 
-from infer.bench.report import machine_info, render_table
+from infer.bench.record import new_record, table, write_record
+from infer.bench.report import render_tables
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch is imported where used: `infer --help` stays fast
 
@@ -174,12 +175,16 @@ def cmd_roofline(args: argparse.Namespace, out=None) -> int:
     shape = model_shape(args.model, args.dtype, args.quantization)
     memory = int(args.memory_gb * 1e9) if args.memory_gb is not None else total_memory_bytes()
     roof = roofline(shape, measure_bandwidth(), measure_matmul(args.dtype, args.matmul_size), memory)
-    print(
-        render_table(["Roofline", "Value"], rows(shape, roof), "== roofline (ceilings before overheads)"),
-        file=out,
-    )
+    tables = [table(["Roofline", "Value"], rows(shape, roof), "== roofline (ceilings before overheads)")]
+    print(render_tables(tables), file=out)
     if args.json is not None:
-        args.json.write_text(
-            json.dumps({"shape": shape, "roofline": roof, "machine": machine_info()}, indent=1)
+        config = {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("func", "argv")
+        }
+        command = shlex.join(["infer", *getattr(args, "argv", ["bench", "roofline"])])
+        write_record(
+            args.json, new_record("roofline", command, config, tables=tables, shape=shape, roofline=roof)
         )
     return 0
