@@ -96,18 +96,25 @@ def fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
-def render_table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None) -> str:
-    """A plain aligned table: first column left, the rest right."""
+def render_table(
+    headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None, bars: bool = False
+) -> str:
+    """A plain aligned table: first column left, the rest right; with `bars`, every column left and
+    separated by ` | ` under a `-+-` rule (the micro-benchmarks' tables, as the runs they compare with
+    print them)."""
     cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else fmt(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    sep, rule = (" | ", "-+-") if bars else ("  ", "  ")
 
     def line(row):
-        return "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        padded = (
+            c.ljust(w) if i == 0 or bars else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
         )
+        return sep.join(padded).rstrip() if bars else sep.join(padded)
 
     out = [title] if title else []
-    out += [line(cells[0]), "  ".join("-" * w for w in widths), *(line(r) for r in cells[1:])]
+    out += [line(cells[0]), rule.join("-" * w for w in widths), *(line(r) for r in cells[1:])]
     return "\n".join(out)
 
 

@@ -1,4 +1,4 @@
-"""Tables in the reference's layout, ratio formatting, verdict lines and the JSON report."""
+"""Tables in the layout the micro-benchmarks compare with, ratio formatting, verdict lines and the record."""
 
 from __future__ import annotations
 
@@ -6,15 +6,12 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from infer.bench import report
+
 
 def render_table(headers: list[str], rows: list[list[str]]) -> str:
-    """The reference's plain-text table: `a | b | c`, a `-+-` rule, columns padded to the widest cell."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return " | ".join(c.ljust(widths[i]) for i, c in enumerate(cells)).rstrip()
-
-    return "\n".join([line(headers), "-+-".join("-" * w for w in widths), *(line(r) for r in rows)])
+    """`a | b | c` under a `-+-` rule, columns padded to the widest cell."""
+    return report.render_table(headers, rows, bars=True)
 
 
 def cell(value, spec: str = "") -> str:
