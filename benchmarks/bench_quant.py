@@ -25,7 +25,7 @@ import torch
 
 from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
-from infer.quant.perplexity import decode_nll, held_out_text, perplexity
+from infer.eval.perplexity import decode_nll, held_out_text, perplexity
 from infer.sampling_params import SamplingParams
 
 

@@ -64,10 +64,37 @@ def cmd_presets(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from infer.server.__main__ import main as serve_main
+    # Parsed again, so that --config FILE.yaml gives the defaults and flags override it.
+    return serve(args.argv[args.argv.index("serve") + 1 :])
 
-    # Parsed again by the server itself, so that --config FILE.yaml gives the defaults and flags override it.
-    return serve_main(args.argv[args.argv.index("serve") + 1 :], prog="infer serve", positional_model=True)
+
+def serve(argv: list[str], prog: str = "infer serve") -> int:
+    """One engine in this process (infer.server), or `--replicas N` of them on Ray Serve (infer.deploy)."""
+    from infer.deploy.args import add_replica_args, replica_args
+    from infer.server.args import add_server_args, parse_server_args
+
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="OpenAI-compatible LLM inference server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_server_args(parser, positional_model=True)
+    add_replica_args(parser)
+    try:
+        server_args = parse_server_args(parser, argv)
+        replicas = replica_args(parser.parse_args(argv))  # --config's values are the defaults by now
+        if replicas is not None:  # N engine replicas on Ray Serve (the `ray` extra)
+            try:
+                from infer.deploy.app import run as run_replicas
+            except ImportError as exc:
+                raise ValueError(f"--replicas needs Ray Serve: pip install 'infer[ray]' ({exc})") from exc
+            return run_replicas(server_args, replicas)
+    except ValueError as exc:  # bad flag values or config file: say what to do, no traceback
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    from infer.server.launch import run
+
+    return run(server_args)
 
 
 def add_missing_extra_parser(sub, name: str, help: str, extra: str, missing: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import shlex
 import sys
 from pathlib import Path
 
@@ -54,13 +55,13 @@ def add_bench_parsers(subparsers) -> argparse.ArgumentParser:
         "(OUT/NAME/engine.trace.json, for Perfetto); the HTML report draws its per-request timeline",
     )
     traffic.set_defaults(func=cmd_traffic)
-    from infer.bench import client_tests, html_report, race, roofline, stress
+    from infer.bench import client_latency, html_report, race, roofline, stress
 
     for name, module, func, help_text in [
         (
             "client",
-            client_tests,
-            client_tests.cmd_client,
+            client_latency,
+            client_latency.cmd_client,
             "cold and warm prefix TTFT, sequential and concurrent batches",
         ),
         (
@@ -99,18 +100,16 @@ def cmd_traffic(args: argparse.Namespace) -> int:
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     out = args.out or Path("benchmarks/reports") / f"traffic-{stamp}"
     only = [n.strip() for n in args.only.split(",")] if args.only else None
+    command = shlex.join(
+        ["infer", *getattr(args, "argv", ["bench", "traffic", "--config", str(args.config)])]
+    )
     try:
-        run_config(args.config, out, only, trace=args.trace)
+        run_config(args.config, out, only, trace=args.trace, command=command)
     except (BenchError, RuntimeError) as exc:
         print(f"bench traffic: error: {exc}", file=sys.stderr)
         return 1
     if not args.no_report:
-        import shlex
-
         from infer.bench.html_report import write_html
 
-        command = shlex.join(
-            ["infer", *getattr(args, "argv", ["bench", "traffic", "--config", str(args.config)])]
-        )
-        write_html(out / "tradeoff.json", command=command)
+        write_html(out / "tradeoff.json")
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -250,3 +251,20 @@ async def run_requests(
 
         await asyncio.gather(*(one(i, t) for i, t in enumerate(arrivals.schedule(len(specs)))))
     return records
+
+
+def resolve_model(
+    base_url: str, model: str | None, api_key: str | None, wait_s: float = 60.0
+) -> tuple[str, dict]:
+    """The model to benchmark and its card; with no --model the server must serve exactly one. A server
+    still starting or loading its model is waited for, up to wait_s seconds."""
+    wait_until_ready(base_url, wait_s, log=lambda line: print(line, file=sys.stderr))
+    if model is not None:
+        return model, check_server(base_url, model, api_key)
+    try:
+        cards = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10).json().get("data", [])
+    except (httpx.HTTPError, ValueError):
+        cards = []
+    if len(cards) != 1:
+        check_server(base_url, "", api_key)  # raises the clear error (unreachable, or lists the models)
+    return cards[0]["id"], check_server(base_url, cards[0]["id"], api_key)

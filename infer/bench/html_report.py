@@ -5,15 +5,17 @@
     infer bench report OUT/tradeoff.json             # a `bench traffic` run (its folder works too)
     infer bench report REPORT.json --trace engine.json   # + the request timeline of `infer serve --trace`
 
-PATH is a report JSON written by `bench serve`, `bench client`, `bench micro --json` or `bench traffic`
-(its tradeoff.json), or a folder (its newest *.json). The HTML goes beside it, same stem, and holds the
-run's command, configuration, server, machine and versions, the tables the command printed (rendered again
-from the JSON by the same functions), the plots (matplotlib PNGs, base64 in the page), and, given the engine
-trace, a Gantt of every request's queued / prefill chunks / decode / preempted slices with the engine's
-counters. Nothing is loaded at view time: no script, no external stylesheet, no font, so it opens offline
-and from an attachment. `bench serve`, `bench client`, `bench traffic` and `bench micro` write it at their
-end unless `--no-report`; `bench serve` and `bench client` also fetch the run's trace from our server's
-`GET /debug/trace` when the server records one (`infer serve --trace FILE`), saved beside as STEM.trace.json.
+PATH is a record (infer.bench.record) that any bench command wrote: `bench serve`, `client`, `traffic`
+(its tradeoff.json), `micro --json`, `race`, `stress`, `roofline --json`; or a folder (its newest record).
+The page is drawn from the record alone, the same way for every command: its command, the tables it
+printed and their notes, its plots (matplotlib PNGs, base64 in the page), configuration, server, machine
+and versions, and the per-request timelines of the engine traces it names or of --trace FILE (a Gantt of
+every request's queued / prefill chunks / decode / preempted slices, with the engine's counters). The HTML
+goes beside the record, same stem. Nothing is loaded at view time: no script, no external stylesheet, no
+font, so it opens offline and from an attachment. `bench serve`, `client`, `traffic`, `micro`, `race` and
+`stress` write it at their end unless `--no-report`; `bench serve` and `bench client` also fetch the run's
+trace from our server's `GET /debug/trace` when the server records one (`infer serve --trace FILE`),
+saved beside as STEM.trace.json.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from infer.bench.record import read_record
 from infer.bench.report import fmt
 from infer.bench.request_timeline import (
     TIMELINE_HEADERS,
@@ -133,7 +136,7 @@ def _plots():
 
 def find_report(path: Path) -> Path:
     """PATH itself, or a folder's report: tradeoff.json for a `bench traffic` folder, else its newest JSON
-    that is a report (traces, `{"traceEvents": ...}`, and other JSON left out)."""
+    that is a record (traces, `{"traceEvents": ...}`, and other JSON left out)."""
     path = Path(path)
     if path.is_file():
         return path
@@ -143,198 +146,77 @@ def find_report(path: Path) -> Path:
         return path / "tradeoff.json"
     for candidate in sorted(path.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
         try:
-            doc = json.loads(candidate.read_text())
-        except (OSError, ValueError):
+            read_record(candidate)
+        except ValueError:
             continue
-        if isinstance(doc, dict) and report_kind(doc) != "unknown":
-            return candidate
-    raise ValueError(f"no report JSON in {path} (of bench serve, client, micro --json, traffic or stress)")
+        return candidate
+    raise ValueError(f"no report JSON in {path} (of bench serve, client, micro, traffic, race or stress)")
 
 
-def report_kind(report: dict) -> str:
-    if "kind" in report:
-        return str(report["kind"])
-    if "benchmarks" in report and "meta" in report:
-        return "micro"
-    if "compliance" in report and "experiments" in report:
-        return "traffic"
-    return "unknown"
+# ---- the page: any record, the same way --------------------------------------------------------------
 
 
-# ---- one section per kind ----------------------------------------------------------------------------
-
-
-def _serving(page: Page, report: dict, _path: Path) -> None:
-    from infer.bench.metrics import RequestRecord
-    from infer.bench.serving import comparison_spec, detail_spec
-
-    results = report["workloads"]
-    page.heading("Tables")
-    page.table(*comparison_spec(results))
-    for r in results:
-        page.table(*detail_spec(r))
-    ceiling = report.get("roofline")
-    if ceiling:
-        fractions = ", ".join(
-            f"{r['name']} {fmt(r['summary'].get('fraction_of_decode_ceiling'), 2)}" for r in results
-        )
-        page.note(
-            f"roofline ({ceiling['model']}): single-stream decode ceiling "
-            f"{fmt(ceiling['decode_ceiling_tokens_per_s'])} tok/s; measured / ceiling: {fractions}"
-        )
-    plots = _plots()
-    if plots is None:
-        page.note("no plots: matplotlib is not installed (pip install 'infer[bench]')")
-        return
-    page.heading("Plots")
-    summary = {"per_class": {r["name"]: r["summary"] for r in results}}
-    page.plot("TTFT and latency per workload", lambda p: plots.latency_per_class(summary, p))
-    for r in results:
-        records = [RequestRecord(**d) for d in r["requests"]]
-        if records:
-            page.heading(r["name"], 3)
-            page.plot(f"{r['name']}: token heatmap", lambda p, rs=records: plots.token_heatmap(rs, p))
-            page.plot(
-                f"{r['name']}: fate by input length", lambda p, rs=records: plots.fate_by_input_length(rs, p)
-            )
-
-
-def _client(page: Page, report: dict, _path: Path) -> None:
-    from infer.bench.client_tests import result_specs
-
-    page.heading("Tables")
-    for spec in result_specs(report):
-        page.table(*spec)
-    plots = _plots()
-    if plots is None:
-        page.note("no plots: matplotlib is not installed (pip install 'infer[bench]')")
-    elif report["batches"]:
-        page.heading("Plots")
-        page.plot("batches: sequential vs concurrent", lambda p: plots.client_batches(report["batches"], p))
-
-
-def _traffic(page: Page, report: dict, path: Path) -> None:
-    from infer.bench.traffic import TRACE_NAME, safe_name, table_specs
-
-    out_dir = path.parent
-    summaries = []
-    for name in report["experiments"]:
-        summary_path = out_dir / safe_name(name) / "summary.json"
-        if summary_path.is_file():
-            summaries.append(json.loads(summary_path.read_text()))
-    page.heading("Tables")
-    experiments_spec, compliance_spec = table_specs(
-        summaries, report["classes"], report["experiments"], report["compliance"]
-    )
-    if len(summaries) == len(report["experiments"]):
-        page.table(*experiments_spec)
-    else:
-        page.note(f"the experiments table needs every OUT/NAME/summary.json; {out_dir} lacks some")
-    page.table(*compliance_spec)
-    page.heading("Plots")
-    pngs = [(out_dir / "tradeoff.png", "tradeoff matrix")]
-    for s in summaries:
-        for name in ("heatmap", "fate", "latency", "timeline", "goodput"):
-            pngs.append((out_dir / safe_name(s["experiment"]) / f"{name}.png", f"{s['experiment']}: {name}"))
-    for png, alt in pngs:  # the run drew them: embedded as they are
+def _plot(page: Page, plots, record: dict, spec: dict, folder: Path) -> None:
+    if "png" in spec:  # drawn by the run: embedded as it is
+        png = folder / spec["png"]
         if png.is_file():
-            page.image(png.read_bytes(), alt)
+            page.image(png.read_bytes(), spec["title"])
         else:
             page.note(f"missing plot: {png}")
-    for s in summaries:
-        page.heading(f"experiment {s['experiment']}: configuration", 3)
-        page.key_values({"url": s.get("url"), **s.get("config", {})})
-    for s in summaries:  # `bench traffic --trace`: each experiment that launched our server has its trace
-        trace = out_dir / safe_name(s["experiment"]) / TRACE_NAME
-        if trace.is_file():
-            timeline_section(page, load_trace(trace), f"experiment {s['experiment']}: per-request timeline")
+        return
+    args = list(spec.get("args", []))
+    if spec.get("requests_at"):
+        from infer.bench.metrics import RequestRecord
 
-
-def _micro(page: Page, report: dict, _path: Path) -> None:
-    from infer.bench.micro.report import cell
-
-    def value(v) -> str:
-        return v if isinstance(v, str) else cell(v)
-
-    for name, bench in report["benchmarks"].items():
-        page.heading(name)
-        for label, cases in (("cases", bench["cases"]), *((k, v) for k, v in bench.items() if k == "sweep")):
-            metrics = list(dict.fromkeys(k for c in cases for m in c["modes"].values() for k in m))
-            rows = [
-                [c["name"], mode, *(value(m.get(k)) for k in metrics)]
-                for c in cases
-                for mode, m in c["modes"].items()
-            ]
-            page.table(["case", "mode", *metrics], rows, f"{name}: {label}, per mode")
-            knobs = list(dict.fromkeys(k for c in cases for k in c["knobs"]))
-            ratios = list(dict.fromkeys(k for c in cases for k in c["ratios"]))
-            rows = [
-                [
-                    c["name"],
-                    *(value(c["knobs"].get(k)) for k in knobs),
-                    *(value_x(c["ratios"].get(k)) for k in ratios),
-                ]
-                for c in cases
-            ]
-            page.table(["case", *knobs, *ratios], rows, f"{name}: {label}, ratios")
-        page.heading(f"{name}: verdicts", 3)
-        page.pre("\n".join(v["line"] for v in bench["verdicts"]))
-    page.note("the micro-benchmarks draw no plots: their tables are the result")
-    trace_dir = report.get("meta", {}).get("trace_dir")  # `bench micro --trace DIR`
-    for trace in sorted(Path(trace_dir).glob("*.trace.json")) if trace_dir else ():
-        timeline_section(page, load_trace(trace), f"{trace.name}: per-request timeline")
-
-
-def value_x(v) -> str:
-    from infer.bench.micro.report import cell
-
-    return v if isinstance(v, str) else cell(v, "x")
-
-
-SECTIONS = {"serving": _serving, "client": _client, "traffic": _traffic, "micro": _micro}
-
-
-# ---- the page ----------------------------------------------------------------------------------------
+        found = record
+        for key in spec["requests_at"]:
+            found = found[key]
+        args.insert(0, [RequestRecord(**d) for d in found])
+    page.plot(spec["title"], lambda p: getattr(plots, spec["plot"])(*args, p))
 
 
 def build_html(
-    report: dict, path: Path, trace_events: list[dict] | None = None, command: str | None = None
+    record: dict, path: Path, trace_events: list[dict] | None = None, command: str | None = None
 ) -> str:
-    kind = report_kind(report)
-    meta = report.get("meta", {}) if kind == "micro" else report
-    command = command or meta.get("command")
-    if command is None and kind == "traffic":
-        command = f"infer bench traffic --config {report['config']} --out {path.parent}"
-    page = Page(f"infer bench {kind}: {path.stem}")
+    folder = path.parent
+    page = Page(f"infer bench {record['kind']}: {path.stem}")
     page.key_values({
-        "command": command or "(not recorded)",
-        "started": meta.get("started", "(not recorded)"),
+        "command": command or record.get("command") or "(not recorded)",
+        "started": record.get("started") or "(not recorded)",
         "report": str(path) if path.is_file() else "(no JSON written: the run gave no --json FILE)",
         "written": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
     })  # fmt: skip
-    section = SECTIONS.get(kind)
-    if section is None:
-        page.note(f"no tables known for a report of kind {kind!r}: its JSON follows")
-        page.pre(
-            json.dumps({k: v for k, v in report.items() if k not in ("machine",)}, indent=1, default=str)[
-                :200_000
-            ]
-        )
-    else:
-        section(page, report, path)
+    if record["tables"]:
+        page.heading("Tables")
+    for t in record["tables"]:
+        page.table(t["headers"], t["rows"], t.get("title"))
+    for line in record["notes"]:
+        page.note(line)
+    if "data" in record:  # an older file: its data as it was written
+        page.pre(json.dumps(record["data"], indent=1, default=str)[:200_000])
+    if record["plots"]:
+        plots = _plots()
+        page.heading("Plots")
+        drawn = [spec for spec in record["plots"] if "png" in spec or plots is not None]
+        if len(drawn) < len(record["plots"]):
+            page.note("some plots are missing: matplotlib is not installed (pip install 'infer[bench]')")
+        for spec in drawn:
+            _plot(page, plots, record, spec, folder)
+    for block in record["details"]:
+        page.heading(block["title"], 3)
+        page.key_values(block["values"])
+    for trace in record["traces"]:
+        trace_path = folder / trace["path"]
+        if trace_path.is_file():
+            timeline_section(page, load_trace(trace_path), trace["title"])
     if trace_events is not None:
         timeline_section(page, trace_events)
     page.heading("Configuration")
-    config = (
-        report.get("config")
-        if kind != "micro"
-        else {k: v for k, v in meta.items() if k not in ("command", "machine")}
-    )
-    page.key_values(config if isinstance(config, dict) else {"config": config})
-    if isinstance(report.get("server"), dict):
+    page.key_values(record["config"] or {})
+    if isinstance(record.get("server"), dict):
         page.heading("Server")
-        page.key_values(report["server"])
-    machine = meta.get("machine")
+        page.key_values(record["server"])
+    machine = record.get("machine")
     if isinstance(machine, dict):
         page.heading("Machine and versions")
         versions = machine.get("versions")
@@ -399,11 +281,7 @@ def write_html(
     """Write the HTML report of the report JSON at `path` (read unless `report` is given) beside it, with
     the timeline of `trace` (a trace file or its events) when given; say where on `out`."""
     path = Path(path)
-    if report is None:
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read the report {path}: {exc}") from exc
+    report = read_record(path) if report is None else report
     events = load_trace(trace) if isinstance(trace, str | Path) else trace
     html_path = path.with_suffix(".html")
     html_path.write_text(build_html(report, path, events, command))

@@ -21,7 +21,8 @@ between runs and no two prompts share a first KV block, so the prefix cache neve
 
 With no --peer-cmd, the peer is `vllm serve MODEL_DIR` when a `vllm` executable is on PATH; else the race
 says so and runs our server alone. Output: one table (every round's tok/s, ratio of medians, ITL and TTFT
-medians over rounds) and a JSON report (benchmarks/reports/race-*.json, or --out) with every request.
+medians over rounds), a JSON record (benchmarks/reports/race-*.json, or --out) with every request, and its
+HTML page beside it (unless --no-report).
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from infer.bench.arrivals import Arrivals
-from infer.bench.client import BenchError, RequestSpec, StreamingClient, run_requests
+from infer.bench.client import BenchError, RequestSpec, StreamingClient, resolve_model, run_requests
 from infer.bench.launch import LaunchedServer, free_port
 from infer.bench.metrics import RequestRecord, summarize
 from infer.bench.prompts import exact_prompts
-from infer.bench.report import machine_info, progress_bar, render_table, server_info, write_report
-from infer.bench.serving import resolve_model
+from infer.bench.record import new_record, table, write_record
+from infer.bench.report import progress_bar, render_tables, server_info
 
 SIDES = ("infer", "peer")
 DEFAULT_REPORT_DIR = Path("benchmarks/reports")
@@ -68,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds after SIGTERM before SIGKILL")
     p.add_argument("--timeout", type=float, default=600.0, help="client timeout per request, seconds")
     p.add_argument("--out", type=Path, default=None, help="report path (default benchmarks/reports/...)")
+    p.add_argument("--no-report", action="store_true", help="no HTML report beside the JSON one")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -188,9 +190,18 @@ def notes(runs: Sequence[dict]) -> list[str]:
     return lines
 
 
-def build_report(started: str, command: str, config: dict, servers: dict, runs: list, figures: list) -> dict:
-    return {"kind": "race", "started": started, "command": command, "config": config, "servers": servers,
-            "machine": machine_info(), "figures": figures, "runs": runs}  # fmt: skip
+def build_report(
+    started: str,
+    command: str,
+    config: dict,
+    servers: dict,
+    runs: list,
+    figures: list,
+    tables: list[dict] = (),
+    notes: list[str] = (),
+) -> dict:
+    return new_record("race", command, config, started=started, server=servers, tables=tables, notes=notes,
+                      servers=servers, figures=figures, runs=runs)  # fmt: skip
 
 
 # ---- running -------------------------------------------------------------------------------------------
@@ -326,9 +337,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
         f"== race: {args.prompt_tokens} prompt + {args.output_tokens} output tokens, {args.num_requests} "
         "requests per concurrency; out tok/s per round, ratio of medians, ms (median over rounds)"
     )
-    print("\n" + render_table(HEADERS, race_rows(figures, Path(model).name), title), file=out)
-    for line in notes(runs):
-        print("note: " + line, file=out)
+    tables = [table(HEADERS, race_rows(figures, Path(model).name), title)]
+    lines = ["note: " + line for line in notes(runs)]
+    print("\n" + render_tables(tables), file=out)
+    for line in lines:
+        print(line, file=out)
     argv = sys.argv[1:] if argv is None else argv
     config = {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("func", "argv")
@@ -336,8 +349,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
     config["tokenizer"] = str(tokenizer_dir)
     servers = {side: specs[side].describe() if side in specs else None for side in SIDES}
     command = shlex.join([Path(sys.argv[0]).name, *argv])
-    report = build_report(started.isoformat(), command, config, servers, runs, figures)
-    return write_report(path, report, out)
+    report = build_report(started.isoformat(), command, config, servers, runs, figures, tables, lines)
+    write_record(path, report, out)
+    if not args.no_report:
+        from infer.bench.html_report import write_html
+
+        write_html(path, report, out=out)
+    return report
 
 
 def cmd_race(args: argparse.Namespace) -> int:

@@ -1,42 +1,12 @@
-"""What a report records besides the numbers (machine, versions, the server), and terminal tables."""
+"""What a record holds of the server (its card, flags, metrics), and tables as the terminal shows them."""
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import re
 import sys
 from collections.abc import Sequence
-from importlib import metadata
-from pathlib import Path
 
 import httpx
-
-
-def machine_info() -> dict:
-    """Host, CPU, Python and package versions, so a result can be reproduced."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    versions = {}
-    for pkg in ("infer", "httpx", "numpy", "torch"):
-        try:
-            versions[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            versions[pkg] = None
-    return {
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "cpu": cpu,
-        "num_cpus": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "versions": versions,
-    }
-
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)$")
 
@@ -71,18 +41,22 @@ def metrics_delta(before: dict | None, after: dict | None) -> dict | None:
     }
 
 
+def fetch_server_info(base_url: str, api_key: str | None = None) -> dict | None:
+    """GET /server_info (vLLM's dev route; behind the API key on ours), or None where there is none."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(base_url.rstrip("/") + "/server_info", headers=headers, timeout=10)
+        info = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def server_info(base_url: str, card: dict, server_flags: str | None, api_key: str | None = None) -> dict:
     """What is known of the server: its model card, whether it is ours, and its flags: from the user
     (--server-flags), else from GET /server_info where the server has it (vLLM's dev route; behind the
     API key on ours), else unknown."""
-    flags = server_flags
-    if flags is None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        try:
-            resp = httpx.get(base_url.rstrip("/") + "/server_info", headers=headers, timeout=5)
-            flags = resp.json() if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            flags = None
+    flags = server_flags if server_flags is not None else fetch_server_info(base_url, api_key)
     return {
         "url": base_url,
         "is_infer": card.get("owned_by") == "infer",
@@ -122,26 +96,28 @@ def fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
-def render_table(headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None) -> str:
-    """A plain aligned table: first column left, the rest right."""
+def render_table(
+    headers: Sequence[str], rows: Sequence[Sequence], title: str | None = None, bars: bool = False
+) -> str:
+    """A plain aligned table: first column left, the rest right; with `bars`, every column left and
+    separated by ` | ` under a `-+-` rule (the micro-benchmarks' tables, as the runs they compare with
+    print them)."""
     cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else fmt(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    sep, rule = (" | ", "-+-") if bars else ("  ", "  ")
 
     def line(row):
-        return "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        padded = (
+            c.ljust(w) if i == 0 or bars else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
         )
+        return sep.join(padded).rstrip() if bars else sep.join(padded)
 
     out = [title] if title else []
-    out += [line(cells[0]), "  ".join("-" * w for w in widths), *(line(r) for r in cells[1:])]
+    out += [line(cells[0]), rule.join("-" * w for w in widths), *(line(r) for r in cells[1:])]
     return "\n".join(out)
 
 
-def write_report(path: Path, report: dict, out) -> dict:
-    """Write a benchmark's JSON report (its folder made as needed), say where on `out`; the report gains
-    its "path"."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
-    report["path"] = str(path)
-    print(f"\nreport: {path}", file=out)
-    return report
+def render_tables(tables: Sequence[dict]) -> str:
+    """A record's tables (infer.bench.record.table), as the command prints them."""
+    return "\n\n".join(render_table(t["headers"], t["rows"], t.get("title")) for t in tables)

@@ -17,13 +17,14 @@ decode step streams the weights) and matmul throughput (a square matmul), both m
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
 
-from infer.bench.report import machine_info, render_table
+from infer.bench.record import new_record, table, write_record
+from infer.bench.report import render_tables
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch is imported where used: `infer --help` stays fast
 
@@ -66,19 +67,14 @@ def model_shape(model: str | None, dtype: str, quantization: str = "none") -> di
 def _quantized_bytes(net, quantization: str, nbytes: int) -> int:
     from torch import nn
 
-    from infer.quant.linear import GROUP_SIZE, HEAD_BITS, _group_for
+    from infer.quant.linear import HEAD_BITS, quantized_bytes
 
     bits = 8 if quantization == "int8" else 4
     linear_params, total = set(), 0
     for name, module in net.named_modules():
         if isinstance(module, nn.Linear):
             head = name.rpartition(".")[2] == "lm_head"
-            layer_bits = HEAD_BITS if head else bits
-            groups = (
-                1 if layer_bits == 8 else module.in_features // _group_for(module.in_features, GROUP_SIZE)
-            )
-            per_group = 4 if layer_bits == 8 else 8  # float32 scale, plus a zero point for int4
-            total += module.out_features * (module.in_features * layer_bits // 8 + groups * per_group)
+            total += quantized_bytes(module.out_features, module.in_features, HEAD_BITS if head else bits)
             linear_params.add(id(module.weight))
     embedding = id(net.input_embeddings().weight)
     rest = sum(p.numel() for p in net.parameters() if id(p) not in linear_params | {embedding})
@@ -179,12 +175,16 @@ def cmd_roofline(args: argparse.Namespace, out=None) -> int:
     shape = model_shape(args.model, args.dtype, args.quantization)
     memory = int(args.memory_gb * 1e9) if args.memory_gb is not None else total_memory_bytes()
     roof = roofline(shape, measure_bandwidth(), measure_matmul(args.dtype, args.matmul_size), memory)
-    print(
-        render_table(["Roofline", "Value"], rows(shape, roof), "== roofline (ceilings before overheads)"),
-        file=out,
-    )
+    tables = [table(["Roofline", "Value"], rows(shape, roof), "== roofline (ceilings before overheads)")]
+    print(render_tables(tables), file=out)
     if args.json is not None:
-        args.json.write_text(
-            json.dumps({"shape": shape, "roofline": roof, "machine": machine_info()}, indent=1)
+        config = {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("func", "argv")
+        }
+        command = shlex.join(["infer", *getattr(args, "argv", ["bench", "roofline"])])
+        write_record(
+            args.json, new_record("roofline", command, config, tables=tables, shape=shape, roofline=roof)
         )
     return 0

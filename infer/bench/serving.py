@@ -21,17 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from infer.bench.client import BenchError, StreamingClient, check_server, run_requests, wait_until_ready
+from infer.bench.client import BenchError, StreamingClient, resolve_model, run_requests
 from infer.bench.metrics import summarize
-from infer.bench.report import (
-    machine_info,
-    metrics_delta,
-    progress_bar,
-    render_table,
-    scrape_metrics,
-    server_info,
-    write_report,
-)
+from infer.bench.record import new_record, table, write_record
+from infer.bench.report import metrics_delta, progress_bar, render_table, scrape_metrics, server_info
 from infer.bench.workloads import SCALES, WORKLOADS, Workload, get_workloads
 
 DEFAULT_REPORT_DIR = Path("benchmarks/reports")
@@ -194,6 +187,24 @@ def comparison_table(results: list[dict]) -> str:
 # ---- the command -------------------------------------------------------------------------------------
 
 
+def serving_plots(results: list[dict]) -> list[dict]:
+    """The plots of a serving record, as data: latency per workload, and each workload's requests."""
+    summary = {"per_class": {r["name"]: r["summary"] for r in results}}
+    plots = [{"title": "TTFT and latency per workload", "plot": "latency_per_class", "args": [summary]}]
+    for i, r in enumerate(results):
+        if r["requests"]:
+            at = ["workloads", i, "requests"]
+            plots += [
+                {"title": f"{r['name']}: token heatmap", "plot": "token_heatmap", "requests_at": at},
+                {
+                    "title": f"{r['name']}: fate by input length",
+                    "plot": "fate_by_input_length",
+                    "requests_at": at,
+                },
+            ]
+    return plots
+
+
 def decode_ceiling(model: str, dtype: str) -> dict:
     """The model's shape and this machine's single-stream decode ceiling (bandwidth / weight bytes)."""
     from infer.bench.roofline import measure_bandwidth, model_shape
@@ -214,25 +225,6 @@ def _local_infer_dtype(base_url: str, server: dict) -> str | None:
     flags = server.get("flags")
     local = urlparse(base_url).hostname in ("127.0.0.1", "localhost", "::1")
     return flags.get("dtype") if server["is_infer"] and local and isinstance(flags, dict) else None
-
-
-def resolve_model(
-    base_url: str, model: str | None, api_key: str | None, wait_s: float = 60.0
-) -> tuple[str, dict]:
-    """The model to benchmark and its card; with no --model the server must serve exactly one. A server
-    still starting or loading its model is waited for, up to wait_s seconds."""
-    wait_until_ready(base_url, wait_s, log=lambda line: print(line, file=sys.stderr))
-    if model is not None:
-        return model, check_server(base_url, model, api_key)
-    import httpx
-
-    try:
-        cards = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10).json().get("data", [])
-    except (httpx.HTTPError, ValueError):
-        cards = []
-    if len(cards) != 1:
-        check_server(base_url, "", api_key)  # raises the clear error (unreachable, or lists the models)
-    return cards[0]["id"], check_server(base_url, cards[0]["id"], api_key)
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> dict:
@@ -266,23 +258,25 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
         for r in results:
             tps = r["summary"]["throughput"]["output_tokens_per_s"]
             r["summary"]["fraction_of_decode_ceiling"] = tps / ceiling["decode_ceiling_tokens_per_s"]
-        print(
-            f"\nroofline ({ceiling['model']}, {dtype}): single-stream decode ceiling "
+        ceiling_note = (
+            f"roofline ({ceiling['model']}, {dtype}): single-stream decode ceiling "
             f"{ceiling['decode_ceiling_tokens_per_s']:,.1f} tok/s; measured / ceiling: "
-            + ", ".join(f"{r['name']} {r['summary']['fraction_of_decode_ceiling']:.2f}" for r in results),
-            file=out,
+            + ", ".join(f"{r['name']} {r['summary']['fraction_of_decode_ceiling']:.2f}" for r in results)
         )
+        print("\n" + ceiling_note, file=out)
     argv = sys.argv[1:] if argv is None else argv
-    report = {
-        "kind": "serving",
-        "started": started.isoformat(),
-        "command": shlex.join([Path(sys.argv[0]).name, *argv]),
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "func"},
-        "server": server,
-        "machine": machine_info(),
-        "roofline": ceiling,
-        "workloads": results,
-    }
+    report = new_record(
+        "serving",
+        shlex.join([Path(sys.argv[0]).name, *argv]),
+        {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("func", "argv")},
+        started=started.isoformat(),
+        server=server,
+        tables=[table(*comparison_spec(results)), *(table(*detail_spec(r)) for r in results)],
+        notes=[ceiling_note] if ceiling else [],
+        plots=serving_plots(results),
+        roofline=ceiling,
+        workloads=results,
+    )
     if not args.no_save:
         args.report_dir.mkdir(parents=True, exist_ok=True)
         stamp = started.strftime("%Y%m%d-%H%M%S")
@@ -290,7 +284,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
             args.report_dir
             / f"serving-{model.replace('/', '_')}-{args.workload.replace(',', '+')}-{stamp}.json"
         )
-        write_report(path, report, out)
+        write_record(path, report, out)
         if not args.no_report:
             from infer.bench.html_report import write_run_html
 

@@ -29,8 +29,9 @@ Four phases, each ending with a verdict:
             stop lists, tool lists): its TTFT and ITL p99 must stay within --fairness-bound (2x) of alone
             (infer/bench/stress_fairness.py).
 
-A table on stdout, a JSON report (benchmarks/reports/stress-*.json, or --out); exit status 1 when a verdict
-fails. Short forms run in the tests (tests/bench/test_bench_stress.py); the long one, on an idle machine:
+A table on stdout, a JSON record (benchmarks/reports/stress-*.json, or --out) and its HTML page beside it
+(unless --no-report); exit status 1 when a verdict fails. Short forms run in the tests
+(tests/bench/test_bench_stress.py); the long one, on an idle machine:
 
     infer bench stress --phases aborts,overload,soak --aborts 1000 --overload-seconds 60 --soak-seconds 1800
 """
@@ -44,11 +45,10 @@ import shlex
 import sys
 from pathlib import Path
 
-import httpx
-
-from infer.bench.client import BenchError, check_server
+from infer.bench.client import BenchError, resolve_model
 from infer.bench.launch import LaunchedServer
-from infer.bench.report import machine_info, render_table, write_report
+from infer.bench.record import new_record, table, write_record
+from infer.bench.report import fetch_server_info, render_tables
 from infer.bench.stress_checks import LeakLimits
 from infer.bench.stress_fairness import KINDS, run_fairness
 from infer.bench.stress_phases import run_aborts, run_overload, run_soak
@@ -93,6 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds for a launched server")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="report path (default benchmarks/reports/...)")
+    p.add_argument("--no-report", action="store_true", help="no HTML report beside the JSON one")
 
 
 def parse_phases(text: str) -> list[str]:
@@ -102,32 +103,13 @@ def parse_phases(text: str) -> list[str]:
     return [p for p in PHASES if p in phases]
 
 
-def server_info(url: str, api_key: str | None) -> dict:
-    """Our server's /server_info; {} elsewhere."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        info = httpx.get(url + "/server_info", headers=headers, timeout=10).json()
-    except (httpx.HTTPError, ValueError):
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
 def admission_bound(url: str, api_key: str | None) -> int | None:
     """max_num_seqs + max_queued_requests from our server's /server_info; None elsewhere."""
-    info = server_info(url, api_key)
+    info = fetch_server_info(url, api_key) or {}
     try:
         return int(info["engine"]["max_num_seqs"]) + int(info["server"]["max_queued_requests"])
     except (KeyError, TypeError, ValueError):
         return None
-
-
-def served_model(url: str, api_key: str | None) -> dict:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        cards = httpx.get(url + "/v1/models", headers=headers, timeout=10).json().get("data", [])
-    except (httpx.HTTPError, ValueError, AttributeError):
-        cards = []
-    return check_server(url, cards[0]["id"] if cards else "", api_key)  # raises the clear error
 
 
 def _figures(phase: str, result: dict) -> str:
@@ -148,7 +130,7 @@ def _figures(phase: str, result: dict) -> str:
             f"/h; idle fds {leak['fds_idle_before_after'] or '-'}")  # fmt: skip
 
 
-def print_results(phases: dict, out) -> None:
+def results_table(phases: dict) -> dict:
     rows = []
     for phase, result in phases.items():
         counts = ", ".join(f"{k} {v}" for k, v in sorted(result["counts"].items(), key=lambda kv: -kv[1]))
@@ -156,10 +138,11 @@ def print_results(phases: dict, out) -> None:
         rows.append([phase, result["num_requests"], f"{result['duration_s']:.0f}", counts,
                      _figures(phase, result), verdict])  # fmt: skip
     headers = ["Phase", "Requests", "Seconds", "Outcomes", "Figures", "Verdict"]
-    print(render_table(headers, rows, "== stress: storms and soak"), file=out)
-    for phase, result in phases.items():
-        if result.get("note"):
-            print(f"note ({phase}): {result['note']}", file=out)
+    return table(headers, rows, "== stress: storms and soak")
+
+
+def result_notes(phases: dict) -> list[str]:
+    return [f"note ({phase}): {result['note']}" for phase, result in phases.items() if result.get("note")]
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> dict:
@@ -183,7 +166,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
             launched.start()
         url = launched.url if launched else args.server.rstrip("/")
         pid = launched.proc.pid if launched else args.pid
-        card = served_model(url, args.api_key)
+        _, card = resolve_model(url, None, args.api_key, wait_s=0)
         model, max_model_len = card["id"], card.get("max_model_len")
         results = {}
         for phase in phases:
@@ -198,32 +181,44 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
             elif phase == "soak":
                 results[phase] = asyncio.run(run_soak(url, model, args, pid, max_model_len))
             else:
-                max_num_seqs = server_info(url, args.api_key).get("engine", {}).get("max_num_seqs")
+                max_num_seqs = (
+                    (fetch_server_info(url, args.api_key) or {}).get("engine", {}).get("max_num_seqs")
+                )
                 results[phase] = asyncio.run(run_fairness(url, model, args, max_model_len, max_num_seqs))
     finally:
         if launched is not None:
             launched.stop()
-    print_results(results, out)
+    tables, notes = [results_table(results)], result_notes(results)
+    print(render_tables(tables), file=out)
+    for line in notes:
+        print(line, file=out)
     argv = sys.argv[1:] if argv is None else argv
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
               if k not in ("func", "argv", "api_key")}  # fmt: skip
-    report = {
-        "kind": "stress",
-        "started": started.isoformat(),
-        "command": shlex.join([Path(sys.argv[0]).name, *argv]),
-        "config": config,
-        "server": {
-            "url": url,
-            "model_card": card,
-            "pid": pid,
-            "launched": shlex.join(launched.cmd) if launched else None,
-            "log": str(launched.log_path) if launched else None,
-        },
-        "machine": machine_info(),
-        "phases": results,
-        "passed": not any(r["problems"] for r in results.values()),
+    server = {
+        "url": url,
+        "model_card": card,
+        "pid": pid,
+        "launched": shlex.join(launched.cmd) if launched else None,
+        "log": str(launched.log_path) if launched else None,
     }
-    return write_report(path, report, out)
+    report = new_record(
+        "stress",
+        shlex.join([Path(sys.argv[0]).name, *argv]),
+        config,
+        started=started.isoformat(),
+        server=server,
+        tables=tables,
+        notes=notes,
+        phases=results,
+        passed=not any(r["problems"] for r in results.values()),
+    )
+    write_record(path, report, out)
+    if not args.no_report:
+        from infer.bench.html_report import write_html
+
+        write_html(path, report, out=out)
+    return report
 
 
 def cmd_stress(args: argparse.Namespace) -> int:

@@ -28,18 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import secrets
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
-from infer.bench.client import RequestSpec, StreamingClient, check_server, run_requests
+from infer.bench.client import RequestSpec, StreamingClient, resolve_model, run_requests
 from infer.bench.launch import LaunchedServer
 from infer.bench.metrics import goodput, stable_window, summarize
-from infer.bench.report import machine_info, progress_bar, render_table, scrape_metrics
+from infer.bench.record import new_record, table, write_record
+from infer.bench.report import progress_bar, render_tables, scrape_metrics
 from infer.bench.traffic_config import arrivals_of, build_requests, load_experiments, request_classes
 
 
@@ -103,7 +103,7 @@ def run_experiment(name: str, cfg: dict, out_dir: Path, log=print, trace: bool =
         server.start()
     try:
         url = server.url if server else cfg["server"]["url"]
-        card = check_server(url, cfg["server"]["model"] or _only_model(url), cfg["server"].get("api_key"))
+        _, card = resolve_model(url, cfg["server"]["model"], cfg["server"].get("api_key"), wait_s=0)
         specs = build_requests(cfg, secrets.token_hex(4))
         log(f"-- {name}: {len(specs)} requests, {arrivals_of(cfg).describe()}, {url}")
         records, timeline = asyncio.run(_run(cfg, url, card["id"], specs))
@@ -126,14 +126,6 @@ def run_experiment(name: str, cfg: dict, out_dir: Path, log=print, trace: bool =
 
     plots.experiment_plots(records, summary, exp_dir)
     return summary
-
-
-def _only_model(url: str) -> str:
-    try:
-        cards = httpx.get(url.rstrip("/") + "/v1/models", timeout=10).json().get("data", [])
-    except (httpx.HTTPError, ValueError):
-        cards = []
-    return cards[0]["id"] if len(cards) == 1 else ""  # "" lets check_server explain
 
 
 def safe_name(name: str) -> str:
@@ -164,24 +156,31 @@ EXPERIMENT_HEADERS = ["Experiment", "Stable", "OK/all", "Tok/s", "Good tok/s", "
                       "ITL P95", "Disp P99"]  # fmt: skip
 
 
-def table_specs(
+def result_tables(
     summaries: list[dict], classes: list[str], names: list[str], matrix: list[list]
-) -> list[tuple]:
-    """The two tables as (headers, rows, title): printed by run_config, drawn by the HTML report."""
+) -> list[dict]:
+    """The two tables (infer.bench.record.table): printed by run_config, and kept in its record."""
     cells = [
         [c] + ["-" if v is None else f"{100 * v:.0f}%" for v in row]
         for c, row in zip(classes, matrix, strict=True)
     ]
     return [
-        (EXPERIMENT_HEADERS, experiment_rows(summaries), "== experiments (ms; stable window)"),
-        (["Class", *names], cells, "== SLO compliance (class x experiment)"),
+        table(EXPERIMENT_HEADERS, experiment_rows(summaries), "== experiments (ms; stable window)"),
+        table(["Class", *names], cells, "== SLO compliance (class x experiment)"),
     ]
 
 
 def run_config(
-    config_path: Path, out_dir: Path, only: list[str] | None = None, out=None, trace: bool = False
+    config_path: Path,
+    out_dir: Path,
+    only: list[str] | None = None,
+    out=None,
+    trace: bool = False,
+    command: str | None = None,
 ) -> dict:
+    """Run the experiments of a config; print the tables; write OUT/tradeoff.json (the record), .md, .png."""
     out = sys.stdout if out is None else out
+    started = datetime.datetime.now(datetime.UTC)
     experiments = load_experiments(Path(config_path).read_text())
     if only:
         missing = [n for n in only if n not in experiments]
@@ -194,16 +193,44 @@ def run_config(
         for n, cfg in experiments.items()
     ]
     classes, names, matrix = tradeoff(summaries)
-    experiments_spec, compliance_spec = table_specs(summaries, classes, names, matrix)
-    print("\n" + render_table(*experiments_spec), file=out)
-    table = render_table(*compliance_spec)
-    print("\n" + table, file=out)
-    (out_dir / "tradeoff.md").write_text(table + "\n")
-    result = {"config": str(config_path), "machine": machine_info(), "classes": classes, "experiments": names,
-              "compliance": matrix}  # fmt: skip
-    (out_dir / "tradeoff.json").write_text(json.dumps(result, indent=1))
+    tables = result_tables(summaries, classes, names, matrix)
+    print("\n" + render_tables(tables), file=out)
+    (out_dir / "tradeoff.md").write_text(render_tables(tables[1:]) + "\n")
     from infer.bench import plots
 
     plots.tradeoff_plot(classes, names, matrix, out_dir / "tradeoff.png")
+    pngs = [{"title": "tradeoff matrix", "png": "tradeoff.png"}]
+    for s in summaries:
+        for name in ("heatmap", "fate", "latency", "timeline", "goodput"):
+            pngs.append(
+                {"title": f"{s['experiment']}: {name}", "png": f"{safe_name(s['experiment'])}/{name}.png"}
+            )
+    record = new_record(
+        "traffic",
+        command or f"infer bench traffic --config {config_path} --out {out_dir}",
+        {"config": str(config_path), "out": str(out_dir), "only": only, "trace": trace},
+        started=started.isoformat(),
+        tables=tables,
+        plots=pngs,
+        details=[
+            {
+                "title": f"experiment {s['experiment']}: configuration",
+                "values": {"url": s.get("url"), **s.get("config", {})},
+            }
+            for s in summaries
+        ],
+        traces=[
+            {
+                "title": f"experiment {s['experiment']}: per-request timeline",
+                "path": f"{safe_name(s['experiment'])}/{TRACE_NAME}",
+            }
+            for s in summaries
+            if (out_dir / safe_name(s["experiment"]) / TRACE_NAME).is_file()
+        ],
+        classes=classes,
+        experiments=names,
+        compliance=matrix,
+    )
+    write_record(out_dir / "tradeoff.json", record)
     print(f"\noutputs: {out_dir}", file=out)
-    return {"summaries": summaries, **result}
+    return {"summaries": summaries, **record}

@@ -37,10 +37,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from infer.core.slo import LateRequest, Objectives
 from infer.deploy.routing import ROUTERS
 from infer.engine.async_engine import CompileQueueFull, RequestFailed
-from infer.engine.llm_engine import StepOutput
+from infer.engine.llm_engine import StepOutput, grammar_compiler
 from infer.engine.tokenizer import load_tokenizer
 from infer.models.loader import resolve_model_path
-from infer.runner.grammar import GrammarCompiler
 from infer.sampling_params import SamplingParams
 from infer.server.args import ServerArgs
 from infer.server.metrics import PREFIX, Metrics
@@ -73,14 +72,7 @@ class EngineView:
         self.trace = None  # refused at start with --replicas (infer.deploy.args)
         path = resolve_model_path(self.config.model, self.config.load_format)
         self.tokenizer = load_tokenizer(path, self.config.tokenizer)  # as LLMEngine finds it
-        self.grammars = GrammarCompiler.for_tokenizer(
-            self.tokenizer,
-            self.model_config.vocab_size,
-            cache_mb=self.config.grammar_cache_mb,
-            max_compiling=self.config.max_grammar_compilations,
-            max_queued=self.config.max_queued_grammars,
-            timeout_s=self.config.grammar_compile_timeout,
-        )
+        self.grammars = grammar_compiler(self.config, self.tokenizer, self.model_config.vocab_size)
 
 
 @dataclasses.dataclass

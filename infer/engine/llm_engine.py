@@ -95,6 +95,19 @@ def prompt_logprob_token_cost(model, model_config) -> float:
     return 1.0 + 2 * head / body
 
 
+def grammar_compiler(config: EngineConfig, tokenizer, vocab_size: int) -> GrammarCompiler:
+    """The compiler of structured-output grammars that the engine's flags configure (deploy's ingress
+    builds one too: it checks a request's grammar before routing it)."""
+    return GrammarCompiler.for_tokenizer(
+        tokenizer,
+        vocab_size,
+        cache_mb=config.grammar_cache_mb,
+        max_compiling=config.max_grammar_compilations,
+        max_queued=config.max_queued_grammars,
+        timeout_s=config.grammar_compile_timeout,
+    )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -110,14 +123,7 @@ class LLMEngine:
         tp = ranks.tp if ranks else SINGLE
         model, self.model_config, path = load_engine_model(config, tp)
         self.tokenizer = load_tokenizer(path, config.tokenizer)
-        self.grammars = GrammarCompiler.for_tokenizer(
-            self.tokenizer,
-            self.model_config.vocab_size,
-            cache_mb=config.grammar_cache_mb,
-            max_compiling=config.max_grammar_compilations,
-            max_queued=config.max_queued_grammars,
-            timeout_s=config.grammar_compile_timeout,
-        )
+        self.grammars = grammar_compiler(config, self.tokenizer, self.model_config.vocab_size)
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
         model_dtype = next(model.parameters()).dtype
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)

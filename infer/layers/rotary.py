@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from infer import kernels
-from infer.models.config import RopeConfig
+from infer.layers.rope_config import RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

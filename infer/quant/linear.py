@@ -180,7 +180,7 @@ def pack_kernel(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def quantize_model(model: nn.Module, method: str, group_size: int = GROUP_SIZE) -> dict:
     """Swap every nn.Linear of `model` for a QuantizedLinear of its weight, quantized here (round to
-    nearest): int8 per output channel, or int4 in groups of `group_size` (see _group_for); the LM head
+    nearest): int8 per output channel, or int4 in groups of `group_size` (see group_size_for); the LM head
     in int8 either way. A tied head gets its own codes (the embedding keeps its weight for lookups).
     Returns a summary for logs and /server_info."""
     if method not in QUANTIZATION_METHODS:
@@ -194,7 +194,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = GROUP_SIZE) 
             if type(child) not in (nn.Linear, MergedLinear):
                 continue
             layer_bits = HEAD_BITS if name == "lm_head" else bits
-            group = None if layer_bits == 8 else _group_for(child.in_features, group_size)
+            group = None if layer_bits == 8 else group_size_for(child.in_features, group_size)
             qweight = quantize(child.weight, layer_bits, group)
             new = QuantizedLinear(
                 qweight, child.bias, child.weight.dtype, getattr(child, "output_sizes", None)
@@ -204,7 +204,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = GROUP_SIZE) 
     return summarize(method, swapped)
 
 
-def _group_for(in_features: int, group_size: int) -> int:
+def group_size_for(in_features: int, group_size: int) -> int:
     """group_size, or the largest of its halves down to 32 that divides the inputs (tiny test models),
     or one group per row."""
     while group_size >= 32:
@@ -212,6 +212,15 @@ def _group_for(in_features: int, group_size: int) -> int:
             return group_size
         group_size //= 2
     return in_features
+
+
+def quantized_bytes(out_features: int, in_features: int, bits: int, group_size: int = GROUP_SIZE) -> int:
+    """Bytes of one linear's weight as quantize_model stores it, without quantizing it: the codes (two to a
+    byte for int4), and per output channel (int8) or per group (int4) a float32 scale, and for int4 a
+    float32 zero point."""
+    groups = 1 if bits == 8 else in_features // group_size_for(in_features, group_size)
+    per_group = 4 if bits == 8 else 8
+    return out_features * (in_features * bits // 8 + groups * per_group)
 
 
 def swap_quantized(net: nn.Module, pending: dict[str, Callable[..., QuantizedWeight]], packed: dict) -> dict:

@@ -1,11 +1,11 @@
-"""`python -m infer.server --model MODEL [flags]`: see infer.server.args for the flags."""
+"""`python -m infer.server --model MODEL [flags]`: one engine in this process; see infer.server.args for
+the flags. `infer serve` takes the same flags and also `--replicas N` (infer.deploy)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from infer.deploy.args import add_replica_args, replica_args
 from infer.server.args import add_server_args, parse_server_args
 
 
@@ -16,16 +16,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m infer.server", po
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_server_args(parser, positional_model)
-    add_replica_args(parser)
     try:
         args = parse_server_args(parser, argv)
-        replicas = replica_args(parser.parse_args(argv))  # --config's values are the defaults by now
-        if replicas is not None:  # N engine replicas on Ray Serve (the `ray` extra), infer.deploy
-            try:
-                from infer.deploy.app import run as run_replicas
-            except ImportError as exc:
-                raise ValueError(f"--replicas needs Ray Serve: pip install 'infer[ray]' ({exc})") from exc
-            return run_replicas(args, replicas)
     except ValueError as exc:  # bad flag values or config file: say what to do, no traceback
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -24,11 +24,8 @@ from infer.config import (
     LOAD_FORMATS,
     POLICIES,
     QUANTIZATION_METHODS,
-    CacheConfig,
     EngineConfig,
-    check_local_ranks,
 )
-from infer.core.slo import SloClasses
 from infer.server.auth import check_keys, owner_of, read_key_file, split_keys
 from infer.server.reasoning import REASONING_PARSERS
 from infer.server.tool_parsers import TOOL_PARSERS
@@ -473,19 +470,9 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
     fields = {k: getattr(args, k) for k in _ENGINE_DEFAULTS if hasattr(args, k)}
     model = getattr(args, "model_arg", None) or args.model
     engine = EngineConfig(**{**fields, "model": model})
-    engine.scheduler_config(engine.max_model_len or 1)  # an impossible combination fails before loading
-    check_local_ranks(engine.tensor_parallel_size)
-    from infer.models.loader import check_model_files
+    from infer.engine.config_check import check_engine_config
 
-    check_model_files(engine.model, engine.load_format)  # a bad GGUF file fails now, with exit code 2
-    if engine.slo_config is not None:  # a bad file fails now, not after loading the model
-        SloClasses.from_file(engine.slo_config)
-    CacheConfig(
-        num_blocks=engine.num_kv_blocks or 1,
-        block_size=engine.block_size,
-        enable_prefix_caching=engine.enable_prefix_caching,
-        kv_cache_backend=engine.kv_cache_backend,
-    )
+    check_engine_config(engine)  # what would fail at load fails now, with exit code 2
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if args.responses_store_mb < 0:

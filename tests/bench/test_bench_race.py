@@ -139,7 +139,8 @@ def test_report_shape_is_json():
         "2026-01-01T00:00:00", "infer bench race", {"rounds": 1}, servers, runs, figures
     )
     again = json.loads(json.dumps(report))
-    assert set(again) == {"kind", "started", "command", "config", "servers", "machine", "figures", "runs"}
+    record_keys = {"kind", "record_version", "started", "command", "config", "server", "machine", "tables"}
+    assert record_keys | {"notes", "plots", "details", "traces", "servers", "figures", "runs"} == set(again)
     assert again["kind"] == "race" and again["servers"]["infer"]["cmd"] == "infer serve"
     assert again["machine"]["num_cpus"] >= 1 and again["figures"][0]["infer"]["tok_s"] == [50.0]
 

@@ -1,6 +1,7 @@
-"""The offline HTML report (`infer bench report`) from small report JSONs built with the
-benchmarks' own functions (no server), the per-request Gantt from a synthetic engine trace, and the page
-opened in a real headless Chromium (skipped, saying why, where there is none)."""
+"""The offline HTML report (`infer bench report`) from small records built with the benchmarks' own
+functions (no server): every command's record through the one renderer, files from before records said
+their kind, the per-request Gantt from a synthetic engine trace, and the page opened in a real headless
+Chromium (skipped, saying why, where there is none)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from infer.bench.arrivals import Arrivals
 from infer.bench.cli import add_bench_parsers
 from infer.bench.html_report import Page, find_report, timeline_section, write_html
 from infer.bench.metrics import RequestRecord, summarize
-from infer.bench.report import fmt, machine_info
+from infer.bench.record import new_record, read_record, table, write_record
+from infer.bench.report import fmt
 from infer.bench.request_timeline import request_timelines
 
 pytest.importorskip("matplotlib")
@@ -45,16 +47,19 @@ def serving_report() -> dict:
         "summary": summarize(records),
         "requests": [r.to_dict() for r in records],
     }
-    return {
-        "kind": "serving",
-        "started": "2026-11-24T10:15:00+00:00",
-        "command": "infer bench serve --workload baseline --scale tiny --seed 42",
-        "config": {"workload": "baseline", "scale": "tiny", "seed": 42},
-        "server": {"url": "http://127.0.0.1:8000", "is_infer": True, "flags": {"dtype": "float32"}},
-        "machine": machine_info(),
-        "roofline": None,
-        "workloads": [result],
-    }
+    from infer.bench.serving import comparison_spec, detail_spec, serving_plots
+
+    return new_record(
+        "serving",
+        "infer bench serve --workload baseline --scale tiny --seed 42",
+        {"workload": "baseline", "scale": "tiny", "seed": 42},
+        started="2026-11-24T10:15:00+00:00",
+        server={"url": "http://127.0.0.1:8000", "is_infer": True, "flags": {"dtype": "float32"}},
+        tables=[table(*comparison_spec([result])), table(*detail_spec(result))],
+        plots=serving_plots([result]),
+        roofline=None,
+        workloads=[result],
+    )
 
 
 def async_pair(name: str, req_id: str, b: float, e: float, args: dict | None = None) -> list[dict]:
@@ -140,27 +145,215 @@ def test_gantt_has_one_bar_per_slice_from_the_trace():
     assert page.num_images == 2 and body.count("<tr><td>r") == 3 and "(open)" in body
 
 
-def test_client_and_micro_reports_and_finding_the_newest(tmp_path):
-    batches = [
-        {"mode": m, "batch_size": n, "avg_ttft_ms": 10.0 * n, "tokens_per_s": 100.0 + n, "success_rate": 1.0}
-        for m in ("sequential", "concurrent") for n in (1, 2)
-    ]  # fmt: skip
-    cache = {"prompt_tokens": 160, "cold_ttft_ms": 50.0, "avg_warm_ttft_ms": 12.5, "speedup": 0.75,
-             "cold_cached_tokens": 0, "warm_cached_tokens": [144, 144]}  # fmt: skip
-    client = {"kind": "client", "command": "infer bench client --sizes 1,2", "config": {},
-              "machine": machine_info(), "cache": cache, "batches": batches}  # fmt: skip
-    (tmp_path / "client-m-1.json").write_text(json.dumps(client))
+BATCHES = [
+    {"mode": m, "batch_size": n, "avg_ttft_ms": 10.0 * n, "tokens_per_s": 100.0 + n, "success_rate": 1.0}
+    for m in ("sequential", "concurrent")
+    for n in (1, 2)
+]
+CACHE = {
+    "prompt_tokens": 160,
+    "cold_ttft_ms": 50.0,
+    "avg_warm_ttft_ms": 12.5,
+    "speedup": 0.75,
+    "cold_cached_tokens": 0,
+    "warm_cached_tokens": [144, 144],
+}
+MICRO_CASE = {
+    "name": "short",
+    "knobs": {"prompt_len": 8},
+    "modes": {"no_cache": {"tok_s": 10.0, "gen_tok": 16}, "kv_cache": {"tok_s": 25.0, "gen_tok": 16}},
+    "ratios": {"speedup": 2.5},
+}
+
+
+def client_record() -> dict:
+    from infer.bench.client_latency import result_plots, result_tables
+
+    result = {"cache": CACHE, "batches": BATCHES}
+    return new_record(
+        "client",
+        "infer bench client --sizes 1,2",
+        {},
+        tables=result_tables(result),
+        plots=result_plots(result),
+        **result,
+    )
+
+
+def micro_record() -> dict:
+    from infer.bench.micro.report import BenchResult, CaseResult, Verdict, record
+
+    case = CaseResult(**MICRO_CASE)
+    bench = BenchResult("kv-cache", [case], [Verdict("short", True, "2.50x >= 2x")], {"sweep": [MICRO_CASE]})
+    return record({"command": "python -m infer.bench.micro kv-cache", "scale": "small"}, [bench])
+
+
+def traffic_record() -> dict:
+    from infer.bench.traffic import result_tables
+
+    latency = {"p50": 20.0, "p95": 30.0, "p99": 40.0}
+    summary = {
+        "experiment": "fcfs",
+        "stable": {
+            "num_requests": 8,
+            "throughput": {"output_tokens_per_s": 90.0},
+            "ttft_ms": latency,
+            "itl_ms": latency,
+            "dispatch_delay_ms": latency,
+        },
+        "all": {"num_ok": 8, "num_requests": 8},
+        "goodput": {"goodput_tokens_per_s": 80.0, "per_class": {"chat": {"compliance": 0.75}}},
+    }
+    tables = result_tables([summary], ["chat"], ["fcfs"], [[0.75]])
+    return new_record(
+        "traffic",
+        "infer bench traffic --config c.yaml",
+        {"config": "c.yaml"},
+        tables=tables,
+        plots=[{"title": "tradeoff matrix", "png": "tradeoff.png"}],
+        classes=["chat"],
+        experiments=["fcfs"],
+        compliance=[[0.75]],
+    )
+
+
+def race_record() -> dict:
+    from infer.bench import race
+
+    runs = [
+        {
+            "side": "infer",
+            "round": 0,
+            "error": None,
+            "results": [
+                {
+                    "concurrency": 1,
+                    "requests": [],
+                    "summary": {
+                        "num_errors": 0,
+                        "throughput": {"output_tokens_per_s": 50.0},
+                        "itl_ms": {"p50": 10.0, "p99": 20.0},
+                        "ttft_ms": {"p50": 50.0},
+                    },
+                    "token_counts": {
+                        "prompt_tokens_seen": [128],
+                        "num_prompt_mismatch": 0,
+                        "num_output_mismatch": 0,
+                    },
+                }
+            ],
+        }
+    ]
+    figures = race.race_figures(runs, [1])
+    tables = [table(race.HEADERS, race.race_rows(figures, "embedded"), "== race: 1 round")]
+    servers = {"infer": race.ServerSpec("infer", ["infer", "serve"], "http://x").describe(), "peer": None}
+    return race.build_report("2026-01-01T00:00:00", "infer bench race", {}, servers, runs, figures, tables)
+
+
+def stress_record() -> dict:
+    from infer.bench.stress import results_table
+
+    aborts = {
+        "counts": {"aborted": 3, "ok": 1},
+        "problems": [],
+        "num_requests": 4,
+        "duration_s": 2.0,
+        "idle": {"settle_s": 0.5},
+        "engine_aborts": 3,
+    }
+    return new_record(
+        "stress",
+        "infer bench stress --phases aborts",
+        {},
+        tables=[results_table({"aborts": aborts})],
+        phases={"aborts": aborts},
+        passed=True,
+    )
+
+
+def roofline_record() -> dict:
+    from infer.bench import roofline
+
+    shape = {
+        "model": "toy",
+        "num_params": 1000,
+        "architecture": "LlamaForCausalLM",
+        "dtype": "bfloat16",
+        "weight_bytes": 2000,
+        "kv_bytes_per_token": 64,
+        "max_position_embeddings": 128,
+        "flops_per_token": 2000,
+    }
+    roof = roofline.roofline(shape, bandwidth=4_000.0, flops=1e6, memory_bytes=12_000)
+    tables = [table(["Roofline", "Value"], roofline.rows(shape, roof), "== roofline")]
+    return new_record("roofline", "infer bench roofline", {}, tables=tables, shape=shape, roofline=roof)
+
+
+RECORDS = {
+    "serving": serving_report,
+    "client": client_record,
+    "micro": micro_record,
+    "traffic": traffic_record,
+    "race": race_record,
+    "stress": stress_record,
+    "roofline": roofline_record,
+}
+
+
+@pytest.mark.parametrize("kind", list(RECORDS))
+def test_every_commands_record_renders_through_the_one_renderer(kind, tmp_path):
+    record = RECORDS[kind]()
+    assert record["kind"] == kind and record["tables"]
+    path = write_record(tmp_path / f"{kind}.json", record)["path"]
+    text = write_html(find_report(tmp_path), out=io.StringIO()).read_text()
+    assert f"infer bench {kind}: {kind}" in text and record["command"] in text
+    for t in read_record(path)["tables"]:  # every table, every cell as the terminal prints it
+        assert t["title"].removeprefix("== ") in text
+        for row in t["rows"]:
+            for c in row:
+                assert html_escape(c if isinstance(c, str) else fmt(c)) in text
+
+
+def html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
+
+
+def test_client_and_micro_pages_hold_their_figures(tmp_path):
+    write_record(tmp_path / "client-m-1.json", client_record())
     text = write_html(find_report(tmp_path), out=io.StringIO()).read_text()
     assert "<td>12.5</td>" in text and "<td>102.0</td>" in text and len(images(text)) == 1
-    case = {"name": "short", "knobs": {"prompt_len": 8}, "modes": {"no_cache": {"tok_s": 10.0, "gen_tok": 16},
-            "kv_cache": {"tok_s": 25.0, "gen_tok": 16}}, "ratios": {"speedup": 2.5}}  # fmt: skip
-    verdict = {"case": "short", "passed": True, "text": "2.50x >= 2x", "line": "PASS short: 2.50x >= 2x"}
-    bench = {"cases": [case], "verdicts": [verdict], "sweep": [case]}
-    micro = {"meta": {"command": "python -m infer.bench.micro kv-cache", "scale": "small", "machine": {}},
-             "benchmarks": {"kv-cache": bench}}  # fmt: skip
-    (tmp_path / "micro.json").write_text(json.dumps(micro))
+    write_record(tmp_path / "micro.json", micro_record())
     text = write_html(tmp_path / "micro.json", out=io.StringIO()).read_text()
     assert "<td>25.00</td>" in text and "<td>2.50x</td>" in text and "PASS short: 2.50x" in text
+
+
+def test_race_and_stress_pages_hold_their_tables(tmp_path):
+    write_record(tmp_path / "race.json", race_record())
+    text = write_html(tmp_path / "race.json", out=io.StringIO()).read_text()
+    assert "<th>infer tok/s</th>" in text and "<td>embedded</td>" in text and "<td>50.0</td>" in text
+    write_record(tmp_path / "stress.json", stress_record())
+    text = write_html(tmp_path / "stress.json", out=io.StringIO()).read_text()
+    assert "stress: storms and soak" in text and "<td>aborts</td>" in text and "<td>pass</td>" in text
+
+
+def test_files_written_before_records_are_read_with_their_kind(tmp_path):
+    micro = {
+        "meta": {"command": "python -m infer.bench.micro kv-cache", "scale": "small", "machine": {}},
+        "benchmarks": {"kv-cache": {"cases": [MICRO_CASE], "verdicts": [], "sweep": []}},
+    }
+    (tmp_path / "micro.json").write_text(json.dumps(micro))
+    record = read_record(tmp_path / "micro.json")
+    assert record["kind"] == "micro" and record["command"] == micro["meta"]["command"]
+    text = write_html(tmp_path / "micro.json", out=io.StringIO()).read_text()
+    assert "infer bench micro" in text and "written before reports kept their tables" in text
+    client = {"kind": "client", "command": "infer bench client", "config": {}, "cache": CACHE, "batches": []}
+    (tmp_path / "client.json").write_text(json.dumps(client))
+    assert read_record(tmp_path / "client.json")["kind"] == "client"
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": []}))
+    with pytest.raises(ValueError, match="not a report"):
+        read_record(tmp_path / "trace.json")
 
 
 def chromium() -> str | None:

@@ -62,11 +62,12 @@ def title(pid: int) -> str:
 
 
 class ReplicaServer(ServerProcess):
-    """`python -m infer.server --replicas 2 ...` on a free port; stop() leaves no Ray process behind."""
+    """`python -m infer serve --replicas 2 ...` on a free port; stop() leaves no Ray process behind."""
 
     def __init__(self, args: list[str], log_path: Path):
         env = {"PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0"}
         super().__init__(args, log_path, env=env, new_session=True)
+        self.command = ["-m", "infer", "serve"]
 
     def start(self) -> ReplicaServer:
         return super().start(timeout=START_TIMEOUT_S)
@@ -107,7 +108,7 @@ def test_more_replicas_than_cores_are_refused_at_start():
     cores = len(os.sched_getaffinity(0))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, "-m", "infer.server", "--replicas", str(cores + 1), "--port", str(free_port())],
+        [sys.executable, "-m", "infer", "serve", "--replicas", str(cores + 1), "--port", str(free_port())],
         capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
     )  # fmt: skip
     assert done.returncode == 2

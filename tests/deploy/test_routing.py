@@ -171,3 +171,29 @@ def test_replica_flags():
         parse(["--replicas", "2", "--trace", "t.json"])
     with pytest.raises(ValueError, match="--tensor-parallel-size is not supported with --replicas"):
         parse(["--replicas", "2", "--tensor-parallel-size", "2"])
+
+
+def test_infer_serve_hands_replicas_to_deploy_and_one_engine_to_the_server(monkeypatch):
+    import sys
+    import types
+
+    from infer import cli
+
+    ran = []
+    monkeypatch.setattr("infer.server.launch.run", lambda args: ran.append(("server", args.port)) or 0)
+    app = types.ModuleType("infer.deploy.app")  # stands in for the Ray Serve application
+    app.run = lambda args, replicas: ran.append(("replicas", replicas.replicas)) or 0
+    monkeypatch.setitem(sys.modules, "infer.deploy.app", app)
+    assert cli.main(["serve", "--port", "9001"]) == 0
+    assert cli.main(["serve", "--replicas", "2", "--port", "9002"]) == 0
+    assert ran == [("server", 9001), ("replicas", 2)]
+
+
+def test_replicas_without_ray_say_what_to_install(monkeypatch, capsys):
+    import sys
+
+    from infer import cli
+
+    monkeypatch.setitem(sys.modules, "infer.deploy.app", None)  # an import of it raises ImportError
+    assert cli.main(["serve", "--replicas", "2"]) == 2
+    assert "pip install 'infer[ray]'" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infer.engine.tokenizer import Tokenizer
-from infer.models.generate import generate
+from infer.eval.generate import generate
 from infer.models.loader import EMBEDDED_MODEL, load_model, num_parameters
 from infer.models.toy import TEXT as TOY_TEXT
 

@@ -16,9 +16,9 @@ import torch
 from infer import kernels
 from infer.config import EngineConfig
 from infer.engine.llm import LLM
+from infer.eval.perplexity import decode_nll, held_out_text, perplexity
 from infer.layers import attention as attention_module
 from infer.layers.attention import AttentionMetadata
-from infer.quant.perplexity import decode_nll, held_out_text, perplexity
 from infer.runner.kv_cache import warn_unserved_fp8
 from infer.sampling_params import SamplingParams
 from tests.models.test_kernels import _ops, make_step, reference

@@ -53,7 +53,7 @@ def test_rms_norm_and_fused_add_match_the_reference(dtype, rows, width, monkeypa
 @torch.no_grad()
 def test_rotary_in_place_on_views_of_qkv(dtype, monkeypatch):
     _ops()
-    from infer.models.config import RopeConfig
+    from infer.layers.rope_config import RopeConfig
 
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim=64, max_positions=300)
     gen = torch.Generator().manual_seed(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from infer.eval.generate import generate
 from infer.layers.attention import AttentionMetadata
-from infer.models.generate import generate
 from infer.models.loader import load_model
 
 from .tiny_models import VARIANTS, save_tiny_model

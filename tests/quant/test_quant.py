@@ -10,10 +10,10 @@ from safetensors.torch import load_file, save_file
 
 from infer import kernels
 from infer.engine.llm import LLM
+from infer.eval.perplexity import decode_nll, held_out_text, perplexity
 from infer.models.loader import EMBEDDED_MODEL, load_model
 from infer.quant import linear as quant_linear
-from infer.quant.linear import QuantizedLinear, _group_for, quantize_model
-from infer.quant.perplexity import decode_nll, held_out_text, perplexity
+from infer.quant.linear import QuantizedLinear, group_size_for, quantize_model, quantized_bytes
 from infer.quant.weights import quantize
 from infer.sampling_params import SamplingParams
 from tests.quant.packing import quantize_for, write_quantized_checkpoint
@@ -169,7 +169,7 @@ def test_at_load_quantization_matches_its_dequantized_weights_greedily(tiny, tmp
     for name, t in load_file(tiny / "model.safetensors").items():
         if name.endswith("_proj.weight") or name == "lm_head.weight":
             bits = 8 if method == "int8" or name == "lm_head.weight" else 4
-            group = None if bits == 8 else _group_for(t.shape[1], 128)  # tiny inputs: groups of 64 or 128
+            group = None if bits == 8 else group_size_for(t.shape[1], 128)  # tiny inputs: groups of 64 or 128
             weights[name] = quantize(t.float(), bits, group).dequantize()
     ref = tmp_path / "ref"
     _dequantized_copy(tiny, ref, weights)
@@ -254,3 +254,13 @@ def test_embedded_model_perplexity_and_memory():
     assert abs(figures["int4"][1] / base_nll - 1) < 0.10
     assert base_mib > figures["int8"][2] > figures["int4"][2]
     assert EMBEDDED_MODEL.is_dir()
+
+
+@pytest.mark.parametrize(("bits", "shape"), [(8, (64, 256)), (4, (64, 256)), (4, (32, 96))])
+def test_quantized_bytes_counts_what_quantize_stores(bits, shape):
+    # the roofline's weight bytes of a quantized model, computed without quantizing it
+    weight = torch.randn(shape)
+    group = None if bits == 8 else group_size_for(shape[1], 128)
+    q = quantize(weight, bits, group)
+    stored = q.q.numel() * bits // 8 + q.scales.nbytes + (q.zeros.nbytes if q.zeros is not None else 0)
+    assert quantized_bytes(*shape, bits) == stored

@@ -53,13 +53,14 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [*args, "--port", str(self.port)]
         self.log_path = log_path
+        self.command = ["-m", "infer.server"]  # what python runs, before the args
         self.health_statuses: list[int] = []  # every /health status seen while waiting
 
     def start(self, timeout: float = 90.0) -> ServerProcess:
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed by stop())
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "infer.server", *self.args],
+            [sys.executable, *self.command, *self.args],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             cwd=REPO,

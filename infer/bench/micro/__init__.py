@@ -108,7 +108,8 @@ def run_benchmarks(ctx, names: list[str]) -> list:
 
 def cmd_micro(args) -> int:
     from infer.bench.micro.harness import Context, prepare_model
-    from infer.bench.micro.report import json_doc, write_json
+    from infer.bench.micro.report import record
+    from infer.bench.record import write_record
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -150,8 +151,9 @@ def cmd_micro(args) -> int:
             "scale": args.scale,
             "trace_dir": str(args.trace) if args.trace is not None else None,
         }
+        doc = record(meta, results)
     if args.json:
-        write_json(args.json, meta, results)
+        write_record(Path(args.json), doc)
     if not args.no_report:
         from infer.bench.html_report import write_html
 
@@ -159,7 +161,7 @@ def cmd_micro(args) -> int:
             Path(args.json) if args.json else Path("benchmarks/reports") / f"micro-{now:%Y%m%d-%H%M%S}.json"
         )
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_html(path, json_doc(meta, results))
+        write_html(path, doc)
     return 0
 
 

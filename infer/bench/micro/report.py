@@ -1,22 +1,17 @@
-"""Tables in the reference's layout, ratio formatting, verdict lines and the JSON report."""
+"""Tables in the layout the micro-benchmarks compare with, ratio formatting, verdict lines and the record."""
 
 from __future__ import annotations
 
-import json
 import math
-import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from infer.bench import report
+
 
 def render_table(headers: list[str], rows: list[list[str]]) -> str:
-    """The reference's plain-text table: `a | b | c`, a `-+-` rule, columns padded to the widest cell."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        return " | ".join(c.ljust(widths[i]) for i, c in enumerate(cells)).rstrip()
-
-    return "\n".join([line(headers), "-+-".join("-" * w for w in widths), *(line(r) for r in rows)])
+    """`a | b | c` under a `-+-` rule, columns padded to the widest cell."""
+    return report.render_table(headers, rows, bars=True)
 
 
 def cell(value, spec: str = "") -> str:
@@ -72,39 +67,62 @@ class BenchResult:
         }
 
 
-def machine() -> dict:
-    import os
-
+def record(meta: dict, results: list[BenchResult]) -> dict:
+    """The record of a run (infer.bench.record): its tables, per mode and as ratios, and its verdicts.
+    "meta" and "benchmarks" keep the run's settings and every case as measured."""
     import torch
 
-    return {
-        "platform": platform.platform(),
-        "processor": _cpu_model(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
+    from infer.bench.record import new_record
+
+    benchmarks = _finite({r.name: r.to_json() for r in results})
+    config = {k: v for k, v in meta.items() if k not in ("command", "started")}
+    traces = []
+    if meta.get("trace_dir"):  # `bench micro --trace DIR`: one trace per engine setting
+        traces = [{"title": f"{t.name}: per-request timeline", "path": str(t.resolve())}
+                  for t in sorted(Path(meta["trace_dir"]).glob("*.trace.json"))]  # fmt: skip
+    doc = new_record(
+        "micro",
+        meta.get("command"),
+        config,
+        started=meta.get("started"),
+        tables=[t for name, bench in benchmarks.items() for t in bench_tables(name, bench)],
+        notes=[f"[{name}] {v['line']}" for name, bench in benchmarks.items() for v in bench["verdicts"]],
+        traces=traces,
+        benchmarks=benchmarks,
+    )
+    doc["machine"] |= {"threads": torch.get_num_threads()}
+    doc["meta"] = meta | {"machine": doc["machine"]}
+    return doc
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+def bench_tables(name: str, bench: dict) -> list[dict]:
+    """One benchmark's cases (and sweep), per mode and as ratios."""
+    from infer.bench.record import table
 
+    def value(v, spec: str = "") -> str:
+        return v if isinstance(v, str) else cell(v, spec)
 
-def json_doc(meta: dict, results: list[BenchResult]) -> dict:
-    """The JSON report's content (the HTML report is drawn from it too)."""
-    doc = {"meta": meta | {"machine": machine()}, "benchmarks": {r.name: r.to_json() for r in results}}
-    return _finite(doc)
-
-
-def write_json(path: str, meta: dict, results: list[BenchResult]) -> None:
-    Path(path).write_text(json.dumps(json_doc(meta, results), indent=2) + "\n")
+    tables = []
+    for label, cases in (("cases", bench["cases"]), *((k, v) for k, v in bench.items() if k == "sweep")):
+        metrics = list(dict.fromkeys(k for c in cases for m in c["modes"].values() for k in m))
+        rows = [
+            [c["name"], mode, *(value(m.get(k)) for k in metrics)]
+            for c in cases
+            for mode, m in c["modes"].items()
+        ]
+        tables.append(table(["case", "mode", *metrics], rows, f"{name}: {label}, per mode"))
+        knobs = list(dict.fromkeys(k for c in cases for k in c["knobs"]))
+        ratios = list(dict.fromkeys(k for c in cases for k in c["ratios"]))
+        rows = [
+            [
+                c["name"],
+                *(value(c["knobs"].get(k)) for k in knobs),
+                *(value(c["ratios"].get(k), "x") for k in ratios),
+            ]
+            for c in cases
+        ]
+        tables.append(table(["case", *knobs, *ratios], rows, f"{name}: {label}, ratios"))
+    return tables
 
 
 def _finite(value):

@@ -1,7 +1,7 @@
 """A direct generation loop over a block-table KV cache, without the engine's scheduler.
 
 Prompts are prefilled together in one packed forward, then decoded together one token per step.
-Each sequence owns a fixed run of blocks. Used by `infer generate` and by the model tests.
+Each sequence owns a fixed run of blocks. The model tests compare its output with transformers'.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Client-side measurements against any OpenAI-compatible server: cold and warm prefix TTFT, and
-sequential against concurrent batches.
+"""`infer bench client`: the latency a client sees from any OpenAI-compatible server: cold and warm
+prefix TTFT, and sequential against concurrent batches.
 
     infer bench client --server http://127.0.0.1:8000 [--model M] [--prefix-tokens 600] [--sizes 1,2,4,8,12]
 
@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 
 from infer.bench.arrivals import Arrivals
-from infer.bench.client import BenchError, RequestSpec, StreamingClient, run_requests
+from infer.bench.client import BenchError, RequestSpec, StreamingClient, resolve_model, run_requests
 from infer.bench.metrics import RequestRecord, run_duration, ttft
 from infer.bench.prompts import PromptFactory
-from infer.bench.report import machine_info, render_table, server_info, write_report
-from infer.bench.serving import resolve_model
+from infer.bench.record import new_record, table, write_record
+from infer.bench.report import render_tables, server_info
 
 SHORT_PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -115,8 +115,8 @@ async def run_all(args: argparse.Namespace, model: str, max_model_len: int | Non
     return {"cache": cache, "batches": batches}
 
 
-def result_specs(result: dict) -> list[tuple[list[str], list, str]]:
-    """The tables as (headers, rows, title): printed by print_results, drawn by the HTML report."""
+def result_tables(result: dict) -> list[dict]:
+    """The tables (infer.bench.record.table): printed, and kept in the record."""
     c = result["cache"]
     rows = [
         ("prompt tokens (usage)", c["prompt_tokens"]),
@@ -131,8 +131,8 @@ def result_specs(result: dict) -> list[tuple[list[str], list, str]]:
         for b in result["batches"]
     ]
     return [
-        (["Prefix cache", "Value"], rows, "== prefix cache: cold vs warm TTFT"),
-        (
+        table(["Prefix cache", "Value"], rows, "== prefix cache: cold vs warm TTFT"),
+        table(
             ["Mode", "Batch", "Avg TTFT ms", "Tok/s", "Success"],
             batch_rows,
             "== batches: sequential vs concurrent",
@@ -140,8 +140,11 @@ def result_specs(result: dict) -> list[tuple[list[str], list, str]]:
     ]
 
 
-def print_results(result: dict, out) -> None:
-    print("\n\n".join(render_table(*spec) for spec in result_specs(result)), file=out)
+def result_plots(result: dict) -> list[dict]:
+    if not result["batches"]:
+        return []
+    batches = result["batches"]
+    return [{"title": "batches: sequential vs concurrent", "plot": "client_batches", "args": [batches]}]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -171,20 +174,21 @@ def cmd_client(args: argparse.Namespace, out=None) -> int:
         return 1
     started = datetime.datetime.now(datetime.UTC)
     result = asyncio.run(run_all(args, model, card.get("max_model_len")))
-    print_results(result, out)
+    tables = result_tables(result)
+    print(render_tables(tables), file=out)
     if not args.no_save:
-        args.report_dir.mkdir(parents=True, exist_ok=True)
-        report = {
-            "kind": "client",
-            "started": started.isoformat(),
-            "command": " ".join(["infer", "bench", "client", *getattr(args, "argv", [])[2:]]),
-            "config": {k: str(v) for k, v in vars(args).items() if k != "func"},
-            "server": server_info(args.server, card, None, args.api_key),
-            "machine": machine_info(),
+        report = new_record(
+            "client",
+            " ".join(["infer", "bench", "client", *getattr(args, "argv", [])[2:]]),
+            {k: str(v) for k, v in vars(args).items() if k not in ("func", "argv")},
+            started=started.isoformat(),
+            server=server_info(args.server, card, None, args.api_key),
+            tables=tables,
+            plots=result_plots(result),
             **result,
-        }
+        )
         path = args.report_dir / f"client-{model.replace('/', '_')}-{started.strftime('%Y%m%d-%H%M%S')}.json"
-        write_report(path, report, out)
+        write_record(path, report, out)
         if not args.no_report:
             from infer.bench.html_report import write_run_html
 

@@ -1,0 +1,27 @@
+"""What an EngineConfig must pass before its model loads, checked without loading it.
+
+`infer serve` calls this while it parses its flags, so that an impossible combination, a bad GGUF file or
+an unreadable SLO file exits with code 2 at once rather than after the weights have loaded.
+"""
+
+from __future__ import annotations
+
+from infer.config import CacheConfig, EngineConfig, check_local_ranks
+from infer.core.slo import SloClasses
+
+
+def check_engine_config(config: EngineConfig) -> None:
+    """Raises ValueError, with a message a user can act on, for what would fail at load or at start."""
+    config.scheduler_config(config.max_model_len or 1)
+    check_local_ranks(config.tensor_parallel_size)
+    from infer.models.loader import check_model_files  # torch: only once there is a model to check
+
+    check_model_files(config.model, config.load_format)  # a GGUF file's header and tensor table
+    if config.slo_config is not None:
+        SloClasses.from_file(config.slo_config)
+    CacheConfig(
+        num_blocks=config.num_kv_blocks or 1,
+        block_size=config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        kv_cache_backend=config.kv_cache_backend,
+    )
