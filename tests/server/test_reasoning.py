@@ -12,6 +12,8 @@ import pytest
 
 from tests.server.conftest import API_KEY, ServerProcess
 
+pytestmark = pytest.mark.slow  # a server of its own, with a reasoning parser
+
 ASK = [{"role": "user", "content": "In the beginning"}]
 
 
