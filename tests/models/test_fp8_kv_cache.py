@@ -227,6 +227,7 @@ def test_start_up_says_where_the_kernels_do_not_read_fp8(caplog, monkeypatch):
     assert warnings(torch.bfloat16, 64) == 1
 
 
+@pytest.mark.slow  # the embedded model's perplexity, twice
 @pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
 def test_engine_holds_twice_the_tokens_at_little_perplexity(name, monkeypatch):
     """The embedded model (bf16, head_dim 64: the kernel path): the same KV memory holds twice the blocks,

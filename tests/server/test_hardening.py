@@ -105,6 +105,7 @@ def test_edge_values_that_are_accepted(server):
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == greedy
 
 
+@pytest.mark.slow  # 16 streams of 150 tokens each
 def test_streaming_n_beyond_the_seats_starts_at_once(server):
     """n=16 on 8 seats: the first bytes come while choices still wait for a seat, not after 8 finished."""
     body = {"prompt": "In the beginning", "max_tokens": 150, "ignore_eos": True, "n": 16, "stream": True}
