@@ -13,6 +13,7 @@ import pytest
 from infer.bench.cli import add_bench_parsers
 
 
+@pytest.mark.slow  # a benchmark's server
 def test_cold_warm_cache_and_batches(bench_server, tmp_path):
     parser = argparse.ArgumentParser(prog="infer")
     add_bench_parsers(parser.add_subparsers(dest="command"))

@@ -222,6 +222,7 @@ def test_launcher_reports_a_command_that_fails(tmp_path):
 # ---- end to end ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # launches our server
 def test_race_end_to_end_against_our_server(model_args, tmp_path, monkeypatch):
     monkeypatch.setattr(race, "find_vllm", lambda: None)  # never start a vLLM that happens to be installed
     path = tmp_path / "race.json"

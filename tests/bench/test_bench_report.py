@@ -368,6 +368,7 @@ def headless(binary: str, url: str, tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run([binary, *flags], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow  # a headless browser
 def test_a_headless_chromium_renders_the_tables_without_console_errors(serving_html, tmp_path):
     binary = chromium()
     if binary is None:

@@ -31,6 +31,7 @@ def test_ceilings_arithmetic():
     assert roofline(shape, 4_000.0, 1e6, None)["kv_capacity_tokens"] is None
 
 
+@pytest.mark.slow  # measures the machine's memory bandwidth and matmul rate
 def test_roofline_command(tmp_path):
     parser = argparse.ArgumentParser(prog="infer")
     add_bench_parsers(parser.add_subparsers(dest="command"))

@@ -43,6 +43,7 @@ def report(bench_server, tmp_path_factory):
     return json.loads(path.read_text()), out
 
 
+@pytest.mark.slow  # a benchmark's server
 def test_report_records_our_servers_flags_and_its_roofline(report):
     report, out = report
     flags = report["server"]["flags"]  # from GET /server_info: no --server-flags needed for our server
@@ -52,6 +53,7 @@ def test_report_records_our_servers_flags_and_its_roofline(report):
     assert "single-stream decode ceiling" in out
 
 
+@pytest.mark.slow  # a benchmark's server
 def test_report_holds_every_request_with_sensible_numbers(report):
     report, out = report
     expected = {w.name: w for w in get_workloads("all", "tiny")}
@@ -79,6 +81,7 @@ def test_report_holds_every_request_with_sensible_numbers(report):
     assert "cross-workload comparison" in out
 
 
+@pytest.mark.slow  # a benchmark's server
 def test_cache_buster_and_shared_prefix_reach_the_server(report):
     by_name = {w["name"]: w["requests"] for w in report[0]["workloads"]}
     for name in ("baseline", "continuous_batching", "paged_attention", "chunked_prefill"):
@@ -86,6 +89,7 @@ def test_cache_buster_and_shared_prefix_reach_the_server(report):
     assert any(r["num_cached_tokens"] > 0 for r in by_name["prefix_caching"])
 
 
+@pytest.mark.slow  # a benchmark's server
 def test_report_records_how_to_reproduce(report):
     report, _ = report
     assert report["command"].startswith("bench_serving.py") or "--workload all" in report["command"]
@@ -95,6 +99,7 @@ def test_report_records_how_to_reproduce(report):
     assert report["machine"]["num_cpus"] >= 1 and report["machine"]["versions"]["infer"]
 
 
+@pytest.mark.slow  # a benchmark's server
 def test_infer_bench_serve_subcommand_no_save(bench_server, tmp_path):
     parser = argparse.ArgumentParser(prog="infer")
     add_bench_parsers(parser.add_subparsers(dest="command"))
@@ -125,11 +130,13 @@ def test_unreachable_server_is_a_clear_error():
     assert rc == 1 and "cannot reach the server" in err
 
 
+@pytest.mark.slow  # a benchmark's server
 def test_wrong_model_lists_what_is_served(bench_server):
     rc, _, err = run_main(["--server", bench_server.url, "--model", "no-such-model", "--no-save"])
     assert rc == 1 and "does not serve model 'no-such-model'" in err and "'embedded'" in err
 
 
+@pytest.mark.slow  # a benchmark's server
 def test_client_timeout_is_recorded_as_timeout(bench_server):
     async def go():
         async with StreamingClient(bench_server.url, "embedded", timeout=0.05) as client:

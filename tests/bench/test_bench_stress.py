@@ -124,6 +124,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+@pytest.mark.slow  # a benchmark's server
 def test_aborts_give_everything_back(bench_server, tmp_path):
     out = io.StringIO()
     argv = ["--server", bench_server.url, "--phases", "aborts", "--aborts", "40", "--abort-concurrency", "8"]
@@ -139,6 +140,7 @@ def test_aborts_give_everything_back(bench_server, tmp_path):
     assert json.loads((tmp_path / "aborts.json").read_text())["kind"] == "stress"
 
 
+@pytest.mark.slow  # a benchmark's server
 def test_overload_and_soak_on_a_launched_server(model_args, tmp_path):
     flags = shlex.join([*model_args, "--max-num-seqs", "2", "--max-queued-requests", "2"])
     argv = ["--infer-flags", flags, "--phases", "overload,soak", "--overload-seconds", "5",
@@ -160,6 +162,7 @@ def test_overload_and_soak_on_a_launched_server(model_args, tmp_path):
     assert "overload" in out.getvalue() and "soak" in out.getvalue()
 
 
+@pytest.mark.slow  # a benchmark's server
 def test_fairness_runs_a_bystander_beside_each_kind(bench_server, tmp_path):
     """The phase's mechanics (its ratios are measured on an idle machine, not judged here): every kind
     named runs beside a bystander, the heavy client's answers are counted, none is a 5xx."""

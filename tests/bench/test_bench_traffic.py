@@ -109,6 +109,7 @@ def traffic_run(model_args, tmp_path_factory):
     return result, tmp / "out", out.getvalue()
 
 
+@pytest.mark.slow  # a traffic run against a server it launches
 def test_every_request_is_accounted_for(traffic_run):
     result, out_dir, text = traffic_run
     lines = (out_dir / "launched" / "requests.jsonl").read_text().splitlines()
@@ -124,6 +125,7 @@ def test_every_request_is_accounted_for(traffic_run):
     assert "SLO compliance" in text and "launched" in text
 
 
+@pytest.mark.slow  # a traffic run against a server it launches
 def test_goodput_is_computed_from_the_slos(traffic_run):
     result, _, _ = traffic_run
     (summary,) = result["summaries"]
@@ -138,6 +140,7 @@ def test_goodput_is_computed_from_the_slos(traffic_run):
     assert result["classes"] == ["lilo", "siso"] and result["compliance"] == [[1.0], [0.0]]
 
 
+@pytest.mark.slow  # a traffic run against a server it launches
 def test_outputs_and_the_launched_server_is_stopped(traffic_run):
     result, out_dir, _ = traffic_run
     for name in ("heatmap", "fate", "latency", "timeline", "goodput"):
@@ -148,6 +151,7 @@ def test_outputs_and_the_launched_server_is_stopped(traffic_run):
         httpx.get(result["summaries"][0]["url"] + "/health", timeout=2)
 
 
+@pytest.mark.slow  # a traffic run against a server it launches
 def test_the_trace_of_the_launched_server_and_its_timeline_in_the_report(traffic_run):
     """`bench traffic --trace`: the server it launched wrote its engine trace as it stopped, one request
     track per request; the HTML report draws that experiment's per-request timeline."""

@@ -54,6 +54,7 @@ def cases(report, name: str) -> dict[str, dict]:
     return {c["name"]: c for c in report[0]["benchmarks"][name]["cases"]}
 
 
+@pytest.mark.slow  # runs every micro-benchmark on a toy model trained for it
 def test_every_benchmark_prints_its_tables_and_one_verdict_per_case(report):
     doc, text = report
     assert set(doc["benchmarks"]) == set(BENCHMARKS)
@@ -67,6 +68,7 @@ def test_every_benchmark_prints_its_tables_and_one_verdict_per_case(report):
     assert "##### Verdicts #####" in text
 
 
+@pytest.mark.slow  # runs every micro-benchmark on a toy model trained for it
 def test_kv_cache_counts(report):
     doc, _ = report
     bench = doc["benchmarks"]["kv-cache"]
@@ -82,6 +84,7 @@ def test_kv_cache_counts(report):
             assert m["cached_tok"] == m["preempt"] == m["evictions"] == 0
 
 
+@pytest.mark.slow  # runs every micro-benchmark on a toy model trained for it
 def test_continuous_batching_completes_every_request(report):
     doc, _ = report
     bench = doc["benchmarks"]["continuous-batching"]
@@ -98,6 +101,7 @@ def test_continuous_batching_completes_every_request(report):
         assert cont["max_batch"] == min(batch, n) and cont["steps"] == cdiv(n, batch) * new
 
 
+@pytest.mark.slow  # runs every micro-benchmark on a toy model trained for it
 def test_chunked_prefill_counts(report):
     doc, _ = report
     for name, case in cases(report, "chunked-prefill").items():
@@ -134,6 +138,7 @@ def memory_pressure(knobs: dict, vocab_size: int = 60) -> bool:
     return sum(blocks[: knobs["max_batch_size"]]) > knobs["max_kv_tokens"] // bs
 
 
+@pytest.mark.slow  # runs every micro-benchmark on a toy model trained for it
 def test_scheduling_counts(report):
     doc, _ = report
     found = cases(report, "scheduling")
@@ -161,6 +166,7 @@ def test_scheduling_counts(report):
     assert memory_pressure(found["memory_pressure_preemption"]["knobs"])
 
 
+@pytest.mark.slow  # runs every micro-benchmark on a toy model trained for it
 def test_prefix_caching_counts(report):
     doc, _ = report
     for name, case in cases(report, "prefix-caching").items():
@@ -211,6 +217,7 @@ def test_micro_parser_plugs_into_a_cli():
         parser.parse_args(["micro", "no-such-benchmark"])
 
 
+@pytest.mark.slow  # runs every micro-benchmark on a toy model trained for it
 def test_traces_of_each_engine_setting_and_their_timelines(report):
     """`--trace DIR`: every benchmark leaves one trace per engine setting (its last run), each holding
     every request of that run; the HTML report beside the JSON draws a timeline for each."""

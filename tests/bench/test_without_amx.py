@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "without_amx.sh"
 
 PROBE = """
@@ -17,6 +19,7 @@ print(torch.cpu._is_amx_tile_supported(), kernels.cpu_has_amx(), child, os.envir
 """
 
 
+@pytest.mark.slow  # a process under the script, that imports torch
 def test_the_command_and_its_children_see_no_amx():
     out = subprocess.run(
         [str(SCRIPT), sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, timeout=120

@@ -25,6 +25,8 @@ pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install
 
 from tests.server.conftest import REPO, ServerProcess, free_port, metric  # noqa: E402
 
+pytestmark = pytest.mark.slow  # two engine replicas on a local Ray instance
+
 ENGINE_REPLICA = "ServeReplica:infer:EngineReplica"  # the process title Ray gives an engine replica
 START_TIMEOUT_S = 240
 # a prompt of several full KV blocks (16 tokens each) that every prefix test shares

@@ -14,6 +14,7 @@ from infer.models.loader import EMBEDDED_MODEL
 from infer.runner.sampler import Sampler
 from infer.sampling_params import SamplingParams
 from tests.engine.test_engine import CONFIGS
+from tests.grids import first_fast
 from tests.models.tiny_models import greedy_with
 
 PROMPTS = ["In the beginning God created", "And he said unto them,", "The LORD is my shepherd"]
@@ -61,7 +62,7 @@ def reference():
     return expected
 
 
-@pytest.mark.parametrize("name", ["default", "odd_chunks", "preemption_uncached", "no_kv_cache"])
+@pytest.mark.parametrize("name", first_fast(["default", "odd_chunks", "preemption_uncached", "no_kv_cache"]))
 def test_bad_words_match_transformers(reference, name):
     llm = LLM(str(EMBEDDED_MODEL), dtype="float32", **{"num_kv_blocks": 256, **CONFIGS[name]})
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=WORDS)

@@ -157,11 +157,13 @@ def test_graphs_replay_in_python_where_torchscript_fails(model_dir, monkeypatch,
     assert replayed == generate(model_dir, True, GREEDY)[0]
 
 
+@pytest.mark.slow
 def test_enforce_eager_and_other_ranks_keep_no_graphs(model_dir):
     assert LLMEngine(EngineConfig(model=model_dir, enforce_eager=True)).runner.graphs is None
     assert LLMEngine(EngineConfig(model=model_dir, use_kv_cache=False)).runner.graphs is None
 
 
+@pytest.mark.slow
 def test_warm_up_captures_every_batch_size_before_any_request(model_dir):
     """What the server does before it reports ready: sizes 1..max_num_seqs captured on made-up steps,
     none left to capture under load, and the load's tokens still the eager ones."""

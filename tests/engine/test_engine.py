@@ -10,6 +10,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from infer.core.slo import Objectives
 from infer.engine.llm import LLM
 from infer.sampling_params import SamplingParams
+from tests.grids import first_fast
 from tests.models.tiny_models import save_tiny_model
 
 MAX_TOKENS = 12
@@ -108,7 +109,7 @@ def penalized(tiny, tmp_path_factory):
     return path, prompts, expected, plain
 
 
-@pytest.mark.parametrize("name", ["default", "odd_chunks", "preemption_uncached", "no_kv_cache"])
+@pytest.mark.parametrize("name", first_fast(["default", "odd_chunks", "preemption_uncached", "no_kv_cache"]))
 def test_logit_bias_and_penalties_match_transformers(penalized, name):
     """Every token a penalty looks at reaches the sampler: whole and chunked prompts, recomputation after
     preemption, no KV cache; penalized requests beside plain ones that stay plain."""
@@ -145,6 +146,7 @@ def test_bans_that_leave_nothing_end_that_request_alone(tiny):
     assert results[1].token_ids == plain[1]
 
 
+@pytest.mark.slow
 def test_fp8_cache_output_is_invariant(tiny, caplog):
     """An fp8 KV cache on a float32 model of head_dim 16 (the Python path, with a warning that says so):
     chunked or whole prompts, prefix hits, preemption and recompute all attend over the same rounded keys

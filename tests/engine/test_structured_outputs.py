@@ -19,6 +19,7 @@ from infer.models.loader import EMBEDDED_MODEL
 from infer.runner.grammar import Grammar, GrammarCompiler, _grammar, banned
 from infer.sampling_params import SamplingParams, StructuredOutputs
 from tests.engine.test_engine import CONFIGS
+from tests.grids import first_fast
 from tests.models.tiny_models import greedy_with
 
 SCHEMA = {
@@ -91,7 +92,7 @@ def reference():
     return expected
 
 
-@pytest.mark.parametrize("name", ["default", "odd_chunks", "preemption_uncached", "no_kv_cache"])
+@pytest.mark.parametrize("name", first_fast(["default", "odd_chunks", "preemption_uncached", "no_kv_cache"]))
 def test_greedy_constrained_outputs_match_transformers(reference, name):
     """Every spec beside every other and beside unconstrained requests, whose outputs stay their own."""
     llm = LLM(str(EMBEDDED_MODEL), dtype="float32", **{"num_kv_blocks": 256, **CONFIGS[name]})
@@ -117,7 +118,7 @@ def test_greedy_constrained_outputs_match_transformers(reference, name):
     assert not llm.engine.runner.sampler.grammars  # forgotten with their requests
 
 
-@pytest.mark.parametrize("kind", sorted(SPECS))
+@pytest.mark.parametrize("kind", first_fast(sorted(SPECS)))
 def test_sampled_outputs_follow_the_grammar(kind):
     """Random sampling at a high temperature picks tokens the model would rarely choose: every completed
     output is still a sentence of the grammar, and seeds reproduce it."""
@@ -461,6 +462,7 @@ def test_the_grammar_cache_is_bounded_by_an_estimate_of_bytes_checked_against_rs
     assert cached[-1] == specs[-1].text and specs[1].text not in cached  # the least recent went
 
 
+@pytest.mark.slow
 def test_a_grammar_after_ids_constrains_only_what_follows_them():
     """grammar_after_ids (the end of a model's thinking): the output is the free one up to and through
     those ids, then the grammar's; ids that never come leave the whole output free."""

@@ -46,6 +46,7 @@ def generate(path, tp: int) -> tuple[list[list[int]], dict]:
     return [r.token_ids for r in results], counts
 
 
+@pytest.mark.slow  # two ranks in two processes, for each model family
 @pytest.mark.parametrize("name", sorted(VARIANTS) + sorted(EXTRA))
 def test_two_ranks_generate_what_one_does(tmp_path, monkeypatch, name):
     if name in EXTRA:

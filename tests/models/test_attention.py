@@ -11,6 +11,7 @@ import torch
 from infer import kernels
 from infer.layers import attention as attention_module
 from infer.layers.attention import AttentionMetadata, attention
+from tests.grids import pairwise_grid
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
 
@@ -91,11 +92,16 @@ def use_path(path: str, monkeypatch) -> None:
 PATH_TUNINGS = [("kernel", "as_is")] + [("python", tuning) for tuning in sorted(TUNINGS)]
 
 
-@pytest.mark.parametrize(("path", "tuning"), PATH_TUNINGS)
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("consecutive", [False, True], ids=["scattered", "consecutive"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("step", sorted(STEPS))
+@pytest.mark.parametrize(
+    "step, dtype, consecutive, window, path, tuning",
+    pairwise_grid(
+        sorted(STEPS),
+        [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")],
+        [pytest.param(False, id="scattered"), pytest.param(True, id="consecutive")],
+        [None, 5],
+        [pytest.param(*path_tuning, id="-".join(path_tuning)) for path_tuning in PATH_TUNINGS],
+    ),
+)
 def test_batched_attention_matches_reference(step, dtype, consecutive, window, tuning, path, monkeypatch):
     use_path(path, monkeypatch)
     monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 1 << 30)  # chunks ride in the batch

@@ -175,6 +175,7 @@ def test_attention_paths_attend_over_what_the_cache_holds(fp8, query_dtype, monk
     torch.testing.assert_close(python.double(), expected, atol=2 * tol, rtol=2 * tol)
 
 
+@pytest.mark.slow  # builds the kernels without AMX, runs these tests on them
 def test_no_amx_build(tmp_path):
     """The fp8 tests above built without AMX's tiles (prefill on vdpbf16ps alone, as on an AMD EPYC), in a
     subprocess: on a CPU with AMX only, whose build is otherwise the tiles'."""
@@ -185,7 +186,8 @@ def test_no_amx_build(tmp_path):
     test = "tests/models/test_fp8_kv_cache.py"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     isa = "from infer import kernels; print(kernels.load().isa())"
-    tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-k", "kernel or chunks or nan"]
+    # -m "": every one of them, the slow tier's too
+    tests = ["-m", "pytest", "-q", "-p", "no:cacheprovider", test, "-m", "", "-k", "kernel or chunks or nan"]
     for args in (["-c", isa], tests):
         done = subprocess.run(
             [sys.executable, *args], env=env, cwd=root, capture_output=True, text=True, timeout=900
@@ -225,6 +227,7 @@ def test_start_up_says_where_the_kernels_do_not_read_fp8(caplog, monkeypatch):
     assert warnings(torch.bfloat16, 64) == 1
 
 
+@pytest.mark.slow  # the embedded model's perplexity, twice
 @pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
 def test_engine_holds_twice_the_tokens_at_little_perplexity(name, monkeypatch):
     """The embedded model (bf16, head_dim 64: the kernel path): the same KV memory holds twice the blocks,

@@ -164,6 +164,7 @@ def test_missing_file(tmp_path):
         check_model_files(str(tmp_path / "nope.gguf"))
 
 
+@pytest.mark.slow  # a server process
 def test_server_exits_2_with_the_message_and_no_traceback(tmp_path):
     path = write_gguf(tmp_path / "q.gguf", quantized=True)
     result = subprocess.run(

@@ -16,6 +16,7 @@ import torch
 from infer import kernels
 from infer.layers import attention as attention_module
 from infer.layers.attention import AttentionMetadata, attention
+from tests.grids import pairwise_grid
 
 BLOCK = 16
 
@@ -98,11 +99,16 @@ def run_both(q, k, v, meta_args, scale, window, monkeypatch, fallback="_matmul_b
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
-@pytest.mark.parametrize("batch", [1, 2, 7, 33])
-@pytest.mark.parametrize("window", [None, 100])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype, group, head_dim, window, batch",
+    pairwise_grid(
+        [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")],
+        [1, 2, 4],
+        [64, 128],
+        [None, 100],
+        [1, 2, 7, 33],
+    ),
+)
 def test_decode_matches_reference_and_python_path(dtype, group, head_dim, window, batch, monkeypatch):
     _ops()
     num_kv_heads = 2
@@ -218,6 +224,7 @@ print(ops.isa())
 """
 
 
+@pytest.mark.slow  # builds the kernels for each ISA
 @pytest.mark.parametrize("march, isa", [("x86-64-v3", "avx2"), ("x86-64", "scalar")])
 def test_other_isas(march, isa):
     """The AVX2 and plain C++ paths (decode attention and the layer ops), built for a lesser x86-64

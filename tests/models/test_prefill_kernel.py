@@ -13,6 +13,7 @@ import torch
 from infer import kernels
 from infer.layers import attention as attention_module
 from infer.layers.attention import AttentionMetadata
+from tests.grids import pairwise_grid
 from tests.models.test_kernels import TOL, _ops, make_step, reference, run_both
 
 
@@ -33,6 +34,7 @@ def call(ops, q, meta: AttentionMetadata, scale, window):
 
 
 LENGTHS = [1, 15, 17, 63, 64, 65, 200, 1000]
+DTYPES = [pytest.param(dtype, id=name) for dtype, name in zip(TOL, ["fp32", "bf16", "fp16"], strict=True)]
 
 
 def test_tiles_where_the_cpu_has_amx():
@@ -42,10 +44,9 @@ def test_tiles_where_the_cpu_has_amx():
     assert ("+amx" in _prefill_ops().isa()) == (kernels.cpu_has_amx() and native)
 
 
-@pytest.mark.parametrize("window", [None, 100])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("dtype", list(TOL), ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "dtype, group, head_dim, window", pairwise_grid(DTYPES, [1, 2, 4], [64, 128], [None, 100])
+)
 def test_fresh_prompts_one_call(dtype, group, head_dim, window):
     """Every length of LENGTHS a fresh prompt (query_len == seq_len), all in one call."""
     ops = _prefill_ops()
@@ -81,9 +82,7 @@ CHUNKS = [
 ]
 
 
-@pytest.mark.parametrize("window", [None, 7, 100])
-@pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("dtype", list(TOL), ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("dtype, group, window", pairwise_grid(DTYPES, [1, 2, 4], [None, 7, 100]))
 def test_chunks_with_earlier_context(dtype, group, window):
     ops = _prefill_ops()
     query_lens, seq_lens = zip(*CHUNKS, strict=True)

@@ -16,6 +16,7 @@ from infer.quant import linear as quant_linear
 from infer.quant.linear import QuantizedLinear, group_size_for, quantize_model, quantized_bytes
 from infer.quant.weights import quantize
 from infer.sampling_params import SamplingParams
+from tests.grids import pairwise_grid
 from tests.quant.packing import quantize_for, write_quantized_checkpoint
 
 HAS_KERNEL = kernels.bf16_ops() is not None
@@ -34,9 +35,10 @@ def _reference(x: torch.Tensor, layer_weight, bias) -> torch.Tensor:
     return y if bias is None else y + bias.float()
 
 
-@pytest.mark.parametrize("bits,group,symmetric", SCHEMES)
-@pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("int8_activations", [True, False])
+@pytest.mark.parametrize(
+    "int8_activations, rows, bits, group, symmetric",
+    pairwise_grid([True, False], ROWS, [pytest.param(*s, id="-".join(map(str, s))) for s in SCHEMES]),
+)
 def test_every_backend_computes_the_dequantized_product(
     bits, group, symmetric, rows, int8_activations, monkeypatch
 ):
@@ -233,6 +235,7 @@ def test_unknown_quantization_is_refused():
         quantize_model(torch.nn.Linear(4, 4), "fp8")
 
 
+@pytest.mark.slow
 def test_embedded_model_perplexity_and_memory():
     """The quality bar of the issue: int8 within 1% of bf16, int4 within 10%, on held-out KJV text, for
     prompts (perplexity) and for decode steps of one token (their own kernel paths: with AMX, int8

@@ -12,6 +12,8 @@ import pytest
 
 from tests.server.conftest import ServerProcess
 
+pytestmark = pytest.mark.slow  # a server of its own
+
 CMPL = "/v1/completions"
 
 

@@ -16,6 +16,8 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tests.server.conftest import API_KEY, ServerProcess
 
+pytestmark = pytest.mark.slow  # a server of its own, with a tool-call parser
+
 WEATHER = {
     "type": "function",
     "function": {

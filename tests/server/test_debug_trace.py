@@ -7,6 +7,7 @@ import argparse
 import json
 import time
 
+import pytest
 from fastapi.testclient import TestClient
 
 from infer.server.app import create_app
@@ -29,6 +30,7 @@ def _error(resp, status: int) -> dict:
     return error
 
 
+@pytest.mark.slow  # loads the embedded model in-process
 def test_debug_trace_with_trace_on(tmp_path):
     path = tmp_path / "trace.json"
     args = _parse(["--trace", str(path), "--trace-steps", "1000", "--api-key", KEY])

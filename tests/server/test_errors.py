@@ -257,6 +257,7 @@ def test_infer_serve_subcommand(monkeypatch, tmp_path):
     assert (args.engine.model, args.engine.max_num_seqs, args.port) == ("MODEL", 4, 9001)
 
 
+@pytest.mark.slow  # a server process that fails to load
 def test_a_model_that_cannot_load_exits_1(tmp_path):
     port = str(free_port())
     log = tmp_path / "server.log"
@@ -288,6 +289,7 @@ def _check_flag(tmp_path, flag: str, value: str, bad: str) -> None:
         _parse([f"--{flag}", bad])
 
 
+@pytest.mark.slow  # loads the embedded model in-process
 def test_quantization_flag_reaches_the_engine_and_server_info(tmp_path):
     _check_flag(tmp_path, "quantization", "int8", "int3")
     with TestClient(create_app(_parse(["--quantization", "int4"]))) as http:
@@ -299,6 +301,7 @@ def test_quantization_flag_reaches_the_engine_and_server_info(tmp_path):
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
 
 
+@pytest.mark.slow  # loads the embedded model in-process
 def test_kv_cache_dtype_flag_reaches_the_cache_and_server_info(tmp_path):
     _check_flag(tmp_path, "kv-cache-dtype", "fp8_e5m2", "int8")
     gc.unfreeze()  # an in-process engine earlier in this session froze it already

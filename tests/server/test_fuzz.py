@@ -31,6 +31,8 @@ from schemathesis import GenerationMode
 
 from tests.server.conftest import API_KEY, ServerProcess, metric
 
+pytestmark = pytest.mark.slow  # a server of its own and schemathesis' fuzzing
+
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CMPL, CHAT, RESP = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MAX_MODEL_LEN = 64

@@ -32,6 +32,7 @@ def _wait_for(condition, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.slow  # loads the embedded model in-process
 def test_distinct_grammars_beyond_the_queue_get_429_while_plain_requests_run():
     queued, extra = 2, 3
     args = _parse(["--max-grammar-compilations", "1", "--max-queued-grammars", str(queued)])
@@ -76,6 +77,7 @@ def test_distinct_grammars_beyond_the_queue_get_429_while_plain_requests_run():
         assert http.post(CMPL, json=bodies[-1]).status_code == 200  # room again
 
 
+@pytest.mark.slow  # loads the embedded model in-process
 def test_a_compilation_past_its_time_is_a_400_naming_the_field():
     args = _parse(["--grammar-compile-timeout", "0.5"])
     with TestClient(create_app(args)) as http:

@@ -105,6 +105,7 @@ def test_edge_values_that_are_accepted(server):
         assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == greedy
 
 
+@pytest.mark.slow  # 16 streams of 150 tokens each
 def test_streaming_n_beyond_the_seats_starts_at_once(server):
     """n=16 on 8 seats: the first bytes come while choices still wait for a seat, not after 8 finished."""
     body = {"prompt": "In the beginning", "max_tokens": 150, "ignore_eos": True, "n": 16, "stream": True}
@@ -149,6 +150,7 @@ def small_server(model_args, tmp_path_factory):
     proc.stop()
 
 
+@pytest.mark.slow  # a server of its own
 def test_bodies_over_the_bound_get_413_before_they_are_read(small_server):
     big = {"prompt": "x" * 70_000, "max_tokens": 1}
     with httpx.Client(base_url=small_server.url, timeout=60) as http:
@@ -167,6 +169,7 @@ def test_bodies_over_the_bound_get_413_before_they_are_read(small_server):
         _check_error(resp, 400, "max_model_len")  # under the bound: read, tokenized, refused by length
 
 
+@pytest.mark.slow  # a server of its own
 def test_a_body_over_the_bound_sent_in_one_go_gets_its_413(small_server):
     """urllib sends the whole body before it reads the answer, with `Connection: close`: the server reads
     the rest of the body after its 413, so that the client reads it instead of a reset connection."""
@@ -185,6 +188,7 @@ def test_a_body_over_the_bound_sent_in_one_go_gets_its_413(small_server):
     assert httpx.get(small_server.url + "/health").status_code == 200
 
 
+@pytest.mark.slow  # a server of its own
 def test_incomplete_headers_are_closed_at_the_header_timeout(small_server):
     """A request line sent in part and then nothing (slowloris), or nothing at all, is closed after
     --header-timeout (2 s), well before the 60 s this test waits; a complete request is answered."""
@@ -197,6 +201,7 @@ def test_incomplete_headers_are_closed_at_the_header_timeout(small_server):
         assert sock.recv(1024).startswith(b"HTTP/1.1 200")
 
 
+@pytest.mark.slow  # a server of its own
 def test_request_templates_when_trusted_are_bounded(small_server):
     with httpx.Client(base_url=small_server.url, timeout=60) as http:
         own = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"

@@ -17,6 +17,8 @@ import pytest
 from infer.server.launch import ABORT_GRACE_S
 from tests.server.conftest import API_KEY, ServerProcess, metric
 
+pytestmark = pytest.mark.slow  # 64 concurrent streams, overload and shutdown storms, servers of their own
+
 IGNORE_EOS = {"ignore_eos": True}
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

@@ -253,6 +253,7 @@ def test_logit_bias_and_allowed_token_ids_reach_the_sampler(server, client, mode
     assert client.completions.create(prompt="Once upon a time", **only).choices[0].text == expected  # vLLM's
 
 
+@pytest.mark.slow  # loads the model in-process beside the server
 def test_penalties_match_the_engine(client, model, model_args):
     """presence / frequency (OpenAI's) and repetition_penalty (vLLM's) through the API give the engine's
     own output for them, streamed or not (the engine's against transformers: tests/engine)."""
@@ -342,6 +343,7 @@ def test_prefix_cache_hit_shows_in_usage(client, model):
     assert 48 <= cached < 64 and cached % 16 == 0  # whole blocks, never the last token
 
 
+@pytest.mark.slow  # 16 requests of many tokens each
 def test_priority_serves_urgent_request_first(server, aclient, model):
     """8 running + 8 waiting low-priority requests; an urgent one (lower value) preempts and finishes
     before any of them. Under fcfs it would wait for a whole wave of 8 to finish."""

@@ -63,6 +63,7 @@ def _ids(http) -> list[str]:
     return [cmpl["id"], chat["id"], call["id"], response["id"], response["output"][0]["id"]]
 
 
+@pytest.mark.slow  # loads the embedded model in-process
 def test_every_id_is_128_random_bits(http):
     """Ids were `{prefix}-{counter}-{epoch ms}`: one's own id told the next one's, so another client's
     stored response could be read, continued and deleted by counting."""
@@ -79,6 +80,7 @@ def test_every_id_is_128_random_bits(http):
     assert 0.4 < bits.count("1") / len(bits) < 0.6  # 2,560 bits: 10 standard deviations either side
 
 
+@pytest.mark.slow  # loads the embedded model in-process
 def test_another_keys_stored_response_is_not_found(http):
     """Key B cannot read, continue or delete key A's response: a 404 exactly as for an id never stored."""
     first = _respond(http, KEY_A)
@@ -103,12 +105,14 @@ def test_another_keys_stored_response_is_not_found(http):
     assert hidden_delete.json() == http.delete(url, headers=_auth(KEY_A)).json()
 
 
+@pytest.mark.slow  # loads the embedded model in-process
 def test_each_key_sees_its_own(http):
     mine = _respond(http, KEY_B)
     assert http.get(f"/v1/responses/{mine['id']}", headers=_auth(KEY_B)).json()["id"] == mine["id"]
     assert http.get(f"/v1/responses/{mine['id']}", headers=_auth(KEY_A)).status_code == 404
 
 
+@pytest.mark.slow  # loads the embedded model in-process
 @pytest.mark.parametrize("headers", [{}, _auth("key-mallory"), {"Authorization": KEY_A}])
 def test_a_bad_key_is_401(http, headers):
     resp = http.get("/v1/models", headers=headers)

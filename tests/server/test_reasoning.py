@@ -13,6 +13,8 @@ import pytest
 from tests.server.conftest import API_KEY, ServerProcess
 from tests.server.test_openai_api import COMPACT
 
+pytestmark = pytest.mark.slow  # a server of its own, with a reasoning parser
+
 ASK = [{"role": "user", "content": "In the beginning"}]
 
 

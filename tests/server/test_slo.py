@@ -29,6 +29,7 @@ def slo_server(model_args, tmp_path_factory):
     proc.stop()
 
 
+@pytest.mark.slow  # a server of its own
 def test_objectives_in_the_body_and_by_class(slo_server):
     client = openai.OpenAI(base_url=slo_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     model = client.models.list().data[0].id
@@ -44,6 +45,7 @@ def test_objectives_in_the_body_and_by_class(slo_server):
     assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) >= 1
 
 
+@pytest.mark.slow  # a server of its own
 def test_a_request_that_cannot_make_its_deadline_is_refused_with_a_reason(slo_server):
     body = {"prompt": "In the beginning", "max_tokens": 4, "ttft_slo_ms": 0.001}
     resp = httpx.post(slo_server.url + "/v1/completions", json=body, timeout=60)
@@ -53,6 +55,7 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_with_a_reason(slo_se
     assert httpx.get(slo_server.url + "/health").status_code == 200
 
 
+@pytest.mark.slow  # a server of its own
 def test_bad_objectives_are_400s(slo_server, server):
     for body, param in (({"ttft_slo_ms": 0}, "ttft_slo_ms"), ({"tpot_slo_ms": "inf"}, "tpot_slo_ms")):
         resp = httpx.post(slo_server.url + "/v1/completions", json={"prompt": "hi", **body}, timeout=60)

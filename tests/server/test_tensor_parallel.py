@@ -20,6 +20,8 @@ from infer.engine.llm import LLM
 from infer.sampling_params import SamplingParams, StructuredOutputs
 from tests.server.conftest import REPO, ServerProcess, free_port
 
+pytestmark = pytest.mark.slow  # servers of two ranks in their own processes
+
 PROMPT = "In the beginning"
 
 
