@@ -66,34 +66,38 @@ def scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, m
 
 
-def q6_k_products(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sc * (q - 32) int16 [out, in], sc int8 [out, in / 16], d float32 [out, in / 256]) of Q6_K
-    super-blocks: the weight is d * sc * (q - 32)."""
+def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q - 32 int8 [out, in], sc int8 [out, in / 16], d float32 [out, in / 256]) of Q6_K super-blocks:
+    the weight is d * sc * (q - 32)."""
     out_features, count, _ = raw.shape
     # each half (128 inputs) has 64 bytes of low nibbles and 32 of 2-bit highs: input 32 k + l of the
     # half takes nibble k // 2 (low, high) of byte l + 32 (k % 2) and bits 2k..2k+1 of high byte l
     low = raw[..., 0:128].contiguous().view(out_features, count, 2, 2, 32)  # [out, sb, half, k % 2, l]
-    low = torch.cat([low & 0x0F, low >> 4], 3)  # [out, sb, half, k, l]
     high = raw[..., 128:192].contiguous().view(out_features, count, 2, 1, 32)
-    high = (high >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3  # [out, sb, half, k, l]
-    q = (low | (high << 4)).to(torch.int16) - 32
+    q = torch.cat([low & 0x0F, low >> 4], 3)  # [out, sb, half, k, l]
+    q |= ((high >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3) << 4
+    q = q.view(torch.int8).sub_(32)
     sc = raw[..., 192:208].contiguous().view(torch.int8)  # [out, sb, 16]: one per 16 inputs
-    products = q.reshape(out_features, count, 16, 16) * sc[..., None].to(torch.int16)
-    return products.reshape(out_features, -1), sc.reshape(out_features, -1), _fp16(raw[..., 208:210])
+    return q.view(out_features, -1), sc.view(out_features, -1), _fp16(raw[..., 208:210])
 
 
 def _q6_k(raw: torch.Tensor) -> QuantizedWeight:
-    products, sc, d = q6_k_products(raw)
-    out_features = products.shape[0]
-    groups = products.view(out_features, -1, GROUP)  # [out, groups, 32]
-    pairs = sc.view(out_features, -1, 2).to(torch.int32).abs()  # the group's two sub-block scales
+    q, sc, d = q6_k_codes(raw)
+    out_features = q.shape[0]
+    subs = q.view(out_features, -1, 16)  # [out, sub-blocks, 16]
+    sc = sc.to(torch.int32)
+    # per group of 32 (two sub-blocks): the largest |sc * (q - 32)|, and the two |sc|' common divisor
+    low, high = torch.aminmax(subs, dim=-1)
+    widest = torch.maximum(-low.to(torch.int32), high.to(torch.int32))  # max |q - 32| per sub-block
+    largest = (widest * sc.abs()).view(out_features, -1, 2).amax(-1)
+    pairs = sc.abs().view(out_features, -1, 2)
     common = torch.gcd(pairs[..., 0], pairs[..., 1]).clamp(min=1)
-    largest = groups.abs().amax(-1).to(torch.int32)
     exact = largest <= 127 * common
     step = torch.where(exact, common.float(), largest.float() / 127)  # the group scale in units of d
-    q = torch.round(groups.float() / step[..., None]).clamp(-127, 127).to(torch.int8)
+    factor = sc.float() / step.repeat_interleave(2, 1)  # [out, sub-blocks]: an integer where exact
+    codes = torch.mul(subs, factor[..., None]).round_().clamp_(-127, 127).to(torch.int8)
     scales = d.repeat_interleave(SUPER_BLOCK // GROUP, 1) * step
-    return QuantizedWeight(q.reshape(out_features, -1), scales, None, 8, GROUP)
+    return QuantizedWeight(codes.view(out_features, -1), scales, None, 8, GROUP)
 
 
 def _fp16(pairs: torch.Tensor) -> torch.Tensor:
