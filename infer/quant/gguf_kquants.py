@@ -73,9 +73,12 @@ def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     # each half (128 inputs) has 64 bytes of low nibbles and 32 of 2-bit highs: input 32 k + l of the
     # half takes nibble k // 2 (low, high) of byte l + 32 (k % 2) and bits 2k..2k+1 of high byte l
     low = raw[..., 0:128].contiguous().view(out_features, count, 2, 2, 32)  # [out, sb, half, k % 2, l]
-    high = raw[..., 128:192].contiguous().view(out_features, count, 2, 1, 32)
-    q = torch.cat([low & 0x0F, low >> 4], 3)  # [out, sb, half, k, l]
-    q |= ((high >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3) << 4
+    high = raw[..., 128:192].contiguous().view(out_features, count, 2, 32)
+    q = torch.empty(out_features, count, 2, 4, 32, dtype=torch.uint8)  # [out, sb, half, k, l]
+    q[:, :, :, 0:2] = low & 0x0F
+    q[:, :, :, 2:4] = low >> 4
+    for k in range(4):
+        q[:, :, :, k] |= ((high >> (2 * k)) & 3) << 4
     q = q.view(torch.int8).sub_(32)
     sc = raw[..., 192:208].contiguous().view(torch.int8)  # [out, sb, 16]: one per 16 inputs
     return q.view(out_features, -1), sc.view(out_features, -1), _fp16(raw[..., 208:210])
@@ -87,15 +90,14 @@ def _q6_k(raw: torch.Tensor) -> QuantizedWeight:
     subs = q.view(out_features, -1, 16)  # [out, sub-blocks, 16]
     sc = sc.to(torch.int32)
     # per group of 32 (two sub-blocks): the largest |sc * (q - 32)|, and the two |sc|' common divisor
-    low, high = torch.aminmax(subs, dim=-1)
-    widest = torch.maximum(-low.to(torch.int32), high.to(torch.int32))  # max |q - 32| per sub-block
+    widest = subs.abs().amax(-1).to(torch.int32)  # max |q - 32| per sub-block (int8: -32 is safe)
     largest = (widest * sc.abs()).view(out_features, -1, 2).amax(-1)
     pairs = sc.abs().view(out_features, -1, 2)
     common = torch.gcd(pairs[..., 0], pairs[..., 1]).clamp(min=1)
     exact = largest <= 127 * common
     step = torch.where(exact, common.float(), largest.float() / 127)  # the group scale in units of d
     factor = sc.float() / step.repeat_interleave(2, 1)  # [out, sub-blocks]: an integer where exact
-    codes = torch.mul(subs, factor[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    codes = subs.float().mul_(factor[..., None]).round_().to(torch.int8)  # |codes| <= 127 by the step
     scales = d.repeat_interleave(SUPER_BLOCK // GROUP, 1) * step
     return QuantizedWeight(codes.view(out_features, -1), scales, None, 8, GROUP)
 
