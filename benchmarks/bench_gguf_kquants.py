@@ -35,13 +35,14 @@ PYTHON_QUANTIZERS = ("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1")
 
 
 def mix_type(name: str, cols: int, layers: int) -> str | None:
-    """llama.cpp's Q4_K_M choice for a tensor (llama_tensor_get_type, use_more_bits), with its fallbacks
-    for rows that are not whole super-blocks."""
+    """llama.cpp's Q4_K_M choice for a tensor of a model with tied embeddings (llama_tensor_get_type,
+    use_more_bits), with its fallbacks for rows that are not whole super-blocks."""
     more = False
     if ".attn_v." in name or ".ffn_down." in name:
         i = int(name.split(".")[1])
         more = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
-    kind = "Q6_K" if name == "output.weight" or more else "Q4_K"
+    head = name == "output.weight" or name == "token_embd.weight"  # the embedding: when tied, as here
+    kind = "Q6_K" if head or more else "Q4_K"
     if cols % 256:
         kind = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}[kind]
     return kind
