@@ -5,16 +5,21 @@ tests.quant.kquant_blocks.encode (the gguf package has no K-quant quantizer)."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from infer.models.generate import generate
-from infer.models.loader import load_model
+from infer.models.loader import EMBEDDED_MODEL, load_model
 from infer.quant.embedding import QuantizedEmbedding
 from infer.quant.linear import QuantizedLinear
 from tests.quant.kquant_blocks import encode
 
+from .gguf_files import convert, rewrite
 from .test_loader import forward_logits
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
@@ -148,3 +153,32 @@ def test_the_mix_follows_the_dequantized_model(files):
     ours_bf16 = _agreement(_greedy(files["mix"], "bfloat16"), exact)
     ref_bf16 = _agreement(_greedy(files["mix-dequantized"], "bfloat16"), exact)
     assert ours_bf16 >= 0.6 and ours_bf16 >= ref_bf16 - 0.2, (ours_bf16, ref_bf16)
+
+
+def _llama_quantize() -> Path | None:
+    found = sorted(Path("~/.cache/infer/llama.cpp-build").expanduser().glob("*/build/bin/llama-quantize"))
+    found += sorted(Path("~/.cache/infer/llama.cpp-build").expanduser().glob("*/bin/llama-quantize"))
+    return found[-1] if found else None
+
+
+@pytest.mark.slow  # llama.cpp's converter and llama-quantize, then two loads: ~15 s
+def test_llama_quantizes_q4_k_m_file_follows_its_dequantized_weights(tmp_path):
+    """The embedded model as llama-quantize writes Q4_K_M (rows of 384 fall back to Q5_0 / Q8_0, ffn_down
+    in Q4_K / Q6_K): every type loads, the weights are gguf.quants' (Q6_K within its requantization), and
+    the logits follow the dequantized weights': float32 within 1% of the largest logit, the same top
+    token at every position of a text (measured: all of them)."""
+    quantize = _llama_quantize()
+    if quantize is None:
+        pytest.skip("llama-quantize is not built (~/.cache/infer/llama.cpp-build/*/build/bin)")
+    f32 = tmp_path / "embedded-f32.gguf"
+    convert([{"model": str(EMBEDDED_MODEL), "out": str(f32), "outtype": "f32", "pre": "gpt-2"}])
+    path = tmp_path / "embedded-q4_k_m.gguf"
+    subprocess.run([str(quantize), str(f32), str(path), "Q4_K_M"], check=True, capture_output=True)
+    twin = rewrite(path, tmp_path / "dequantized.gguf", lambda name, v: GGMLQuantizationType.F32)
+    ours, cfg, _ = load_model(str(path), dtype="float32", prepack=False)
+    assert set(ours.gguf["tensor_types"]) == {"Q5_0", "F32", "Q4_K", "Q8_0", "Q6_K"}
+    ref, _, _ = load_model(str(twin), dtype="float32", prepack=False)
+    ids = [0, *range(5, cfg.vocab_size, cfg.vocab_size // 80)]
+    a, b = forward_logits(ours, ids), forward_logits(ref, ids)
+    assert (a - b).abs().max() <= 0.01 * b.abs().max()
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
