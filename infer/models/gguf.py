@@ -10,11 +10,14 @@ dict for `ModelConfig.from_hf` and the tensors under Hugging Face's names, so on
     model-00001-of-00003.gguf          the first of split files; the others are found beside it
     folder/                            a folder holding one .gguf (or one set of splits)
 
-Unquantized tensors (F32, F16, BF16) load as `--dtype` says. Matrices in Q8_0, Q4_0 or Q4_1 stay
-quantized (infer.quant.gguf_blocks: int8 / int4 codes in groups of 32, run by the quantized linears;
-a quantized token embedding keeps its codes too, its rows dequantized as they are looked up, and a
-head tied to it gets them as well). Every other type is refused, naming the tensor and its type, before
-the model is allocated.
+Unquantized tensors (F32, F16, BF16) load as `--dtype` says. Quantized matrices stay quantized
+(infer.quant.gguf_blocks: int8 / int4 codes in groups of 32, run by the quantized linears; a quantized
+token embedding keeps its codes too, its rows dequantized as they are looked up, and a head tied to it
+gets them as well): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K as the file holds them, Q6_K requantized
+to int8 in groups of 32 (infer.quant.gguf_kquants). Projections run as one layer (q/k/v, gate/up) whose
+parts differ (Q4_K q and k beside a Q6_K v, as in Q4_K_M files) run on the int8 path, the int4 parts'
+codes held as int8. Every other type (IQ-quants, ternary, Q2_K, Q3_K) is refused, naming the tensor and
+its type, before the model is allocated.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import numpy as np
 import torch
 
 from infer.models.config import ModelConfig
-from infer.quant.gguf_blocks import BITS, BLOCK_BYTES, unpack_blocks
+from infer.quant.gguf_blocks import LOADS_AS, TYPES, unpack_blocks
 from infer.quant.weights import QuantizedWeight
 
 GGUF_MAGIC = b"GGUF"
@@ -59,7 +62,7 @@ EOG_TEXTS = {
     "<|end_of_text|>",
 }
 UNQUANTIZED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-QUANTIZED = tuple(BLOCK_BYTES)  # Q8_0, Q4_0, Q4_1: kept quantized
+QUANTIZED = TYPES  # Q8_0, Q4_0, ..., Q4_K, Q5_K, Q6_K: kept quantized
 EMBEDDING = "token_embd.weight"
 BACKEND_NAMES = {"infer": "infer kernel", "torch": "torch kernel", "dequant": "dequantized: no kernel here"}
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -262,7 +265,7 @@ def _check_overlaps(file: str, reader) -> None:
 
 def check_loadable(model: GGUFModel) -> None:
     """ValueError unless the architecture is one we build and every tensor is F32/F16/BF16, or a matrix
-    in Q8_0/Q4_0/Q4_1."""
+    in a block type we read (QUANTIZED)."""
     arch = model.architecture
     if arch not in ARCHITECTURES:
         raise ValueError(
@@ -276,8 +279,8 @@ def check_loadable(model: GGUFModel) -> None:
         kinds = ", ".join(f"{n} {k}" for k, n in counts.most_common())
         raise ValueError(
             f"{model.name}: tensor {first.name!r} is {first.type_name}, a quantized type infer cannot "
-            f"run yet ({kinds} tensors in all); infer runs F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors "
-            "(K-quants such as Q4_K, Q5_K, Q6_K are not read yet): requantize the file to Q8_0 or Q4_0 "
+            f"run yet ({kinds} tensors in all); infer runs F32, F16, BF16, {', '.join(QUANTIZED)} "
+            "tensors: requantize the file to one of those, e.g. Q4_K_M or Q8_0 "
             "(llama-quantize --allow-requantize), convert the model with `--outtype q8_0` or `bf16` "
             "(llama.cpp's convert_hf_to_gguf.py), or serve its Hugging Face folder with --quantization "
             "int8 / int4"
@@ -292,16 +295,17 @@ def check_loadable(model: GGUFModel) -> None:
 
 
 def _check_fused_types(model: GGUFModel) -> None:
-    """q/k/v and gate/up run as one fused layer each (the models' packed_modules): of one type."""
+    """q/k/v and gate/up run as one fused layer each (the models' packed_modules): all quantized (of
+    any block types: the loader brings them to one format) or all unquantized."""
     for i in range(int(model.get("block_count", 0) or 0)):
         for names in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")):
             found = [t for n in names if (t := model.tensors.get(f"blk.{i}.{n}.weight")) is not None]
-            kinds = {t.type_name for t in found}
-            if len(kinds) > 1 and kinds & set(QUANTIZED):
+            quantized = {t.type_name in QUANTIZED for t in found}
+            if len(quantized) > 1:
                 held = ", ".join(f"{t.name} is {t.type_name}" for t in found)
                 raise ValueError(
-                    f"{model.name}: {held}: infer runs {' / '.join(names)} as one layer, of one type; "
-                    "requantize the file with one type for them"
+                    f"{model.name}: {held}: infer runs {' / '.join(names)} as one layer, quantized or "
+                    "not; requantize the file with quantized types for all of them"
                 )
 
 
@@ -448,11 +452,14 @@ def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
         yield hf_name, data
 
 
-def tensor_paths(model: GGUFModel, layers: dict[str, dict[str, str]], dtype: torch.dtype) -> dict:
+def tensor_paths(
+    model: GGUFModel, layers: dict[str, dict[str, str]], dtype: torch.dtype, widened: dict[str, int]
+) -> dict:
     """What became of each tensor type of a GGUF file, for the start-up log and /server_info, e.g.
     {"Q8_0": "int8 in groups of 32: 9 linear layers (infer kernel x9); token_embd.weight as int8 in groups
     of 32, rows dequantized to bfloat16 as looked up", "F32": "bfloat16 (--dtype)"}. `layers`: block type ->
-    {module path: backend} of the quantized linears made from it."""
+    {module path: backend} of the quantized linears made from it; `widened`: block type -> how many of its
+    int4 tensors share a fused layer with int8 parts (their codes held as int8)."""
     dtype_name = str(dtype).removeprefix("torch.")
     embedding = model.tensors.get(EMBEDDING)
     paths = {}
@@ -464,16 +471,26 @@ def tensor_paths(model: GGUFModel, layers: dict[str, dict[str, str]], dtype: tor
         if kind in layers:
             backends = Counter(layers[kind].values())
             runs = ", ".join(f"{BACKEND_NAMES[b]} x{n}" for b, n in backends.most_common())
-            bits = BITS[kind]
             count = len(layers[kind])
-            parts.append(f"int{bits} in groups of 32: {count} linear layer{'s' * (count != 1)} ({runs})")
+            parts.append(f"{LOADS_AS[kind]}: {count} linear layer{'s' * (count != 1)} ({runs})")
+        if widened.get(kind):
+            parts.append(f"{widened[kind]} tensors as int8 codes, fused with int8 tensors in one layer")
         if embedding is not None and embedding.type_name == kind:
-            bits = BITS[kind]
-            parts.append(
-                f"{EMBEDDING} as int{bits} in groups of 32, rows dequantized to {dtype_name} as looked up"
-            )
+            parts.append(f"{EMBEDDING} as {LOADS_AS[kind]}, rows dequantized to {dtype_name} as looked up")
         paths[kind] = "; ".join(parts)
     return paths
+
+
+def tensor_types(model: GGUFModel) -> dict[str, str]:
+    """Hugging Face name -> block type of each quantized tensor (the tied head: the embedding's)."""
+    layer_names = GEMMA3_LAYER_TENSORS if model.architecture == "gemma3" else LAYER_TENSORS
+    types = {}
+    for name, tensor in model.tensors.items():
+        if tensor.type_name in QUANTIZED and (hf_name := _hf_name(name, layer_names)) is not None:
+            types[hf_name] = tensor.type_name
+            if name == EMBEDDING and "output.weight" not in model.tensors:
+                types[GLOBAL_TENSORS["output.weight"]] = tensor.type_name
+    return types
 
 
 def _quantized(model: GGUFModel, tensor: GGUFTensor) -> QuantizedWeight:

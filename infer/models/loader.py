@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -26,9 +27,8 @@ from infer.models.registry import model_class
 from infer.quant.embedding import QuantizedEmbedding
 from infer.quant.formats import CheckpointQuant, parse_quantization_config, quantized_linear_prefix
 from infer.quant.formats import unpack as unpack_checkpoint
-from infer.quant.gguf_blocks import block_type
 from infer.quant.linear import linear_target, quantize_model, summarize, swap_quantized
-from infer.quant.weights import QuantizedWeight
+from infer.quant.weights import QuantizedWeight, as_int8_with_mins
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED_MODEL = ASSETS / "embedded"
@@ -146,7 +146,7 @@ def load_model(
             module.init_buffers()
     quant = None if load_format == "dummy" else parse_quantization_config(hf_config)
     if gguf_model is not None and gguf_model.quantized() and load_format != "dummy":
-        quant = "gguf"  # its Q8_0 / Q4_0 / Q4_1 matrices
+        quant = "gguf"  # its quantized matrices (Q8_0, Q4_K, ...)
     if quant is not None and quantization != "none":
         raise ValueError(
             f"{path.name} is already quantized ({_method(quant)}): drop --quantization {quantization}"
@@ -263,15 +263,38 @@ def load_gguf_weights(
     if embedding is not None:
         _swap_embedding(net, embedding, dtype)
         loaded.add(gguf.GLOBAL_TENSORS[gguf.EMBEDDING])
-    unpack = {prefix: functools.partial(_shaped, model.name, prefix, w) for prefix, w in quantized.items()}
     packed = _packed_shards(net)
+    kinds = {name.removesuffix(".weight"): kind for name, kind in gguf.tensor_types(model).items()}
+    targets = {prefix: linear_target(net, prefix, packed)[0] for prefix in quantized}
+    widened = _one_scheme_per_layer(quantized, targets, kinds)
+    unpack = {prefix: functools.partial(_shaped, model.name, prefix, w) for prefix, w in quantized.items()}
     swapped = swap_quantized(net, unpack, packed) if quantized else {}
     check_complete(net, loaded | {f"{prefix}.weight" for prefix in quantized}, model.name)
     layers: dict[str, dict[str, str]] = {}  # block type -> {module path: backend}
-    for prefix, weight in quantized.items():
-        target, _ = linear_target(net, prefix, packed)
-        layers.setdefault(block_type(weight), {})[target] = swapped[target].backend
-    return swapped, gguf.tensor_paths(model, layers, dtype)
+    for prefix, target in targets.items():
+        layers.setdefault(kinds[prefix], {})[target] = swapped[target].backend
+    return swapped, gguf.tensor_paths(model, layers, dtype, widened)
+
+
+def _one_scheme_per_layer(
+    quantized: dict[str, QuantizedWeight], targets: dict[str, str], kinds: dict[str, str]
+) -> dict[str, int]:
+    """Fused projections (q/k/v, gate/up) whose parts differ in bits or mins (Q4_K q, k beside a Q6_K v)
+    become int8 with mins throughout, exactly (as_int8_with_mins), in place. Returns block type -> how many
+    int4 tensors took int8 codes."""
+    parts: dict[str, list[str]] = {}
+    for prefix, target in targets.items():
+        parts.setdefault(target, []).append(prefix)
+    widened: Counter[str] = Counter()
+    for prefixes in parts.values():
+        schemes = {(quantized[p].bits, quantized[p].mins is None) for p in prefixes}
+        if len(schemes) == 1:
+            continue
+        for prefix in prefixes:
+            if quantized[prefix].bits == 4:
+                widened[kinds[prefix]] += 1
+            quantized[prefix] = as_int8_with_mins(quantized[prefix])
+    return dict(widened)
 
 
 def _swap_embedding(net: nn.Module, weight: QuantizedWeight, dtype: torch.dtype) -> None:

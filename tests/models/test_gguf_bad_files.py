@@ -22,9 +22,9 @@ def write_gguf(path, arch="llama", quantized=False, skip=()):
             writer.add_uint32(f"{arch}.{key}", value)
     writer.add_tensor("token_embd.weight", np.ones((16, 64), dtype=np.float32))
     writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
-    if quantized:  # a K-quant: Q6_K super-blocks of 256 weights in 210 bytes
-        codes = np.zeros((64, 210), dtype=np.uint8)
-        writer.add_tensor("blk.0.ffn_down.weight", codes, raw_dtype=GGMLQuantizationType.Q6_K)
+    if quantized:  # an i-quant: IQ4_NL blocks of 32 weights in 18 bytes (non-linear 4-bit levels)
+        codes = np.zeros((64, 2 * 18), dtype=np.uint8)
+        writer.add_tensor("blk.0.ffn_down.weight", codes, raw_dtype=GGMLQuantizationType.IQ4_NL)
     writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -104,8 +104,9 @@ def test_quantized_tensor_is_refused_naming_it(tmp_path):
     path = write_gguf(tmp_path / "q.gguf", quantized=True)
     refused(
         path,
-        r"q.gguf: tensor 'blk.0.ffn_down.weight' is Q6_K, a quantized type infer cannot run yet \(1 Q6_K "
-        r"tensors in all\); infer runs F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors \(K-quants",
+        r"q.gguf: tensor 'blk.0.ffn_down.weight' is IQ4_NL, a quantized type infer cannot run yet \(1 "
+        r"IQ4_NL tensors in all\); infer runs F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
+        r"Q6_K tensors: requantize the file",
     )
 
 
@@ -130,23 +131,25 @@ def test_a_quantized_vector_is_refused_naming_it(tmp_path):
 
 
 def test_fused_projections_of_different_types_are_refused(tmp_path):
-    """q/k/v run as one layer: Q4_0 q with Q8_0 v has no one kernel (nor an exact shared format)."""
+    """q/k/v run as one layer: quantized q and k with a float v have no one kernel (quantized parts of
+    different block types do: the loader brings them to int8)."""
     writer = GGUFWriter(tmp_path / "mix.gguf", "llama")
     for key, value in [("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 128),
                        ("attention.head_count", 4)]:  # fmt: skip
         writer.add_uint32(f"llama.{key}", value)
     writer.add_tensor("token_embd.weight", np.ones((16, 64), dtype=np.float32))
-    for name, kind, size in [("attn_q", "Q4_0", 18), ("attn_k", "Q4_0", 18), ("attn_v", "Q8_0", 34)]:
+    for name, kind, size in [("attn_q", "Q4_0", 18), ("attn_k", "Q8_0", 34)]:
         codes = np.zeros((64, 2 * size), dtype=np.uint8)
         writer.add_tensor(f"blk.0.{name}.weight", codes, raw_dtype=GGMLQuantizationType[kind])
+    writer.add_tensor("blk.0.attn_v.weight", np.zeros((64, 64), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     refused(
         tmp_path / "mix.gguf",
-        r"blk.0.attn_q.weight is Q4_0, blk.0.attn_k.weight is Q4_0, blk.0.attn_v.weight is Q8_0: infer runs "
-        r"attn_q / attn_k / attn_v as one layer, of one type",
+        r"blk.0.attn_q.weight is Q4_0, blk.0.attn_k.weight is Q8_0, blk.0.attn_v.weight is F32: infer runs "
+        r"attn_q / attn_k / attn_v as one layer, quantized or not",
     )
 
 
@@ -171,7 +174,7 @@ def test_server_exits_2_with_the_message_and_no_traceback(tmp_path):
         [sys.executable, "-m", "infer", "serve", str(path), "--port", "0"], capture_output=True, text=True
     )
     assert result.returncode == 2
-    assert "tensor 'blk.0.ffn_down.weight' is Q6_K" in result.stderr
+    assert "tensor 'blk.0.ffn_down.weight' is IQ4_NL" in result.stderr
     assert "Traceback" not in result.stderr
 
 
