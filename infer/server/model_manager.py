@@ -266,6 +266,7 @@ class ModelManager:
             started = time.monotonic()
             state = ServerState(entry.args)
             state.metrics = entry.metrics
+            state.warm_up = False  # a request is waiting: no 30 s of graph capture before its first token
             state.draining = self._draining
             self.num_loads += 1
             try:

@@ -61,6 +61,9 @@ class ServerState:
         # One token's text, decoded once: a prompt_logprobs response names ~20 tokens a prompt position,
         # mostly the same ones; bounded by the vocabulary.
         self.token_texts: dict[int, str] = {}
+        # capture the decode graphs before serving; off where a request waits for the load (several models:
+        # the graphs are then captured as batch sizes recur)
+        self.warm_up = True
 
     async def load(self, on_fatal=None) -> None:
         """Load the model off the event loop (so /health can answer 503 meanwhile): on the engine thread,
@@ -74,7 +77,8 @@ class ServerState:
 
         def build() -> MeteredEngine:
             engine = MeteredEngine(self.args.engine, self.metrics)
-            engine.warm_up()  # decode graphs and a frozen heap, before /health says ready
+            if self.warm_up:
+                engine.warm_up()  # decode graphs and a frozen heap, before /health says ready
             return engine
 
         engine = AsyncEngine(factory=build, on_fatal=fatal)

@@ -209,13 +209,16 @@ def test_models_max_unloads_the_least_recently_used_idle_model(models_dir):
     with InProcessServer(["--models-dir", str(models_dir), "--models-max", "2", *ENGINE_FLAGS]) as server:
         for name in ("alpha", "beta", "alpha"):  # beta is now the least recently used
             assert server.complete(name).status_code == 200
-        beta = weakref.ref(server.manager.entries["beta"].state.llm)
+        llm = server.manager.entries["beta"].state.llm
+        kv, weight = llm.runner.kv_caches[0][0], next(llm.runner.model.parameters())
+        held = [weakref.ref(x) for x in (llm, kv, weight)]
+        del llm, kv, weight
         assert server.complete("gamma").status_code == 200
         server.wait_for("beta", "unloaded")
         assert server.statuses() == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded"}
         assert server.manager.num_loaded == 2
         gc.collect()
-        assert beta() is None  # the engine, its KV pool and weights, is gone
+        assert [ref() for ref in held] == [None] * 3  # the engine, its KV pool and its weights are freed
         assert server.complete("beta").status_code == 200  # loads again, alpha now the LRU
         server.wait_for("alpha", "unloaded")
         assert server.manager.num_loads == 4
