@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m infer.server", po
     try:
         args = parse_server_args(parser, argv)
         replicas = replica_args(parser.parse_args(argv))  # --config's values are the defaults by now
+        if replicas is not None and args.models is not None:
+            raise ValueError("--replicas serves one model; leave out --models-dir and --models")
         if replicas is not None:  # N engine replicas on Ray Serve (the `ray` extra), infer.deploy
             try:
                 from infer.deploy.app import run as run_replicas

@@ -18,7 +18,8 @@ Each loaded model is a ServerState of its own (its AsyncEngine, its KV pool, its
   request is a 503 with Retry-After and nothing is unloaded. The new model is built only once every
   unload has finished, so two models' memory never overlaps beyond the bound.
 - keep_alive (Ollama's): when a model's last lease ends it stays loaded that long (the last request's
-  keep_alive, else the model's, else --keep-alive), 0 unloads it at once, None keeps it until evicted.
+  keep_alive; a request without one sets the model's own, or --keep-alive), 0 unloads it at once, None
+  keeps it until evicted.
 - Unloading stops the engine thread and drops every reference to the engine (the KV pool's and the
   weights' tensors go with it), then runs the garbage collector.
 """
@@ -172,11 +173,11 @@ class ModelManager:
                 503, "the server is shutting down and admits no new requests", "service_unavailable"
             )
         entry = self.entry(name)
-        if keep_alive is not None:
-            try:
-                entry.keep_alive_s = parse_keep_alive(keep_alive)
-            except ValueError as exc:
-                raise bad_request(str(exc), param="keep_alive") from exc
+        try:  # as Ollama: each request sets it, one without it the model's default
+            own = entry.spec.keep_alive_s
+            entry.keep_alive_s = own if keep_alive is None else parse_keep_alive(keep_alive)
+        except ValueError as exc:
+            raise bad_request(str(exc), param="keep_alive") from exc
         if leases is not None:
             entry.leases += 1
             leases.append(lambda: self.release(entry))

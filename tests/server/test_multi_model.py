@@ -300,6 +300,8 @@ def test_keep_alive_zero_unloads_after_the_request(models_dir):
         assert server.complete("beta", keep_alive="10m").status_code == 200
         assert server.manager.entries["beta"].keep_alive_s == 600 and server.statuses()["beta"] == "loaded"
         assert _error(server.complete("beta", keep_alive="soon"), 400)["param"] == "keep_alive"
+        assert server.complete("beta").status_code == 200  # without one: the default again (-1: kept)
+        assert server.manager.entries["beta"].keep_alive_s is None
     with InProcessServer(["--models-dir", str(models_dir), *ENGINE_FLAGS, "--keep-alive", "0"]) as server:
         assert server.complete("gamma").status_code == 200  # the flag's default: unloaded after each
         server.wait_for("gamma", "unloaded")
@@ -321,3 +323,24 @@ def test_load_and_unload_endpoints(models_dir):
         assert server.complete("beta").status_code == 200  # a request after the unload loads it again
         assert server.manager.num_loads == 2
         assert _error(server.http.post("/models/load", json={}), 400)
+
+
+@pytest.mark.slow
+def test_infer_serve_models_dir_end_to_end(models_dir, tmp_path):
+    """The command as a user runs it: /health is 200 before any model loads, the openai client lists them
+    and a request loads one."""
+    from tests.server.conftest import ServerProcess
+
+    argv = ["--models-dir", str(models_dir), "--models-max", "1", *ENGINE_FLAGS]
+    server = ServerProcess(argv, tmp_path / "server.log").start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        assert [(m.id, m.status["value"]) for m in client.models.list().data] == [
+            (name, "unloaded") for name in NAMES
+        ]
+        answer = client.completions.create(model="gamma", prompt="In", max_tokens=2)
+        assert answer.model == "gamma" and answer.usage.completion_tokens <= 2
+        assert client.models.retrieve("gamma").status == {"value": "loaded"}
+    finally:
+        server.stop()
+    assert "3 models, none loaded yet: alpha, beta, gamma" in (tmp_path / "server.log").read_text()
