@@ -120,7 +120,8 @@ class ModelManager:
 
     @property
     def num_bytes(self) -> int:
-        return sum(e.num_bytes for e in self.entries.values())
+        """Bytes held or reserved against --models-memory-gb (a model being unloaded is already free)."""
+        return sum(e.num_bytes for e in self.entries.values() if e.status in (LOADED, LOADING))
 
     def abort_all(self) -> None:
         for entry in self.entries.values():

@@ -265,6 +265,33 @@ def test_a_model_with_a_stream_running_is_never_unloaded(models_dir):
         assert server.statuses() == {"alpha": "unloaded", "beta": "loaded", "gamma": "unloaded"}
 
 
+def test_other_models_serve_while_one_loads(models_dir, monkeypatch):
+    """beta's load is held at a gate: alpha answers meanwhile, and beta's request once the gate opens."""
+    import asyncio
+
+    from infer.server import model_manager
+    from infer.server.serving import ServerState
+
+    gate = threading.Event()
+
+    class GatedState(ServerState):
+        async def load(self, on_fatal=None) -> None:
+            if self.args.model_name == "beta":
+                await asyncio.to_thread(gate.wait, 60)
+            await super().load(on_fatal)
+
+    monkeypatch.setattr(model_manager, "ServerState", GatedState)
+    with InProcessServer(["--models-dir", str(models_dir), *ENGINE_FLAGS]) as server:
+        assert server.complete("alpha").status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            beta = pool.submit(server.complete, "beta")
+            server.wait_for("beta", "loading")
+            assert server.complete("alpha").status_code == 200  # served while beta loads
+            assert not beta.done()
+            gate.set()
+            assert beta.result().status_code == 200
+
+
 def test_concurrent_first_requests_load_the_model_once(models_dir):
     with InProcessServer(["--models-dir", str(models_dir), *ENGINE_FLAGS]) as server:
         with ThreadPoolExecutor(6) as pool:
