@@ -2,7 +2,8 @@
 (infer.server.auth).
 
     GET  /openapi.json         the OpenAPI schema: request bodies as the routes validate them, errors
-    GET  /health               200 once the model is loaded; 503 while loading or draining
+    GET  /health               200 once the model is loaded (several models: once listening); 503 while
+                               loading or draining
     GET  /metrics              Prometheus text (infer.server.metrics)
     GET  /v1/models            the one served model; with several (--models-dir), each with its status
     GET  /models, POST /models/load, /models/unload   with several models (infer.server.model_manager)

@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import shutil
+import signal
 import threading
 import time
 import weakref
@@ -354,8 +355,8 @@ def test_load_and_unload_endpoints(models_dir):
 
 @pytest.mark.slow
 def test_infer_serve_models_dir_end_to_end(models_dir, tmp_path):
-    """The command as a user runs it: /health is 200 before any model loads, the openai client lists them
-    and a request loads one."""
+    """The command as a user runs it: /health is 200 before any model loads, the openai client lists them,
+    a request loads one, SIGTERM stops it cleanly."""
     from tests.server.conftest import ServerProcess
 
     argv = ["--models-dir", str(models_dir), "--models-max", "1", *ENGINE_FLAGS]
@@ -368,6 +369,9 @@ def test_infer_serve_models_dir_end_to_end(models_dir, tmp_path):
         answer = client.completions.create(model="gamma", prompt="In", max_tokens=2)
         assert answer.model == "gamma" and answer.usage.completion_tokens <= 2
         assert client.models.retrieve("gamma").status == {"value": "loaded"}
+        server.signal(signal.SIGTERM)  # drains, then stops the loaded engine: exit 0
+        assert server.wait(60) == 0
     finally:
         server.stop()
-    assert "3 models, none loaded yet: alpha, beta, gamma" in (tmp_path / "server.log").read_text()
+    log = (tmp_path / "server.log").read_text()
+    assert "3 models, none loaded yet: alpha, beta, gamma" in log and "drained" in log
