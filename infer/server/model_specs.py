@@ -77,6 +77,7 @@ def add_model_set_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--models-max",
         type=int,
+        metavar="N",
         default=None,
         help="models loaded at once, at most: the least recently used idle one is unloaded first",
     )
@@ -84,12 +85,14 @@ def add_model_set_args(parser: argparse.ArgumentParser) -> None:
         "--models-memory-gb",
         type=float,
         default=None,
-        help="memory the loaded models may hold (weights + KV pools); default: "
-        f"{MACHINE_SHARE:.0%} of the machine's",
+        metavar="G",
+        help="memory the loaded models may hold (weights + KV pools); None: "
+        f"{MACHINE_SHARE * 100:.0f}%% of the machine's",
     )
     group.add_argument(
         "--keep-alive",
         default=DEFAULT_KEEP_ALIVE,
+        metavar="DURATION",
         help="how long an idle model stays loaded (Ollama's: '5m', '1h', seconds; 0: unload after each "
         "request; negative: until evicted); a request's keep_alive overrides it",
     )

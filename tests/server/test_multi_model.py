@@ -125,6 +125,9 @@ def test_keep_alive_durations_as_ollama_reads_them():
 
 
 def test_models_dir_flags(models_dir, tmp_path):
+    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_server_args(parser)
+    assert "--models-memory-gb G" in parser.format_help()  # --help renders (a bare % would break it)
     args = _parse(["--models-dir", str(models_dir), "--models-max", "2", "--keep-alive", "10m"])
     assert [s.name for s in args.models.specs] == list(NAMES)
     assert args.models.max_loaded == 2 and args.models.keep_alive_s == 600
