@@ -249,20 +249,32 @@ def test_memory_bound_unloads_the_lru_idle_model_and_refuses_what_cannot_fit(mod
         assert server.statuses() == expected
 
 
-@pytest.mark.slow
 def test_a_model_with_a_stream_running_is_never_unloaded(models_dir):
-    """A stream of 1,000 tokens (~9 s on 2 cores) holds alpha while beta asks for the only slot."""
+    """Once alpha's stream has sent its first chunk its engine is held at a gate, so the stream is surely
+    running while beta asks for the only slot."""
     with InProcessServer(["--models-dir", str(models_dir), "--models-max", "1", *ENGINE_FLAGS]) as server:
-        body = {"model": "alpha", "prompt": "In", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        assert server.http.post("/models/load", json={"model": "alpha"}).status_code == 200
+        llm, hold, gate = server.manager.entries["alpha"].state.llm, threading.Event(), threading.Event()
+        step = llm.step
+
+        def gated_step():
+            if hold.is_set():
+                assert gate.wait(60)
+            return step()
+
+        llm.step = gated_step  # the engine thread looks it up at every step
+        body = {"model": "alpha", "prompt": "In", "max_tokens": 800, "ignore_eos": True, "stream": True}
         with server.http.stream("POST", "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))  # streaming
+            hold.set()
             resp = server.complete("beta")  # alpha is the only model and it is busy: no room
             error = _error(resp, 503)
             assert resp.headers["Retry-After"] == "1" and "alpha" in error["message"]
             busy = _error(server.http.post("/models/unload", json={"model": "alpha"}), 409)
             assert busy["code"] == "model_busy"
             assert server.statuses()["alpha"] == "loaded"
+            gate.set()
             chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the stream ran to its end
         assert server.complete("beta").status_code == 200  # alpha idle now: unloaded for beta
