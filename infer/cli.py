@@ -83,6 +83,8 @@ def serve(argv: list[str], prog: str = "infer serve") -> int:
     try:
         server_args = parse_server_args(parser, argv)
         replicas = replica_args(parser.parse_args(argv))  # --config's values are the defaults by now
+        if replicas is not None and server_args.models is not None:
+            raise ValueError("--replicas serves one model; leave out --models-dir and --models")
         if replicas is not None:  # N engine replicas on Ray Serve (the `ray` extra)
             try:
                 from infer.deploy.app import run as run_replicas

@@ -2,9 +2,11 @@
 (infer.server.auth).
 
     GET  /openapi.json         the OpenAPI schema: request bodies as the routes validate them, errors
-    GET  /health               200 once the model is loaded; 503 while loading or draining
+    GET  /health               200 once the model is loaded (several models: once listening); 503 while
+                               loading or draining
     GET  /metrics              Prometheus text (infer.server.metrics)
-    GET  /v1/models            the one served model
+    GET  /v1/models            the one served model; with several (--models-dir), each with its status
+    GET  /models, POST /models/load, /models/unload   with several models (infer.server.model_manager)
     POST /v1/completions       infer.server.completions
     POST /v1/chat/completions  infer.server.chat
     POST /v1/responses         infer.server.responses (and GET, DELETE /v1/responses/{id})
@@ -35,6 +37,8 @@ from starlette.middleware.cors import CORSMiddleware
 from infer.server import chat, completions, responses, tokenization
 from infer.server.args import ServerArgs
 from infer.server.auth import APIKeyMiddleware
+from infer.server.model_manager import ModelLeases, ModelManager
+from infer.server.model_manager import router as models_router
 from infer.server.protocol import ERROR_RESPONSES, APIError, bad_request
 from infer.server.request_body import RequestBody, is_json
 from infer.server.serving import ServerState, check_model
@@ -50,7 +54,9 @@ def create_app(
 ) -> FastAPI:
     """on_ready runs once the engine is up; on_fatal if loading fails (the launcher then exits non-zero).
     state: a ServerState whose engine lives elsewhere (infer.deploy's replicas); default, this process's."""
-    state = state if state is not None else ServerState(args)
+    if state is None:
+        state = ModelManager(args) if args.models is not None else ServerState(args)
+    models = state if isinstance(state, ModelManager) else None
     created = int(time.time())
 
     @asynccontextmanager
@@ -71,6 +77,11 @@ def create_app(
         responses=ERROR_RESPONSES,
     )
     app.state.server = state
+    app.state.models = models
+    app.state.created = created
+    if models is not None:
+        app.include_router(models_router)
+        app.add_middleware(ModelLeases)
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(responses.router)
@@ -117,7 +128,9 @@ def create_app(
         engine = server.pop("engine")
         server.pop("api_key_owners")
         info = {"engine": engine, "server": server}
-        if state.ready:
+        if models is not None:
+            info["models"] = models.cards(created)
+        elif state.ready:
             info["kv_capacity_tokens"] = state.llm.kv_capacity_tokens
             info["max_model_len"] = state.llm.max_model_len
             info["dtype"] = str(state.llm.runner.dtype).removeprefix("torch.")  # what `auto` resolved to
@@ -143,11 +156,14 @@ def create_app(
         return Response(body, media_type="application/json")
 
     @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+    async def list_models() -> JSONResponse:
+        cards = models.cards(created) if models is not None else [model_card()]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> JSONResponse:
+        if models is not None:
+            return JSONResponse(models.card(models.entry(model), created))
         check_model(state, model)
         return JSONResponse(model_card())
 

@@ -27,6 +27,7 @@ from infer.config import (
     EngineConfig,
 )
 from infer.server.auth import check_keys, owner_of, read_key_file, split_keys
+from infer.server.model_specs import ModelSetArgs, add_model_set_args, model_set_args
 from infer.server.reasoning import REASONING_PARSERS
 from infer.server.tool_parsers import TOOL_PARSERS
 
@@ -58,6 +59,7 @@ class ServerArgs:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    models: ModelSetArgs | None = None  # several models (infer.server.model_specs); None: the one engine
 
     @property
     def model_name(self) -> str:
@@ -384,6 +386,7 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         default=False,
         help="capture decode steps in CUDA graphs (needs a CUDA GPU)",
     )
+    add_model_set_args(parser)
 
 
 def string_list(value) -> list[str]:
@@ -510,6 +513,7 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),
         allow_credentials=args.allow_credentials,
+        models=model_set_args(args, engine),
     )
 
 

@@ -21,7 +21,7 @@ _OWNER = "infer.owner"  # the key in the ASGI scope's "state", which Request.sta
 
 # Routes behind the keys: the API (vLLM's /tokenize and /detokenize too, which sit outside /v1), and what
 # shows the server's configuration or its traffic (/debug/trace).
-_KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/server_info", "/debug")
+_KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/server_info", "/debug", "/models")
 
 
 def split_keys(values: list[str]) -> list[str]:

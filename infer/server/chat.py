@@ -47,12 +47,12 @@ from infer.server.serving import (
     answer,
     check_fields,
     check_grammar,
-    check_model,
     check_priority,
     check_prompt_logprobs,
     choice_params,
     continuous_usage,
     engine_error,
+    model_state,
     new_id,
     objectives,
     prompt_logprobs_json,
@@ -70,8 +70,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions", responses=GENERATE_RESPONSES)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
-    state: ServerState = request.app.state.server
-    check_model(state, body.model)
+    state = await model_state(request, body.model, body.keep_alive)
     check_fields(body)
     state.check_open()
     check_priority(state, body.priority)

@@ -25,13 +25,13 @@ from infer.server.serving import (
     answer,
     check_fields,
     check_grammar,
-    check_model,
     check_priority,
     check_prompt_logprobs,
     choice_params,
     continuous_usage,
     engine_error,
     floor_logprob,
+    model_state,
     new_id,
     objectives,
     prompt_logprobs_json,
@@ -49,8 +49,7 @@ router = APIRouter()
 @router.post("/v1/completions", responses=GENERATE_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request):
     arrival = time.monotonic()
-    state: ServerState = request.app.state.server
-    check_model(state, body.model)
+    state = await model_state(request, body.model, body.keep_alive)
     check_fields(body)
     state.check_open()
     if body.suffix:

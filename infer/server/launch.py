@@ -74,6 +74,18 @@ class DrainingServer(uvicorn.Server):
 
 
 def log_config(args: ServerArgs, state: ServerState) -> None:
+    if args.models is not None:  # several models: each logs itself as it loads
+        models = args.models
+        logger.info(
+            "%d models, none loaded yet: %s; at most %s loaded, %.3g GiB; keep_alive %s",
+            len(models.specs),
+            ", ".join(spec.name for spec in models.specs),
+            models.max_loaded or "any number",
+            models.max_bytes / 2**30,
+            "until evicted" if models.keep_alive_s is None else f"{models.keep_alive_s:g}s",
+        )
+        logger.info("ready on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
+        return
     llm = state.llm
     shown = {k: v for k, v in dataclasses.asdict(args).items() if k != "engine"}
     shown["api_key_owners"] = len(args.api_key_owners)  # how many keys, not even their digests

@@ -175,6 +175,7 @@ class _SamplingFields(_Request):
         }
 
     model: str | None = None
+    keep_alive: str | float | None = None  # Ollama's: with several models, how long this one stays loaded
     temperature: Annotated[float, Field(ge=0.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1, lt=INT64_END)] = 0  # vLLM: 0 or -1 = off

@@ -72,9 +72,9 @@ from infer.server.serving import (
     answer,
     check_fields,
     check_grammar,
-    check_model,
     check_priority,
     engine_error,
+    model_state,
     new_id,
     objectives,
     sampled_logprobs,
@@ -138,10 +138,9 @@ class ResponseStore:
 @router.post("/v1/responses", responses=GENERATE_RESPONSES)
 async def create_response(body: ResponsesRequest, request: Request):
     arrival = time.monotonic()
-    state: ServerState = request.app.state.server
+    state = await model_state(request, body.model, body.keep_alive)
     store: ResponseStore = request.app.state.responses
     owner = request_owner(request)
-    check_model(state, body.model)
     check_fields(body)
     state.check_open()
     check_priority(state, body.priority)

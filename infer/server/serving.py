@@ -43,6 +43,7 @@ from infer.server.tools import tool_schema
 
 logger = logging.getLogger("infer.server")
 RETRY_AFTER_S = 1
+LEASES_KEY = "infer.model_leases"  # in the ASGI scope: the models a request holds until its response is sent
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
@@ -60,6 +61,9 @@ class ServerState:
         # One token's text, decoded once: a prompt_logprobs response names ~20 tokens a prompt position,
         # mostly the same ones; bounded by the vocabulary.
         self.token_texts: dict[int, str] = {}
+        # capture the decode graphs before serving; off where a request waits for the load (several models:
+        # the graphs are then captured as batch sizes recur)
+        self.warm_up = True
 
     async def load(self, on_fatal=None) -> None:
         """Load the model off the event loop (so /health can answer 503 meanwhile): on the engine thread,
@@ -73,7 +77,8 @@ class ServerState:
 
         def build() -> MeteredEngine:
             engine = MeteredEngine(self.args.engine, self.metrics)
-            engine.warm_up()  # decode graphs and a frozen heap, before /health says ready
+            if self.warm_up:
+                engine.warm_up()  # decode graphs and a frozen heap, before /health says ready
             return engine
 
         engine = AsyncEngine(factory=build, on_fatal=fatal)
@@ -175,6 +180,17 @@ def check_model(state: ServerState, model: str | None) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+async def model_state(request: Request, model: str | None, keep_alive=None) -> ServerState:
+    """The state that serves `model`: the server's one (404 for another name), or, with several models,
+    that model's, loaded if it was not and held until the response is sent (infer.server.model_manager)."""
+    models = getattr(request.app.state, "models", None)
+    if models is None:
+        state = request.app.state.server
+        check_model(state, model)
+        return state
+    return await models.acquire(model, keep_alive, request.scope.setdefault(LEASES_KEY, []))
 
 
 # vLLM's and OpenAI's request fields that would change what is generated or returned, which this server

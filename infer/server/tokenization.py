@@ -19,15 +19,14 @@ from fastapi.responses import JSONResponse
 
 from infer.server.chat import render_chat
 from infer.server.protocol import DetokenizeRequest, TokenizeRequest, bad_request
-from infer.server.serving import ServerState, check_model
+from infer.server.serving import ServerState, model_state
 
 router = APIRouter()
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
-    state: ServerState = request.app.state.server
-    check_model(state, body.model)
+    state = await model_state(request, body.model)
     state.check_open()
     token_ids = await asyncio.to_thread(_tokenize, state, body)  # templates and tokenizing: CPU work
     result = {"count": len(token_ids), "max_model_len": state.llm.max_model_len, "tokens": token_ids}
@@ -47,8 +46,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
-    state: ServerState = request.app.state.server
-    check_model(state, body.model)
+    state = await model_state(request, body.model)
     state.check_open()
     vocab = state.llm.model_config.vocab_size
     if bad := [t for t in body.tokens if t >= vocab]:

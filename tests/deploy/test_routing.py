@@ -197,3 +197,12 @@ def test_replicas_without_ray_say_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "infer.deploy.app", None)  # an import of it raises ImportError
     assert cli.main(["serve", "--replicas", "2"]) == 2
     assert "pip install 'infer[ray]'" in capsys.readouterr().err
+
+
+def test_replicas_serve_one_model(tmp_path, capsys):
+    from infer import cli
+    from infer.models.loader import EMBEDDED_MODEL
+
+    (tmp_path / "embedded").symlink_to(EMBEDDED_MODEL)
+    assert cli.main(["serve", "--replicas", "2", "--models-dir", str(tmp_path)]) == 2
+    assert "--replicas serves one model" in capsys.readouterr().err
