@@ -24,10 +24,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
 
 from infer.engine.tokenizer import load_tokenizer
+from infer.eval.perplexity import held_out_text, perplexity
 from infer.models.gguf import open_gguf
 from infer.models.loader import EMBEDDED_MODEL, load_model
 from infer.quant.gguf_blocks import unpack_blocks
-from infer.quant.perplexity import held_out_text, perplexity
 from tests.models.gguf_files import convert
 from tests.quant.kquant_blocks import encode
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from infer.models.generate import generate
+from infer.eval.generate import generate
 from infer.models.loader import EMBEDDED_MODEL, load_model
 from infer.quant.embedding import QuantizedEmbedding
 from infer.quant.linear import QuantizedLinear
