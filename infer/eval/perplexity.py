@@ -2,9 +2,10 @@
 
 `perplexity`: the text is cut into windows of `window` tokens, each scored on its own (one packed prefill
 through the model's own paged attention, as the engine runs it), and the loss is averaged over every
-predicted token. `decode_nll`: each token predicted by a one-token decode step over the cache, as a
-generation computes it; the kernels take other paths for one row than for a prompt (one-row linears of
-quantized weights, decode attention over fp8 codes), which prompts' perplexity never runs.
+predicted token. `llama_cpp_perplexity`: llama.cpp's `llama-perplexity` scheme, to set figures beside
+its own on the same file and text. `decode_nll`: each token predicted by a one-token decode step over the
+cache, as a generation computes it; the kernels take other paths for one row than for a prompt (one-row
+linears of quantized weights, decode attention over fp8 codes), which prompts' perplexity never runs.
 """
 
 from __future__ import annotations
@@ -37,27 +38,67 @@ def perplexity(
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
     window = min(window, model.config.max_position_embeddings)
-    num_blocks = -(-window // BLOCK_SIZE)
-    model_dtype = next(model.parameters()).dtype
-    kv_caches = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, kv_cache_dtype or model_dtype)
+    prefill = _Prefill(model, window, kv_cache_dtype)
     total_nll, total_tokens = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
-        ids = torch.tensor(token_ids[start : start + window + 1])
-        inputs, targets = ids[:-1], ids[1:]
+        ids = token_ids[start : start + window + 1]
+        total_nll += prefill.nll(ids[:-1], ids[1:], scored_from=0)
+        total_tokens += len(ids) - 1
+    return math.exp(total_nll / total_tokens)
+
+
+@torch.inference_mode()
+def llama_cpp_perplexity(
+    model, token_ids: list[int], n_ctx: int, bos_id: int | None, kv_cache_dtype: torch.dtype | None = None
+) -> float:
+    """Perplexity as `llama-perplexity -c n_ctx` computes it (tools/perplexity/perplexity.cpp): the text cut
+    into whole chunks of n_ctx tokens (a shorter tail dropped), the first token of each chunk replaced by
+    bos_id (when the vocabulary adds a BOS; None: kept), and only the second half of each chunk scored,
+    every scored token seeing at least n_ctx / 2 before it. token_ids: the text as llama.cpp tokenizes it,
+    its BOS included."""
+    chunks = len(token_ids) // n_ctx
+    if chunks < 2:  # llama-perplexity's own limit
+        raise ValueError(f"a context of {n_ctx} needs at least {2 * n_ctx} tokens, got {len(token_ids)}")
+    if n_ctx > model.config.max_position_embeddings:
+        raise ValueError(f"context {n_ctx} exceeds the model's {model.config.max_position_embeddings}")
+    prefill = _Prefill(model, n_ctx, kv_cache_dtype)
+    first = n_ctx // 2
+    total_nll = 0.0
+    for c in range(chunks):
+        chunk = token_ids[c * n_ctx : (c + 1) * n_ctx]
+        if bos_id is not None:
+            chunk = [bos_id, *chunk[1:]]
+        total_nll += prefill.nll(chunk[:-1], chunk[1:], scored_from=first)
+    return math.exp(total_nll / (chunks * (n_ctx - 1 - first)))
+
+
+class _Prefill:
+    """One sequence of up to `length` tokens prefilled at a time through the model's paged attention, into
+    a cache that each call reuses from its first block."""
+
+    def __init__(self, model, length: int, kv_cache_dtype: torch.dtype | None):
+        self.model = model
+        self.num_blocks = -(-length // BLOCK_SIZE)
+        self.dtype = next(model.parameters()).dtype
+        self.kv_caches = allocate_kv_cache(
+            model.config, self.num_blocks, BLOCK_SIZE, kv_cache_dtype or self.dtype
+        )
+
+    def nll(self, inputs: list[int], targets: list[int], scored_from: int) -> float:
+        """Summed negative log-likelihood of targets[scored_from:], each predicted from inputs before it."""
         n = len(inputs)
         meta = AttentionMetadata(
             query_lens=[n],
             seq_lens=[n],
             slot_mapping=torch.arange(n),
-            block_tables=torch.arange(num_blocks).view(1, num_blocks),
-            kv_caches=kv_caches,
-            query_dtype=model_dtype,
+            block_tables=torch.arange(self.num_blocks).view(1, self.num_blocks),
+            kv_caches=self.kv_caches,
+            query_dtype=self.dtype,
         )
-        hidden = model(inputs, torch.arange(n), meta)  # [n, hidden]
-        logits = model.compute_logits(hidden).float()  # [n, vocab]
-        total_nll += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
-        total_tokens += n
-    return math.exp(total_nll / total_tokens)
+        hidden = self.model(torch.tensor(inputs), torch.arange(n), meta)  # [n, hidden]
+        logits = self.model.compute_logits(hidden[scored_from:]).float()  # [n - scored_from, vocab]
+        scored = torch.tensor(targets[scored_from:])
+        return torch.nn.functional.cross_entropy(logits, scored, reduction="sum").item()
 
 
 @torch.inference_mode()
