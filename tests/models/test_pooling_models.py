@@ -203,3 +203,13 @@ def test_encode_pair_truncates_the_longer_text_first():
     assert len(ids) == 5
     ids, _ = tok.encode_pair("one two three four five six seven eight", None, max_length=4)
     assert ids == [0, *a[:2], 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["bert", "qwen3"])
+def test_the_default_dtype_stays_close_to_float32(tmp_path, arch):
+    """`--dtype auto` (bfloat16 on a CPU with bf16 hardware, prepacked linears) against float32."""
+    folder = build_embedder(tmp_path / "m", arch, "mean_tokens")
+    exact = _embed(_engine(folder), TEXTS)
+    auto = _embed(PoolingEngine(EngineConfig(model=str(folder))), TEXTS)
+    assert _cosines(auto, exact).min() >= 0.999
