@@ -1,4 +1,5 @@
-"""POST /v1/embeddings: OpenAI's embeddings API (and vLLM's truncate_prompt_tokens, add_special_tokens).
+"""POST /v1/embeddings: OpenAI's embeddings API (and vLLM's truncate_prompt_tokens, add_special_tokens, and
+a chat's `messages` as the input).
 
     {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [...]}],
      "model": ..., "usage": {"prompt_tokens": N, "total_tokens": N}}
@@ -20,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from infer.engine.pooling_inputs import embedding_inputs
+from infer.server.chat import render_chat
 from infer.server.pooling_protocol import EmbeddingRequest
 from infer.server.protocol import bad_request
 from infer.server.serving import ServerState, check_model, new_id
@@ -32,15 +34,16 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
     state: ServerState = request.app.state.server
     check_model(state, body.model)
     state.check_open("embed")
-    prompts = [body.input] if isinstance(body.input, str) or isinstance(body.input[0], int) else body.input
+    if body.messages is not None:  # a chat: its prompt through the chat template, one embedding
+        prompts = [await asyncio.to_thread(render_chat, state, body)]
+    elif isinstance(body.input, str) or isinstance(body.input[0], int):
+        prompts = [body.input]
+    else:
+        prompts = body.input
+    special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
     try:
         inputs = await asyncio.to_thread(
-            embedding_inputs,
-            state.llm,
-            prompts,
-            body.truncate_prompt_tokens,
-            body.dimensions,
-            body.add_special_tokens,
+            embedding_inputs, state.llm, prompts, body.truncate_prompt_tokens, body.dimensions, special
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=param_of(str(exc), "input")) from exc

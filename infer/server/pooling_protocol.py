@@ -4,11 +4,11 @@ generation bodies of infer.server.protocol; the responses are dicts built by the
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from infer.server.protocol import TokenId, _Request
+from infer.server.protocol import ChatMessage, TokenId, _Request
 
 # inputs of one request at most: a batch beyond this belongs in several requests
 MAX_INPUTS = 2048
@@ -17,15 +17,33 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class EmbeddingRequest(_Request):
-    """OpenAI's embeddings request and vLLM's extensions (truncate_prompt_tokens, add_special_tokens)."""
+    """OpenAI's embeddings request and vLLM's extensions: truncate_prompt_tokens, add_special_tokens, and
+    a chat (`messages`, rendered through the model's chat template, as vLLM's EmbeddingChatRequest: one
+    embedding; add_special_tokens then defaults to off, the template writing them)."""
 
     model: str | None = None
-    input: str | Texts | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
+    input: (
+        str | Texts | TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_INPUTS)] | None
+    ) = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # only with --trust-request-chat-template, as in chat completions
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _input_or_messages(self):
+        if (self.input is None) == (self.messages is None):
+            raise ValueError(
+                "input: send either `input` (texts or token ids) or `messages` (a chat), not both"
+            )
+        return self
 
 
 class _Scoring(_Request):

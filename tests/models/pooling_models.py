@@ -18,6 +18,10 @@ from infer.models.loader import EMBEDDED_MODEL
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|system|>"  # ids 0, 1, 4 in the embedded tokenizer
 VOCAB = 8192
+# vLLM's embedding tests' template: "role: content" lines
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{message['role'] + ': ' + message['content'] + '\\n'}}{% endfor %}"
+)
 ENCODER = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
 )
@@ -44,6 +48,7 @@ def _tokenizer(folder: Path, kind: str) -> None:
         "cls_token": BOS,
         "sep_token": EOS,
         "model_max_length": 128,
+        "chat_template": CHAT_TEMPLATE,
         "model_input_names": ["input_ids", "token_type_ids", "attention_mask"]
         if kind == "bert"
         else ["input_ids", "attention_mask"],

@@ -183,6 +183,32 @@ def test_bad_embedding_requests_are_openai_shaped_400s(embedder):
     assert httpx.get(server.url + "/health").status_code == 200  # and it keeps serving
 
 
+def test_a_chat_as_input(embedder):
+    """vLLM's test_chat_request: a chat embeds as its rendered prompt, without added special tokens."""
+    server, _, _ = embedder
+    messages = [
+        {"role": "user", "content": "The cat sat on the mat."},
+        {"role": "assistant", "content": "A feline was resting on a rug."},
+        {"role": "user", "content": "Stars twinkle brightly in the night sky."},
+    ]
+    chat = httpx.post(server.url + "/v1/embeddings", json={"messages": messages, "encoding_format": "float"})
+    assert chat.status_code == 200, chat.text
+    prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    body = {"input": prompt, "encoding_format": "float", "add_special_tokens": False}
+    plain = httpx.post(server.url + "/v1/embeddings", json=body).json()
+    assert chat.json()["usage"] == plain["usage"]
+    np.testing.assert_allclose(chat.json()["data"][0]["embedding"], plain["data"][0]["embedding"], atol=1e-6)
+    with_special = {"messages": messages, "add_special_tokens": True}
+    response = httpx.post(server.url + "/v1/embeddings", json=with_special).json()
+    assert response["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + 2
+    both = {"messages": messages, "continue_final_message": True, "add_generation_prompt": True}
+    response = httpx.post(server.url + "/v1/embeddings", json=both)
+    assert response.status_code == 400
+    assert "Cannot set both `continue_final_message` and `add_generation_prompt`" in response.text
+    response = httpx.post(server.url + "/v1/embeddings", json={"messages": messages, "input": "x"})
+    assert response.status_code == 400
+
+
 def test_score_of_an_embedding_model_is_cosine_similarity(embedder):
     server, model, _ = embedder
     response = httpx.post(server.url + "/score", json={"text_1": TEXTS_1[0], "text_2": TEXTS_2}).json()
