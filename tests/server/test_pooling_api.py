@@ -69,6 +69,9 @@ def test_models_and_tokenize(embedder):
     assert card["id"] == name and card["task"] == "embed"
     tokens = httpx.post(server.url + "/tokenize", json={"prompt": INPUT}).json()["tokens"]
     assert tokens[0] == 0 and tokens[-1] == 1  # [CLS] ... [SEP]
+    info = httpx.get(server.url + "/server_info").json()
+    assert info["task"] == "embed" and info["max_model_len"] == 64 and info["dtype"] == "float32"
+    assert httpx.get(server.url + "/metrics").status_code == 200
 
 
 def test_embeddings_of_texts_and_token_ids(embedder):
