@@ -139,8 +139,11 @@ class PoolingEngine:
     def encode(self, inputs: list[PoolingInput]) -> list[list[float]]:
         """Per input, in order: its embedding (EMBED), or its classifier's scores (CLASSIFY)."""
         out: list[list[float]] = [[] for _ in inputs]
-        lengths = [len(x.token_ids) for x in inputs]
+        # shortest first: a batch's sequences are alike in length, so an encoder pads them little
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].token_ids))
+        lengths = [len(inputs[i].token_ids) for i in order]
         for batch in token_batches(lengths, self.max_num_batched_tokens, self.max_num_seqs):
-            for i, result in zip(batch, self.runner.run([inputs[i] for i in batch]), strict=True):
+            chosen = [order[j] for j in batch]
+            for i, result in zip(chosen, self.runner.run([inputs[i] for i in chosen]), strict=True):
                 out[i] = result
         return out

@@ -12,6 +12,8 @@ classifiers read each sequence's first token ([CLS] / <s>), as transformers' hea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,26 +25,41 @@ from infer.layers.parallel import SINGLE, TensorParallel
 from infer.models.config import ModelConfig
 
 
-def bidirectional_attention(q, k, v, seq_lens: list[int], scale: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class PaddedLayout:
+    """Where a packed batch's tokens sit once its sequences are padded to the longest, computed once per
+    forward for every layer: `rows` are the tokens' rows of the padded [num_seqs * longest] buffer, and
+    `mask` [num_seqs, 1, 1, longest] the keys that exist (None, both, when every sequence is as long)."""
+
+    num_seqs: int
+    longest: int
+    rows: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, seq_lens: list[int]) -> PaddedLayout:
+        longest = max(seq_lens)
+        if all(n == longest for n in seq_lens):
+            return cls(len(seq_lens), longest)
+        keep = torch.arange(longest)[None, :] < torch.tensor(seq_lens)[:, None]  # [num_seqs, longest]
+        return cls(len(seq_lens), longest, keep.flatten().nonzero().squeeze(1), keep[:, None, None, :])
+
+
+def bidirectional_attention(q, k, v, layout: PaddedLayout, scale: float) -> torch.Tensor:
     """q, k, v: [num_tokens, num_heads, head_dim] of packed sequences -> the same shape, each token
     attending to every token of its own sequence. Sequences are padded to the longest and masked: one
     SDPA call for the batch, where a call per sequence costs tens of microseconds each."""
-    num_seqs, longest = len(seq_lens), max(seq_lens)
-    if all(n == longest for n in seq_lens):  # no padding: a view
-        shape = (num_seqs, longest, *q.shape[1:])
-        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))  # [num_seqs, num_heads, len, head_dim]
+    n, longest, heads = layout.num_seqs, layout.longest, q.shape[1:]
+    if layout.rows is None:  # no padding: a view
+        q, k, v = (t.reshape(n, longest, *heads).transpose(1, 2) for t in (q, k, v))  # [n, heads, len, dim]
         out = F.scaled_dot_product_attention(q, k, v, scale=scale)
-        return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1])
-    lens = torch.tensor(seq_lens)
-    keep = torch.arange(longest)[None, :] < lens[:, None]  # [num_seqs, longest]: real tokens
+        return out.transpose(1, 2).reshape(-1, *heads)
     padded = []
-    for t in (q, k, v):
-        buf = t.new_zeros(num_seqs, longest, *t.shape[1:])  # [num_seqs, longest, num_heads, head_dim]
-        buf[keep] = t
-        padded.append(buf.transpose(1, 2))  # [num_seqs, num_heads, longest, head_dim]
-    mask = keep[:, None, None, :]  # [num_seqs, 1, 1, longest]: keys that exist
-    out = F.scaled_dot_product_attention(*padded, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2)[keep]  # [num_tokens, num_heads, head_dim]
+    for t in (q, k, v):  # zeros, not garbage, under the mask: 0 x NaN would still be NaN
+        buf = t.new_zeros(n * longest, *heads).index_copy_(0, layout.rows, t)
+        padded.append(buf.view(n, longest, *heads).transpose(1, 2))  # [n, num_heads, longest, head_dim]
+    out = F.scaled_dot_product_attention(*padded, attn_mask=layout.mask, scale=scale)
+    return out.transpose(1, 2).reshape(n * longest, *heads).index_select(0, layout.rows)
 
 
 class BertEmbeddings(nn.Module):
@@ -67,11 +84,11 @@ class BertSelfAttention(nn.Module):
         size = cfg.num_heads * cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [size, size, size], bias=True)
 
-    def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         shape = (-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         out = bidirectional_attention(
-            q.reshape(shape), k.reshape(shape), v.reshape(shape), seq_lens, self.head_dim**-0.5
+            q.reshape(shape), k.reshape(shape), v.reshape(shape), layout, self.head_dim**-0.5
         )
         return out.flatten(1)  # [num_tokens, hidden_size]
 
@@ -94,8 +111,8 @@ class BertAttention(nn.Module):
         setattr(self, "self", BertSelfAttention(cfg))  # noqa: B010 (transformers' name, a Python keyword)
         self.output = BertSelfOutput(cfg.hidden_size, cfg)
 
-    def forward(self, x, seq_lens):
-        return self.output(self.self(x, seq_lens), x)
+    def forward(self, x, layout):
+        return self.output(self.self(x, layout), x)
 
 
 class BertIntermediate(nn.Module):
@@ -115,8 +132,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertSelfOutput(cfg.intermediate_size, cfg)
 
-    def forward(self, x, seq_lens):
-        h = self.attention(x, seq_lens)
+    def forward(self, x, layout):
+        h = self.attention(x, layout)
         return self.output(self.intermediate(h), h)
 
 
@@ -125,9 +142,9 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
 
-    def forward(self, h, seq_lens):
+    def forward(self, h, layout):
         for layer in self.layer:
-            h = layer(h, seq_lens)
+            h = layer(h, layout)
         return h
 
 
@@ -167,7 +184,7 @@ class BertModel(nn.Module):
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         h = self.embeddings(input_ids, positions, token_type_ids)
-        return self.encoder(h, meta.query_lens)  # [num_tokens, hidden_size]
+        return self.encoder(h, PaddedLayout.of(meta.query_lens))  # [num_tokens, hidden_size]
 
 
 class BertForSequenceClassification(BertModel):

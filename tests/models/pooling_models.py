@@ -27,7 +27,9 @@ ENCODER = dict(
 )
 
 
-def _tokenizer(folder: Path, kind: str) -> None:
+def _tokenizer(folder: Path, kind: str, chat_template: bool = False) -> None:
+    """chat_template: a template for chats as embedding input (not for a cross-encoder: sentence-transformers'
+    CrossEncoder would format its pairs through it)."""
     tok = Tokenizer.from_file(str(EMBEDDED_MODEL / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in (BOS, EOS, PAD)}
     specials = [(t, i) for t, i in ids.items()]
@@ -48,11 +50,12 @@ def _tokenizer(folder: Path, kind: str) -> None:
         "cls_token": BOS,
         "sep_token": EOS,
         "model_max_length": 128,
-        "chat_template": CHAT_TEMPLATE,
         "model_input_names": ["input_ids", "token_type_ids", "attention_mask"]
         if kind == "bert"
         else ["input_ids", "attention_mask"],
     }
+    if chat_template:
+        config["chat_template"] = CHAT_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
@@ -102,7 +105,7 @@ def build_embedder(
     import transformers
 
     kind = {"bert": "bert", "xlm-roberta": "roberta", "qwen3": "decoder"}[arch]
-    _tokenizer(folder, kind)
+    _tokenizer(folder, kind, chat_template=True)
     torch.manual_seed(seed)
     if arch == "bert":
         config = transformers.BertConfig(**ENCODER, max_position_embeddings=128, pad_token_id=4)
