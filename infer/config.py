@@ -174,6 +174,7 @@ def _positive_int(name: str, value: object) -> None:
 
 
 QUANTIZATION_METHODS = ("none", "int8", "int4")
+RUNNERS = ("auto", "generate", "pooling")
 # auto: the model's dtype; fp8 = fp8_e4m3 (as vLLM), one byte per element (infer/runner/kv_cache.py)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -224,6 +225,10 @@ class EngineConfig:
         of structured outputs' compilations (infer.runner.compile_pool): the compiled-grammar cache's
         memory (LRU), the compilations run at once, those waiting beyond them (more are refused: 429),
         and the seconds one may take (then its requests are refused: 400).
+    runner: vLLM's: "generate" (text), "pooling" (embeddings, scores: infer.engine.pooling), or "auto":
+        pooling for an encoder, a cross-encoder or a decoder's body saved without its LM head.
+    pooler_config: vLLM's `--pooler-config` JSON, overriding what the model's folder says of its pooler
+        (infer.models.pooler_config).
     """
 
     model: str | None = None
@@ -262,8 +267,11 @@ class EngineConfig:
     max_grammar_compilations: int = 1
     max_queued_grammars: int = 16
     grammar_compile_timeout: float = 10.0
+    runner: str = "auto"
+    pooler_config: str | None = None
 
     def __post_init__(self) -> None:
+        _one_of("runner", self.runner, RUNNERS)
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", DEFAULT_TOKEN_BUDGET)
         if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):

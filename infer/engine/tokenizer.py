@@ -150,6 +150,28 @@ class Tokenizer:
             return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(
+        self, text: str, text_pair: str | None = None, max_length: int | None = None
+    ) -> tuple[list[int], list[int]]:
+        """(token ids, token type ids) of a text or a pair of texts with the special tokens around and
+        between them, as transformers' `tokenizer(text, text_pair)`; with max_length, the texts are cut
+        to fit it (the longer one first, from its end: transformers' `truncation=True`)."""
+        first = self._backend.encode(text, add_special_tokens=False)
+        second = self._backend.encode(text_pair, add_special_tokens=False) if text_pair is not None else None
+        if max_length is not None:
+            room = max(max_length - self._backend.num_special_tokens_to_add(second is not None), 0)
+            a, b = len(first.ids), len(second.ids) if second is not None else 0
+            if a + b > room:  # the longer is cut down to the shorter, then both by turns
+                short = min(a, b)
+                a, b = (room - short, short) if a > b else (short, room - short)
+                if min(a, b) < 0 or short > room - short:
+                    a, b = room - room // 2, room // 2
+            first.truncate(a)
+            if second is not None:
+                second.truncate(b)
+        encoding = self._backend.post_process(first, second, add_special_tokens=True)
+        return encoding.ids, encoding.type_ids
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if len(token_ids) > LONG_TEXT:
             return self._backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)[0]

@@ -45,6 +45,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's dtype, what `--dtype auto` starts from
+    # encoders (BERT, XLM-RoBERTa: infer.models.bert) only
+    type_vocab_size: int = 0  # rows of the token-type (segment) embedding; 0: none (decoders)
+    position_offset: int = 0  # XLM-RoBERTa numbers positions from pad_token_id + 1
+    num_labels: int = 0  # a sequence-classification head's outputs; 0: no head
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -70,7 +74,55 @@ class ModelConfig:
         arch = archs[0]
         if arch == "GPT2LMHeadModel":
             return _from_gpt2(cfg)
+        if arch in ENCODERS:
+            return _from_encoder(arch, cfg)
+        if arch in DECODER_BODIES:  # a decoder saved without its LM head (Qwen3-Embedding): same config
+            arch = DECODER_BODIES[arch]
         return _from_llama_like(arch, cfg)
+
+
+# BERT-family encoders, by the architecture names of their checkpoints (infer.models.bert)
+ENCODERS = (
+    "BertModel",
+    "XLMRobertaModel",
+    "BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+)
+# a decoder's body saved alone (sentence-transformers saves AutoModel's) -> the causal LM it is the body of
+DECODER_BODIES = {"Qwen3Model": "Qwen3ForCausalLM", "LlamaModel": "LlamaForCausalLM"}
+
+
+def _from_encoder(arch: str, cfg: dict[str, Any]) -> ModelConfig:
+    kind = cfg.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"{arch} with position_embedding_type {kind!r} is not supported (only absolute)")
+    if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+        raise ValueError(f"{arch} configured as a decoder is not supported; it serves as an encoder")
+    num_heads, num_layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    roberta = arch.startswith("XLMRoberta")
+    num_labels = len(cfg["id2label"]) if cfg.get("id2label") else cfg.get("num_labels", 2)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=cfg["hidden_size"] // num_heads,
+        intermediate_size=cfg["intermediate_size"],
+        # XLM-RoBERTa's table holds pad_token_id + 1 rows before the first position
+        max_position_embeddings=cfg["max_position_embeddings"]
+        - (cfg.get("pad_token_id", 1) + 1 if roberta else 0),
+        norm_eps=cfg.get("layer_norm_eps", 1e-12),
+        hidden_act=cfg.get("hidden_act", "gelu"),
+        layer_types=(FULL,) * num_layers,
+        type_vocab_size=cfg.get("type_vocab_size", 2),
+        position_offset=cfg.get("pad_token_id", 1) + 1 if roberta else 0,
+        num_labels=num_labels if arch.endswith("ForSequenceClassification") else 0,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+        dtype=_dtype(cfg),
+    )
 
 
 def _eos_ids(value) -> tuple[int, ...]:

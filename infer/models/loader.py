@@ -117,13 +117,15 @@ def load_model(
     prepack: bool = True,
     quantization: str = "none",
     tp: TensorParallel = SINGLE,
+    pooling: bool = False,
 ) -> tuple[nn.Module, ModelConfig, Path]:
     """Returns (model in eval mode on CPU, its config, its folder or GGUF file). `quantization` int8 or
     int4 swaps the linear layers for quantized ones (infer.quant; `model.quantization` summarises what was
     done; `model.gguf` what a GGUF file held). With
     `prepack`, the remaining bf16 linear layers get their weights reordered once for oneDNN where the CPU
     supports it (infer.layers.linear). `tp`: this rank's shard of the model (infer.layers.parallel); random
-    weights (load_format dummy) are then drawn per shard, so they differ from the unsharded model's."""
+    weights (load_format dummy) are then drawn per shard, so they differ from the unsharded model's.
+    `pooling`: the class the pooling runner serves (a decoder without its LM head; infer.models.registry)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     path = resolve_model_path(model, load_format)
@@ -138,7 +140,7 @@ def load_model(
         cfg = ModelConfig.from_hf(hf_config)
     torch_dtype = pick_dtype(cfg, dtype)
     with torch.device("meta"):
-        net = model_class(cfg.architecture)(cfg, tp)
+        net = model_class(cfg.architecture, pooling)(cfg, tp)
     net = net.to(dtype=torch_dtype).to_empty(device="cpu")
     net.tie_weights()
     for module in net.modules():  # buffers (rope tables) were left uninitialised by to_empty
@@ -189,7 +191,9 @@ def check_model_files(model: str | None, load_format: str = "auto") -> None:
         raise ValueError(f"GGUF file {model!r} does not exist")
 
 
-def load_engine_model(config, tp: TensorParallel = SINGLE) -> tuple[nn.Module, ModelConfig, Path]:
+def load_engine_model(
+    config, tp: TensorParallel = SINGLE, pooling: bool = False
+) -> tuple[nn.Module, ModelConfig, Path]:
     """load_model with an EngineConfig's fields: what every rank of an engine loads."""
     return load_model(
         config.model,
@@ -199,6 +203,7 @@ def load_engine_model(config, tp: TensorParallel = SINGLE) -> tuple[nn.Module, M
         config.prepack_weights,
         config.quantization,
         tp,
+        pooling,
     )
 
 

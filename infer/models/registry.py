@@ -12,6 +12,16 @@ MODELS = {
     "Qwen3ForCausalLM": "infer.models.llama:LlamaForCausalLM",
     "Gemma3ForCausalLM": "infer.models.gemma3:Gemma3ForCausalLM",
     "GPT2LMHeadModel": "infer.models.gpt2:GPT2LMHeadModel",
+    "BertModel": "infer.models.bert:BertModel",
+    "XLMRobertaModel": "infer.models.bert:BertModel",
+    "BertForSequenceClassification": "infer.models.bert:BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification": "infer.models.bert:XLMRobertaForSequenceClassification",
+}
+# decoders served by the pooling runner (`--runner pooling`): the body without its LM head
+POOLING_MODELS = {
+    "LlamaForCausalLM": "infer.models.decoder_embedding:DecoderEmbeddingModel",
+    "Qwen2ForCausalLM": "infer.models.decoder_embedding:DecoderEmbeddingModel",
+    "Qwen3ForCausalLM": "infer.models.decoder_embedding:DecoderEmbeddingModel",
 }
 
 
@@ -22,7 +32,8 @@ def check_supported(architecture: str) -> None:
         )
 
 
-def model_class(architecture: str):
+def model_class(architecture: str, pooling: bool = False):
+    """pooling: the class the pooling runner serves (a decoder's body without its LM head)."""
     check_supported(architecture)
-    module, name = MODELS[architecture].split(":")
+    module, name = (POOLING_MODELS if pooling else MODELS).get(architecture, MODELS[architecture]).split(":")
     return getattr(importlib.import_module(module), name)

@@ -11,6 +11,8 @@
     POST /v1/chat/completions  infer.server.chat
     POST /v1/responses         infer.server.responses (and GET, DELETE /v1/responses/{id})
     POST /tokenize, /detokenize  vLLM's, infer.server.tokenization
+    POST /v1/embeddings        a pooling model's: infer.server.embeddings
+    POST /score, /rerank       (and /v1/score, /v1/rerank, /v2/rerank) infer.server.scoring
     GET  /debug/trace?seconds=S  the last S seconds of the engine trace (with --trace; infer.engine.trace)
 
 The model loads in a thread started by the lifespan, so the server listens (and answers 503) meanwhile.
@@ -34,7 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from infer.server import chat, completions, responses, tokenization
+from infer.server import chat, completions, embeddings, responses, scoring, tokenization
 from infer.server.args import ServerArgs
 from infer.server.auth import APIKeyMiddleware
 from infer.server.model_manager import ModelLeases, ModelManager
@@ -87,6 +89,8 @@ def create_app(
     app.include_router(responses.router)
     app.state.responses = responses.ResponseStore(args.responses_store_mb * 2**20)
     app.include_router(tokenization.router)
+    app.include_router(embeddings.router)
+    app.include_router(scoring.router)
     _add_error_handlers(app)
     if args.api_key_owners:
         app.add_middleware(APIKeyMiddleware, owners=args.api_key_owners)
@@ -119,6 +123,7 @@ def create_app(
                 "root": _public_name(args.engine.model or "embedded"), "parent": None}  # fmt: skip
         if state.ready:
             card["max_model_len"] = state.llm.max_model_len
+            card["task"] = state.task  # generate, embed (an embedding model) or classify (a cross-encoder)
         return card
 
     @app.get("/server_info")
@@ -130,6 +135,9 @@ def create_app(
         info = {"engine": engine, "server": server}
         if models is not None:
             info["models"] = models.cards(created)
+        elif state.ready and state.pooling is not None:
+            info["task"], info["max_model_len"] = state.task, state.llm.max_model_len
+            info["dtype"] = str(state.llm.dtype).removeprefix("torch.")
         elif state.ready:
             info["kv_capacity_tokens"] = state.llm.kv_capacity_tokens
             info["max_model_len"] = state.llm.max_model_len

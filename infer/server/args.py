@@ -24,6 +24,7 @@ from infer.config import (
     LOAD_FORMATS,
     POLICIES,
     QUANTIZATION_METHODS,
+    RUNNERS,
     EngineConfig,
 )
 from infer.server.auth import check_keys, owner_of, read_key_file, split_keys
@@ -214,6 +215,20 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         default=d["load_format"],
         choices=list(LOAD_FORMATS),
         help="dummy: random weights in the model's shape; auto reads safetensors or GGUF by the path",
+    )
+    parser.add_argument(
+        "--runner",
+        default=d["runner"],
+        choices=list(RUNNERS),
+        help="pooling: serve embeddings and scores (/v1/embeddings, /score, /rerank) instead of text; auto "
+        "does for encoders (BERT, XLM-RoBERTa), cross-encoders and a decoder's body saved without its LM "
+        "head; a decoder embedder saved as a causal LM (Qwen3-Embedding) needs --runner pooling",
+    )
+    parser.add_argument(
+        "--pooler-config",
+        default=d["pooler_config"],
+        help="a pooling model's pooler as JSON, over what its sentence-transformers files say: "
+        '\'{"pooling_type": "CLS"|"MEAN"|"LAST", "normalize": true|false, "use_activation": true|false}\'',
     )
     parser.add_argument(
         "--quantization",

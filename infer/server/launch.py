@@ -87,6 +87,19 @@ def log_config(args: ServerArgs, state: ServerState) -> None:
         logger.info("ready on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
         return
     llm = state.llm
+    if state.pooling is not None:
+        logger.info(
+            "model %s (%s, %s): a pooling model (%s), max_model_len %d, %s; batches of at most %d tokens",
+            args.model_name,
+            llm.model_config.architecture,
+            str(llm.dtype).removeprefix("torch."),
+            state.task,
+            llm.max_model_len,
+            llm.pooler,
+            llm.max_num_batched_tokens,
+        )
+        logger.info("ready on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
+        return
     shown = {k: v for k, v in dataclasses.asdict(args).items() if k != "engine"}
     shown["api_key_owners"] = len(args.api_key_owners)  # how many keys, not even their digests
     logger.info("engine config: %s", dataclasses.asdict(llm.config))

@@ -19,6 +19,7 @@ Only this module touches `num_in_flight`, so the drain on SIGTERM can wait for i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -34,7 +35,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from infer.core.slo import LateRequest, Objectives
 from infer.engine.async_engine import AsyncEngine, CompileQueueFull, RequestFailed
+from infer.engine.async_pooling import AsyncPoolingEngine
 from infer.engine.llm_engine import StepOutput
+from infer.engine.pooling import PoolingEngine, model_task
 from infer.sampling_params import INT64_MIN, SamplingParams, StructuredOutputs, Unsatisfiable
 from infer.server.args import ServerArgs
 from infer.server.metrics import MeteredEngine, Metrics
@@ -54,6 +57,9 @@ class ServerState:
         self.args = args
         self.metrics = Metrics(args.model_name)
         self.engine: AsyncEngine | None = None
+        # a pooling model's engine instead (infer.engine.pooling), and what it serves: "embed" / "classify"
+        self.pooling: AsyncPoolingEngine | None = None
+        self.task = "generate"
         self.ready = False
         self.draining = False
         self.num_in_flight = 0  # engine requests admitted and not yet finished
@@ -81,6 +87,13 @@ class ServerState:
                 engine.warm_up()  # decode graphs and a frozen heap, before /health says ready
             return engine
 
+        task = await asyncio.to_thread(model_task, self.args.engine)
+        if task is not None:
+            self.pooling = AsyncPoolingEngine(factory=lambda: PoolingEngine(self.args.engine))
+            self.pooling.start()
+            await self.pooling.ready()
+            self.task, self.ready = task, True
+            return
         engine = AsyncEngine(factory=build, on_fatal=fatal)
         engine.start()
         await engine.ready()
@@ -91,10 +104,13 @@ class ServerState:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+        if self.pooling is not None:
+            self.pooling.shutdown()
 
     @property
     def llm(self) -> MeteredEngine:
-        return self.engine.engine
+        """The engine (a PoolingEngine for a pooling model: its tokenizer, model_config, max_model_len)."""
+        return self.pooling.engine if self.pooling is not None else self.engine.engine
 
     @property
     def max_request_len(self) -> int:
@@ -106,8 +122,9 @@ class ServerState:
             limit = min(limit, llm.scheduler_config.max_num_batched_tokens + 1)
         return limit
 
-    def check_open(self) -> None:
-        """503 while the model loads or the server drains."""
+    def check_open(self, task: str | None = "generate") -> None:
+        """503 while the model loads or the server drains; 400 for a `task` ("generate", "embed", "score")
+        the served model does not do, naming the endpoints that it serves."""
         if self.draining:
             raise APIError(
                 503, "the server is shutting down and admits no new requests", "service_unavailable"
@@ -116,6 +133,9 @@ class ServerState:
             raise APIError(
                 503, "the model is still loading; retry when GET /health answers 200", "service_unavailable"
             )
+        if task is not None and task not in TASK_ENDPOINTS[self.task][0]:
+            model = self.args.model_name
+            raise bad_request(f"The model `{model}` {TASK_ENDPOINTS[self.task][1]}", param="model")
 
     def check_admissible(self, num_requests: int) -> None:
         """400 for more engine requests than are ever admitted at once: a retry could never succeed (not a
@@ -159,10 +179,52 @@ class ServerState:
             )
         self.num_in_flight += num_requests
 
+    @contextlib.contextmanager
+    def pooling_admission(self, num_inputs: int):
+        """Count a pooling request as in flight (the drain waits for it) while it runs, or refuse it (429)
+        when the inputs already waiting exceed --max-num-seqs + --max-queued-requests."""
+        self.check_open(task=None)
+        bound = self.args.engine.max_num_seqs + self.args.max_queued_requests
+        waiting = self.pooling.num_waiting
+        if waiting and waiting + num_inputs > bound:
+            raise APIError(
+                429,
+                f"server overloaded: {waiting} inputs are waiting to be embedded or scored and this request "
+                f"would make {waiting + num_inputs}, beyond {bound}; retry after {RETRY_AFTER_S}s",
+                "rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.num_in_flight += 1
+        try:
+            yield
+        finally:
+            self.num_in_flight -= 1
+
     def abort_all(self) -> None:
         """End every running choice with finish_reason "abort" (the drain timed out)."""
         for fanout in list(self.fanouts):
             fanout.close()
+
+
+# what the served model does -> (the tasks it serves, what a request for another one is told)
+TASK_ENDPOINTS = {
+    "generate": (
+        ("generate",),
+        "generates text: use POST /v1/completions or /v1/chat/completions. Embeddings and scores need an "
+        "embedding model or a cross-encoder (a decoder embedder is served with --runner pooling)",
+    ),
+    "embed": (
+        ("embed", "score"),
+        "is an embedding model: it does not generate text. Use POST /v1/embeddings, or /score and /rerank "
+        "for the cosine similarity of two texts",
+    ),
+    "classify": (
+        ("score",),
+        "is a cross-encoder (a reranker): it scores pairs of texts. Use POST /score or /rerank; it neither "
+        "generates text nor embeds",
+    ),
+}
 
 
 def new_id(prefix: str) -> str:

@@ -27,7 +27,7 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
     state = await model_state(request, body.model)
-    state.check_open()
+    state.check_open(task=None)
     token_ids = await asyncio.to_thread(_tokenize, state, body)  # templates and tokenizing: CPU work
     result = {"count": len(token_ids), "max_model_len": state.llm.max_model_len, "tokens": token_ids}
     if body.return_token_strs:
@@ -47,7 +47,7 @@ def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
     state = await model_state(request, body.model)
-    state.check_open()
+    state.check_open(task=None)
     vocab = state.llm.model_config.vocab_size
     if bad := [t for t in body.tokens if t >= vocab]:
         raise bad_request(f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")

@@ -36,6 +36,7 @@ ALLOWED: dict[str, set[str]] = {
         "runner",
         "models.loader",
         "models.gguf",
+        "models.pooler_config",
         "layers.parallel",
         "config",
         "sampling_params",

@@ -1,0 +1,149 @@
+"""The pooling engine: embeddings and scores of whole texts, for embedding models and cross-encoders.
+
+    PoolingEngine(EngineConfig(model=..., runner="pooling"))
+      .encode([PoolingInput(token_ids), ...])  -> per input its embedding, or a cross-encoder's scores
+
+A pooling request is a prefill and nothing more, so it needs none of generation's machinery: no KV
+blocks, no scheduler steps, no sampling. Inputs are packed into batches of at most
+`max_num_batched_tokens` tokens and `max_num_seqs` sequences (`token_batches`), each one forward of the
+pooling runner (infer.runner.pooling_runner); an input longer than the budget runs alone. Which runner
+a model gets is `pooling_task`'s decision, vLLM's `--runner`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from infer.config import EngineConfig
+from infer.engine.tokenizer import load_tokenizer
+from infer.models.loader import load_engine_model, read_config, resolve_model_path
+from infer.models.pooler_config import CLASSIFY, EMBED, read_pooler_config
+from infer.runner.pooling_runner import PoolingInput, PoolingRunner
+
+# architectures that are pooling models whatever --runner says (encoders, cross-encoders, decoder bodies)
+POOLING_ARCHITECTURES = {
+    "BertModel": EMBED,
+    "XLMRobertaModel": EMBED,
+    "Qwen3Model": EMBED,
+    "LlamaModel": EMBED,
+    "BertForSequenceClassification": CLASSIFY,
+    "XLMRobertaForSequenceClassification": CLASSIFY,
+}
+DECODER_ARCHITECTURES = (
+    "Qwen3Model",
+    "LlamaModel",
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def pooling_task(architecture: str, runner: str) -> str | None:
+    """EMBED, CLASSIFY, or None for a generation model. ValueError where `runner` cannot serve it."""
+    task = POOLING_ARCHITECTURES.get(architecture)
+    if runner == "generate" and task is not None:
+        raise ValueError(
+            f"{architecture} has no LM head: it cannot generate text; serve it with --runner pooling"
+        )
+    if runner == "pooling" and task is None:
+        if architecture not in DECODER_ARCHITECTURES:
+            raise ValueError(f"{architecture} cannot serve as a pooling model (--runner pooling)")
+        task = EMBED
+    return task
+
+
+def model_task(config: EngineConfig) -> str | None:
+    """pooling_task of the model `config` names (its config.json read; a GGUF file is a generation model)."""
+    if config.runner == "generate":
+        return None
+    path = resolve_model_path(config.model, config.load_format)
+    if not (path / "config.json").is_file():
+        return pooling_task("", config.runner) if config.runner == "pooling" else None
+    architectures = read_config(path).get("architectures") or [""]
+    return pooling_task(architectures[0], config.runner)
+
+
+def token_batches(lengths: list[int], max_tokens: int, max_seqs: int) -> list[list[int]]:
+    """Indices of `lengths` in batches of at most max_tokens tokens and max_seqs sequences, in order; a
+    length beyond max_tokens makes a batch of its own."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if current and (total + n > max_tokens or len(current) >= max_seqs):
+            batches.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+class PoolingEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.task = model_task(config)
+        if self.task is None:
+            raise ValueError(f"{config.model or 'embedded'} is a generation model, not a pooling model")
+        if config.tensor_parallel_size > 1:
+            raise ValueError("pooling models run on one rank: drop --tensor-parallel-size")
+        model, self.model_config, path = load_engine_model(config, pooling=True)
+        self.path = Path(path)
+        self.tokenizer = load_tokenizer(self.path, config.tokenizer)
+        hf_config = read_config(self.path)
+        decoder = self.model_config.architecture in DECODER_ARCHITECTURES
+        self.pooler = read_pooler_config(self.path, hf_config, self.task, decoder, config.pooler_config)
+        if self.task == CLASSIFY and not hasattr(model, "classify"):
+            raise ValueError(f"{self.model_config.architecture} has no classifier to score with")
+        self.runner = PoolingRunner(
+            model,
+            self.pooler.pooling_type,
+            self.pooler.normalize,
+            self.task == CLASSIFY,
+            self.pooler.use_activation,
+        )
+        self.dtype = next(model.parameters()).dtype
+        self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_position_embeddings)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+
+    @property
+    def num_labels(self) -> int:
+        return self.model_config.num_labels
+
+    def check_length(self, num_tokens: int) -> None:
+        if num_tokens > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the input has "
+                f"{num_tokens} tokens. Please reduce the length of the input prompt, or set "
+                "truncate_prompt_tokens."
+            )
+
+    def truncation(self, truncate_prompt_tokens: int | None) -> int | None:
+        """vLLM's `truncate_prompt_tokens` as a token count: -1 is max_model_len; beyond it a ValueError."""
+        if truncate_prompt_tokens is None:
+            return None
+        if truncate_prompt_tokens == -1:
+            return self.max_model_len
+        if truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {truncate_prompt_tokens}")
+        if truncate_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens ({truncate_prompt_tokens}) is greater than max_model_len "
+                f"({self.max_model_len}). Please request a smaller truncation size."
+            )
+        return truncate_prompt_tokens
+
+    def encode(self, inputs: list[PoolingInput]) -> list[list[float]]:
+        """Per input, in order: its embedding (EMBED), or its classifier's scores (CLASSIFY)."""
+        out: list[list[float]] = [[] for _ in inputs]
+        # shortest first: a batch's sequences are alike in length, so an encoder pads them little
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i].token_ids))
+        lengths = [len(inputs[i].token_ids) for i in order]
+        for batch in token_batches(lengths, self.max_num_batched_tokens, self.max_num_seqs):
+            chosen = [order[j] for j in batch]
+            for i, result in zip(chosen, self.runner.run([inputs[i] for i in chosen]), strict=True):
+                out[i] = result
+        return out
