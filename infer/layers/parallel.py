@@ -84,7 +84,9 @@ class VocabParallelEmbedding(nn.Embedding):
     contributes zeros, and the all-reduce adds the one rank's row that holds it."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE):
-        super().__init__(tp.vocab_rows(vocab_size), hidden_size)
+        rows = tp.vocab_rows(vocab_size)
+        # the loader fills the weight: a random init of a large vocabulary would cost seconds per load
+        super().__init__(rows, hidden_size, _weight=torch.empty(rows, hidden_size))
         self.tp = tp
         self.first = tp.rank * self.num_embeddings
 

@@ -23,6 +23,7 @@ its type, before the model is allocated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -179,8 +180,18 @@ class GGUFModel:
 
 def open_gguf(path: Path) -> GGUFModel:
     """Read the metadata and tensor table of `path` (and its splits). ValueError naming what is wrong for
-    a file that is not GGUF, of a version the reader does not know, truncated, or inconsistent."""
+    a file that is not GGUF, of a version the reader does not know, truncated, or inconsistent.
+
+    The last file read is kept: a load reads it for its flags, its weights and its tokenizer, and
+    llama.cpp's reader takes seconds over a large vocabulary's metadata. Read-only: callers never change
+    what it returns."""
     files = split_files(path)
+    return _open_files(tuple((f.absolute(), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=1)
+def _open_files(key: tuple[tuple[Path, int, int], ...]) -> GGUFModel:
+    files = [file for file, _, _ in key]
     metadata: dict[str, Any] = {}
     tensors: dict[str, GGUFTensor] = {}
     for i, file in enumerate(files):
@@ -189,7 +200,7 @@ def open_gguf(path: Path) -> GGUFModel:
             metadata = fields
         for tensor in file_tensors:
             if tensor.name in tensors:
-                raise ValueError(f"{file.name}: tensor {tensor.name!r} appears twice in {path.name}")
+                raise ValueError(f"{file.name}: tensor {tensor.name!r} appears twice in {files[0].name}")
             tensors[tensor.name] = tensor
     return GGUFModel(files, metadata, tensors)
 
@@ -207,7 +218,15 @@ def _reader(file: Path):
                     f"{file.name} is truncated: it has {len(self.data)} bytes and its {part} needs bytes "
                     f"up to {end}"
                 )
-            return super()._get(offset, dtype, count, override_order)
+            # as GGUFReader._get, on a plain array over the same mapping: slicing the np.memmap itself
+            # costs a memmap object per slice, seconds over a vocabulary's strings
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self._plain = self.data.view(np.ndarray)
+            arr = plain[offset:end].view(dtype=dtype)[: int(count)]
+            return arr.view(
+                arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order)
+            )
 
     # copy-on-write: torch wants writable arrays, and the file is never written
     return Reader(file, "c")
