@@ -148,6 +148,7 @@ class Scheduler:
         self.num_spec_draft_tokens = 0
         self.num_spec_accepted_tokens = 0
         self.num_spec_accepted_per_pos: list[int] = []
+        self._spec_in_flight: dict[str, int] = {}  # req_id -> proposals fed in the step not yet updated
 
     def _key(self, req: Request) -> tuple[int, float, int]:
         if self._slo:
@@ -479,6 +480,8 @@ class Scheduler:
                 req.num_prefill_tokens_computed += num_new
             # past the known sequence while proposals are in flight: update() rolls back the rejected
             req.num_computed_tokens = end + len(spec)
+            if spec:
+                self._spec_in_flight[req.req_id] = len(spec)
         self._last_step = (num_decode, num_prefill)
         stats = StepStats(
             num_prefill_tokens=num_prefill,
@@ -500,6 +503,7 @@ class Scheduler:
         token ids / max_tokens (min_tokens and ignore_eos respected) and free finished requests' blocks.
         Requests finished between schedule() and update() (aborts) are skipped."""
         now = self.clock()
+        self._spec_in_flight.clear()
         sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids, strict=True))
         logprobs = {}
         if runner_out.logprobs is not None:
@@ -634,7 +638,8 @@ class Scheduler:
         assert sorted(ids) == sorted(self.requests), "running + waiting != unfinished requests"
         for req in self.running:
             assert req.status == RequestStatus.RUNNING and kv.holds(req), req.req_id
-            assert 0 < req.num_computed_tokens <= req.num_tokens, (req.req_id, req.num_computed_tokens)
+            num_known = req.num_tokens + self._spec_in_flight.get(req.req_id, 0)  # proposals fed count
+            assert 0 < req.num_computed_tokens <= num_known, (req.req_id, req.num_computed_tokens)
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (req.req_id, req.status)
             assert not kv.holds(req) and req.num_computed_tokens == 0, req.req_id
