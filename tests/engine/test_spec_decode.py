@@ -5,6 +5,7 @@ proposals are accepted where the text repeats, and an abort mid-speculation give
 from __future__ import annotations
 
 import pytest
+from scipy.stats import chisquare
 
 from infer.config import SpeculativeConfig
 from infer.core.request import Request
@@ -200,3 +201,39 @@ def test_the_server_flag_takes_vllms_json():
     assert parse_server_args(parser, []).engine.speculative_config is None
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         parse_server_args(parser, ["--speculative-config", '{"method": "ngram"}'])
+
+
+@pytest.mark.slow
+def test_sampled_tokens_keep_the_models_distribution():
+    """Temperature 1 on the embedded model: after "... Moses, saying" + ",", the text's earlier "saying,
+    Speak" makes " Speak" the proposal for the next token, which the model gives ~9%: kept sometimes,
+    rejected mostly. That token, over the samples whose first token is "," (~99.5%), is distributed as the
+    model's next-token distribution there (transformers', float32), by a chi-square test."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = {**SPEC, "disable_by_batch_size": 512}
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32", num_kv_blocks=512, speculative_config=spec)
+    tokenizer = llm.engine.tokenizer
+    text = (
+        "And the LORD spake unto Moses, saying, Speak unto the children of Israel. "
+        "And the LORD spake unto Moses,"
+    )
+    prompt = tokenizer.encode(text) + tokenizer.encode(" saying", add_special_tokens=False)
+    comma = tokenizer.encode(",", add_special_tokens=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(EMBEDDED_MODEL), dtype=torch.float32)
+    with torch.no_grad():
+        probs = torch.softmax(hf(torch.tensor([[*prompt, comma]])).logits[0, -1].double(), dim=-1)
+    scheduler = llm.engine.scheduler
+    results = llm.generate([prompt] * 1000, SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
+    seconds = [r.token_ids[1] for r in results if r.token_ids[0] == comma]
+    assert len(seconds) > 900
+    assert scheduler.num_spec_draft_tokens >= len(seconds)  # each was verified against a proposal
+    assert 20 < scheduler.num_spec_accepted_tokens < 300  # ~9% kept
+    counts = torch.bincount(torch.tensor(seconds), minlength=len(probs)).double()
+    expected = probs * len(seconds)
+    big = expected >= 5  # the rest pooled into one bin
+    observed = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)])
+    expected = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
+    expected *= observed.sum() / expected.sum()  # exactly: scipy checks the totals agree
+    assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
