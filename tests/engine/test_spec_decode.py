@@ -155,7 +155,7 @@ def test_every_architecture_keeps_its_greedy_output(variant, tmp_path):
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4, speculative_config=SPEC)
     spec = llm.generate(prompts, params)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    assert llm.engine.scheduler.num_spec_draft_tokens > 0
+    assert llm.engine.scheduler.num_spec_accepted_tokens > 0  # greedy random models loop: proposals hit
 
 
 def test_speculative_config_is_vllms():
