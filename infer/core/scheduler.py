@@ -3,7 +3,8 @@
 There are no prefill and decode phases, only a token budget per step and counts per request:
 
     budget = max_num_batched_tokens
-      1. decodes of running requests, best key first          1 token each
+      1. decodes of running requests, best key first          1 token each (1 + K with K proposals:
+                                                               speculative decoding, _update_spec)
       2. prefill chunks of running, partly prefilled requests  min(remaining, chunk, budget)
       3. admissions from the waiting queue, in key order       min(remaining - prefix hit, chunk, budget)
          (none in a step where 1. or 2. had to preempt: the pool is full)
