@@ -16,6 +16,8 @@ from infer.core.block_hash import hash_blocks
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
 from infer.core.request import RequestStatus
 from tests.unit.core_fakes import EOS, default_token, make_request, make_scheduler
+from tests.unit.test_core_scheduler_random import BASE, eos_token, expected_output
+from tests.unit.test_core_scheduler_random import CONFIGS as RANDOM_CONFIGS
 
 
 class SpecFakeRunner:
@@ -225,3 +227,58 @@ def test_aborting_mid_speculation_leaves_the_pool_whole():
     sched.check_integrity()
     assert kv.num_used_blocks == 0 and kv.num_free_blocks + kv.num_cached_blocks == free_at_start
     assert not sched.has_unfinished()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", list(RANDOM_CONFIGS))
+def test_random_workload_with_proposals(name, seed):
+    """test_core_scheduler_random's workload (arrivals, shared prefixes, priorities, EOS, aborts also
+    mid-step, preemption and eviction) with proposals, right or wrong, before every step: every request
+    not aborted produces exactly its tokens alone, and every block comes back."""
+    rng = random.Random(seed)
+    s = make_scheduler(**{**BASE, **RANDOM_CONFIGS[name]})
+    next_token = eos_token(seed)
+    runner = SpecFakeRunner(s, next_token)
+    prefixes = [[rng.randrange(3, 1000) for _ in range(rng.randint(4, 12))] for _ in range(3)]
+    pending, t = [], 0
+    for i in range(80):
+        t += rng.choice([0, 0, 1, 2, 3])
+        prompt = rng.choice(prefixes + [[]]) + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 10))]
+        pending.append(
+            make_request(f"r{i}", prompt, max_tokens=rng.randint(1, 10), priority=rng.randint(0, 2))
+        )
+        pending[-1].arrival_time = t
+    reqs, aborted = list(pending), set()
+    for step_index in range(5000):
+        while pending and pending[0].arrival_time <= step_index:
+            s.add_request(pending.pop(0))
+        if not pending and not s.has_unfinished():
+            break
+        for req in s.running:
+            k = 0 if req.is_prefill else rng.randint(0, 4)
+            right = [next_token(req.req_id, req.num_output_tokens + j) for j in range(k)]
+            req.spec_token_ids = [tok if rng.random() < 0.7 else tok + 1 for tok in right]
+        if s.requests and rng.random() < 0.03:
+            victim = rng.choice(sorted(s.requests))
+            s.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+            aborted.add(victim)
+        out = s.schedule()
+        s.check_integrity()
+        runner_out = runner.execute(out)
+        if out.scheduled and rng.random() < 0.03:  # a client disconnects while the step runs
+            victim = rng.choice(out.scheduled).req_id
+            s.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+            aborted.add(victim)
+        s.update(out, runner_out)
+        s.check_integrity()
+    else:
+        raise AssertionError("the workload did not finish")
+    kv = s.kv_cache_manager
+    assert kv.num_used_blocks == 0
+    for req in reqs:
+        assert req.is_finished(), req.req_id
+        if req.req_id not in aborted:
+            expected = expected_output(next_token, req.req_id, req.sampling_params.max_tokens)
+            assert (req.output_token_ids, req.finish_reason) == expected, req.req_id
+    assert s.num_spec_accepted_tokens > 0 and s.num_spec_draft_tokens > s.num_spec_accepted_tokens
+    assert aborted
