@@ -515,7 +515,8 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             if sched.spec_token_ids:
-                outputs.append(self._update_spec(req, sched, runner_out, now))
+                accepted = runner_out.accepted_token_ids.get(req.req_id, [])
+                outputs.append(self._update_spec(req, sched, accepted, sampled[req.req_id], now))
                 continue
             self.kv_cache_manager.cache_blocks(req)  # before a finish frees them, so they stay reusable
             if not sched.sample:
@@ -539,7 +540,7 @@ class Scheduler:
         return outputs
 
     def _update_spec(
-        self, req: Request, sched: ScheduledRequest, runner_out: ModelRunnerOutput, now: float
+        self, req: Request, sched: ScheduledRequest, accepted: list[int], sampled: int, now: float
     ) -> RequestOutput:
         """A decode that verified proposals: keep the accepted ones and the token sampled after them.
 
@@ -551,12 +552,10 @@ class Scheduler:
         Rolling back is lowering num_computed_tokens: the rejected tokens' slots are overwritten by the
         next step, and no block holding them is ever hashed (cache_blocks runs after the rollback and
         stops at num_computed_tokens). Emission stops at a stop token or max_tokens."""
-        idx = runner_out.req_ids.index(req.req_id)
-        accepted = runner_out.accepted_token_ids.get(req.req_id, [])
         assert accepted == sched.spec_token_ids[: len(accepted)], (req.req_id, accepted)
         req.num_computed_tokens -= len(sched.spec_token_ids) - len(accepted)
         new_token_ids, status = [], None
-        for token_id in (*accepted, runner_out.sampled_token_ids[idx]):
+        for token_id in (*accepted, sampled):
             new_token_ids.append(token_id)
             status = req.append_output_token(token_id, now)
             if status is not None:
@@ -572,14 +571,12 @@ class Scheduler:
             per_pos[pos] += 1
         if status is not None:
             self._finish(req, status, now)
-        logprobs = runner_out.logprobs[idx] if runner_out.logprobs is not None else None
-        return RequestOutput(
+        return RequestOutput(  # no logprobs: requests that want them are given no proposals
             req_id=req.req_id,
             new_token_ids=new_token_ids,
             finished=req.is_finished(),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            logprobs=logprobs,
             num_cached_tokens=req.num_cached_tokens,
         )
 

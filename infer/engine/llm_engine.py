@@ -401,10 +401,11 @@ class LLMEngine:
         num_read = detok.num_output_tokens
         text = detok.update(ids)
         reason = out.finish_reason
-        num_after_stop = len(ids) - (detok.num_output_tokens - num_read) if detok.stopped else 0
-        if num_after_stop:  # a speculative step emitted tokens past the stop string: they never were
-            self.requests[out.req_id].drop_output_tail(len(out.new_token_ids) - len(ids) + num_after_stop)
-            out.new_token_ids = ids[: len(ids) - num_after_stop]
+        num_kept = detok.num_output_tokens - num_read  # up to the one that completed a stop string
+        if detok.stopped and num_kept < len(out.new_token_ids):
+            # a speculative step emitted tokens past the stop string (a stop token too): they never were
+            self.requests[out.req_id].drop_output_tail(len(out.new_token_ids) - num_kept)
+            out.new_token_ids = out.new_token_ids[:num_kept]
         if detok.stopped:  # a stop string: the engine's to find, not the core's
             if not out.finished:
                 self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED, detok.stop_str)
