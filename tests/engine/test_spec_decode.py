@@ -237,3 +237,27 @@ def test_sampled_tokens_keep_the_models_distribution():
     expected = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
     expected *= observed.sum() / expected.sum()  # exactly: scipy checks the totals agree
     assert chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("stop_token_after", [False, True])
+def test_tokens_emitted_past_a_stop_string_are_dropped(tiny, stop_token_after):
+    """One step emitted "x", "a", "b" and more; "ab" is a stop string: the output ends at "b" (text "x"),
+    and the request counts the tokens up to it, also when a stop token ended the step after it."""
+    from infer.core.outputs import RequestOutput
+
+    engine = LLM(tiny[0], dtype="float32", num_kv_blocks=64, speculative_config=SPEC).engine
+    stop_id = engine.tokenizer.encode("!", add_special_tokens=False)[0]
+    params = SamplingParams(max_tokens=20, stop=["ab"], stop_token_ids=[stop_id])
+    req = engine.add_request([5, 6, 7], params)
+    kept = engine.tokenizer.encode("xab", add_special_tokens=False)
+    emitted = kept + (
+        [stop_id] if stop_token_after else engine.tokenizer.encode("cd", add_special_tokens=False)
+    )
+    for token_id in emitted:  # as Scheduler.update appends them
+        req.append_output_token(token_id, 0.0)
+    update = RequestOutput(req.req_id, list(emitted))
+    if stop_token_after:
+        update.finished, update.finish_reason, update.stop_reason = True, "stop", stop_id
+    out = engine._detokenize(update)
+    assert (out.token_ids, out.text, out.finish_reason, out.finished) == (kept, "x", "stop", True)
+    assert req.output_token_ids == kept and out.num_output_tokens == len(kept)
