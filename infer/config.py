@@ -179,6 +179,84 @@ RUNNERS = ("auto", "generate", "pooling")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+)
+DEFAULT_SPEC_BATCH_SIZE = 4  # speculate only while this many requests or fewer run
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `--speculative-config` JSON, its field names and defaults): each step
+    a decoding request feeds its last token and up to num_speculative_tokens proposed ones, and one
+    forward verifies them all (infer/runner/rejection_sampler.py, docs/speculative-decoding.md).
+
+    method: "ngram" (prompt lookup: the tokens that followed the first earlier occurrence of the
+        sequence's last n tokens, in the prompt or the output; infer/runner/ngram_proposer.py).
+    num_speculative_tokens: proposals per step at most (K); a decode then costs 1 + K tokens of the budget.
+    prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first; vLLM's defaults: both
+        5 when neither is given, else the one given for both.
+    disable_by_batch_size: speculate only in steps where at most this many requests run: a larger
+        batch is compute-bound, and the proposals' extra tokens would cost what they save.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int = DEFAULT_SPEC_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise ValueError(
+                'speculative_config: method "draft_model" is not served yet; use "ngram" (prompt lookup)'
+            )
+        _one_of("speculative_config method", self.method, SPECULATIVE_METHODS)
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config needs num_speculative_tokens (proposals per step, >= 1)")
+        _positive_int("speculative_config num_speculative_tokens", self.num_speculative_tokens)
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        _positive_int("speculative_config prompt_lookup_min", lo)
+        _positive_int("speculative_config prompt_lookup_max", hi)
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+            )
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        _positive_int("speculative_config disable_by_batch_size", self.disable_by_batch_size)
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """A config from the flag's JSON text, a dict of its fields, or itself; None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(SPECULATIVE_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown field(s) {', '.join(unknown)}; "
+                f"the fields are {', '.join(SPECULATIVE_FIELDS)}"
+            )
+        return cls(**value)
+
+
 # auto: safetensors for a folder, GGUF for a .gguf file (infer.models.gguf); dummy: random weights
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -229,6 +307,8 @@ class EngineConfig:
         pooling for an encoder, a cross-encoder or a decoder's body saved without its LM head.
     pooler_config: vLLM's `--pooler-config` JSON, overriding what the model's folder says of its pooler
         (infer.models.pooler_config).
+    speculative_config: speculative decoding (SpeculativeConfig, or its fields as a dict or JSON text, as
+        vLLM's `--speculative-config`); None = off.
     """
 
     model: str | None = None
@@ -269,9 +349,13 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0
     runner: str = "auto"
     pooler_config: str | None = None
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         _one_of("runner", self.runner, RUNNERS)
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config is not served under tensor parallelism; leave one out")
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", DEFAULT_TOKEN_BUDGET)
         if self.max_num_seqs is None and isinstance(self.max_num_batched_tokens, int):

@@ -98,7 +98,11 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[Block] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Make room for num_new_tokens more tokens of req; return the ids of the blocks added.
 
@@ -106,12 +110,17 @@ class KVCacheManager:
         an admission (req.num_computed_tokens == 0 and no table yet). Returns None and changes nothing
         when the free queue (cached blocks included: they are evicted in LRU order) cannot supply the
         blocks. On success the hit blocks are referenced and prepended to the table.
+        num_lookahead_tokens: slots past the known sequence, for proposals a speculative step verifies.
+        The ones rejected are rolled back by the scheduler lowering num_computed_tokens: their blocks
+        stay in the table for the next step's tokens (never hashed: `cache_blocks` stops at the computed
+        tokens) and go back to the pool with the rest when the request ends.
         """
         bs = self.block_size
         table = self._tables.get(req.req_id)
         assert not computed_blocks or (table is None and req.num_computed_tokens == 0), req.req_id
         num_tokens = req.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
         assert num_tokens <= req.num_tokens, (req.req_id, num_tokens, req.num_tokens)
+        num_tokens += num_lookahead_tokens
         num_held = len(computed_blocks) + (len(table) if table is not None else 0)
         num_needed = cdiv(num_tokens, bs) - num_held
         if num_needed <= 0 and table is not None:
@@ -231,11 +240,16 @@ class ContiguousKVCacheManager:
         return [], 0
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[Block] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """The whole slot on the first call (None when no slot is free), nothing new afterwards."""
         assert not computed_blocks
-        assert req.num_computed_tokens + num_new_tokens <= self.max_request_tokens, req.req_id
+        num_tokens = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        assert num_tokens <= self.max_request_tokens, req.req_id
         if req.req_id in self._slots:
             return []
         if not self._free_slots:

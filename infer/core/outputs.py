@@ -44,6 +44,9 @@ class ScheduledRequest:
     num_prompt_tokens: int
     history: list[int] | None = None
     prompt_logprobs: bool = False  # the runner computes the logprobs of this chunk's prompt tokens
+    # speculative decoding: the proposals at the end of token_ids (after the last sampled token), whose
+    # positions the runner computes logits for and verifies (infer/runner/rejection_sampler.py)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +58,8 @@ class StepStats:
     """Per-step counters for traces, metrics and benchmarks. Block counts are taken after scheduling."""
 
     num_prefill_tokens: int = 0  # prompt chunks and recomputation after preemption
-    num_decode_tokens: int = 0  # one per request that was decoding
+    num_decode_tokens: int = 0  # one per request that was decoding, and its proposals
+    num_spec_tokens: int = 0  # proposals fed to be verified (speculative decoding)
     num_preemptions: int = 0
     num_evictions: int = 0  # cached blocks evicted to make room during this step's scheduling
     num_blocks_used: int = 0
@@ -90,6 +94,9 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """One sampled token for each scheduled request with sample=True, in any order.
 
+    accepted_token_ids: for a request that fed proposals (ScheduledRequest.spec_token_ids), the ones
+        accepted: a prefix of them, emitted before its sampled token (which follows the last accepted one).
+
     logprobs: None, or a list aligned with req_ids of per-request data (the sampled token's logprob and
         its top-N alternatives), passed through to RequestOutput untouched.
     """
@@ -99,6 +106,7 @@ class ModelRunnerOutput:
     logprobs: list[Any] | None = None
     # req_id -> (position p, entries for the prompt tokens at p + 1, p + 2, ...): see ModelRunner
     prompt_logprobs: dict[str, tuple[int, list[Any]]] | None = None
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

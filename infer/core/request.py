@@ -72,6 +72,9 @@ class Request:
     num_preemptions: int = field(init=False, default=0)
     num_slow_gaps: int = field(init=False, default=0)  # "slo": its decode steps longer than its tpot
     block_hashes: list[bytes] = field(init=False, default_factory=list)  # of full blocks, filled lazily
+    # speculative decoding: tokens proposed to follow token_ids, verified in the next step that feeds it
+    # (set by the engine after each step, consumed by schedule())
+    spec_token_ids: list[int] = field(init=False, default_factory=list)
 
     # Timestamps (the scheduler's clock, time.monotonic by default).
     first_scheduled_time: float | None = field(init=False, default=None)
@@ -131,3 +134,10 @@ class Request:
         if self.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def drop_output_tail(self, num_tokens: int) -> None:
+        """Forget the last num_tokens outputs of a request that ends before them (a stop string completed
+        earlier among the tokens one speculative step emitted), so that its counts are those emitted."""
+        if num_tokens > 0:
+            del self.token_ids[-num_tokens:], self.output_token_ids[-num_tokens:]
+            del self.token_times[-num_tokens:]

@@ -3,7 +3,8 @@
 There are no prefill and decode phases, only a token budget per step and counts per request:
 
     budget = max_num_batched_tokens
-      1. decodes of running requests, best key first          1 token each
+      1. decodes of running requests, best key first          1 token each (1 + K with K proposals:
+                                                               speculative decoding, _update_spec)
       2. prefill chunks of running, partly prefilled requests  min(remaining, chunk, budget)
       3. admissions from the waiting queue, in key order       min(remaining - prefix hit, chunk, budget)
          (none in a step where 1. or 2. had to preempt: the pool is full)
@@ -77,6 +78,7 @@ class _StepPlan:
         self.preempted_req_ids: list[str] = []
         self.paced: int | None = None  # prefill tokens the pacer leaves to running prompts' chunks
         self.paced_admissions = False  # and to admissions too (beside decodes)
+        self.spec_token_ids: dict[Request, list[int]] = {}  # the proposals a decode feeds after its token
 
     def available(self, admission: bool) -> int:
         """Budget for the next prefill grant: a running prompt's chunk, or an admission."""
@@ -93,6 +95,7 @@ class _StepPlan:
 
     def revoke(self, req: Request) -> None:
         self.num_new_tokens.pop(req, None)
+        self.spec_token_ids.pop(req, None)
         self.budget += self.cost.pop(req, 0)
 
 
@@ -140,6 +143,13 @@ class Scheduler:
         # What a prompt token whose logprobs are asked for costs in the budget, in tokens: its row of the
         # LM head (and the log-softmax over the vocabulary) comes on top. Set by the engine from the model.
         self.prompt_logprob_token_cost = 1.0
+        # Speculative decoding's counters (vLLM's spec_decode metrics): proposals verified, accepted, and
+        # accepted at each position (0 = the first proposal of a step).
+        self.num_spec_drafts = 0  # steps of a request that verified proposals
+        self.num_spec_draft_tokens = 0
+        self.num_spec_accepted_tokens = 0
+        self.num_spec_accepted_per_pos: list[int] = []
+        self._spec_in_flight: dict[str, int] = {}  # req_id -> proposals fed in the step not yet updated
 
     def _key(self, req: Request) -> tuple[int, float, int]:
         if self._slo:
@@ -269,6 +279,7 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Decodes first, then prefill chunks of running requests, each pass best key first."""
+        num_decodes_left = sum(not r.is_prefill for r in self.running)
         for decode_pass in (True, False):
             if not decode_pass:
                 self._pace_prefill(plan)
@@ -281,8 +292,23 @@ class Scheduler:
                     continue  # preempted earlier in this loop, or not this pass's kind
                 budget = plan.budget if decode_pass else plan.available(admission=False)
                 num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-                if num_new and self._allocate_or_preempt(req, num_new, plan):
+                spec = []
+                if decode_pass:
+                    num_decodes_left -= 1  # the decodes after this one keep a token each
+                    spec = self._spec_tokens(req, plan.budget - 1 - num_decodes_left) if num_new else []
+                if not num_new or not self._allocate_or_preempt(req, num_new, plan, len(spec)):
+                    continue
+                if spec:
+                    plan.spec_token_ids[req] = spec
+                    plan.grant(req, num_new, num_new + len(spec))  # a decode with K proposals: 1 + K
+                else:
                     self._grant(plan, req, num_new, req.num_computed_tokens)
+
+    def _spec_tokens(self, req: Request, budget: int) -> list[int]:
+        """The proposals a decode verifies this step: its own, as many as the budget leaves and as can
+        be emitted (with the sampled token, the step emits up to 1 + K tokens: never past max_tokens)."""
+        room = req.sampling_params.max_tokens - req.num_output_tokens - 1
+        return req.spec_token_ids[: max(0, min(room, budget))]
 
     def _pace_prefill(self, plan: _StepPlan) -> None:
         """Beside running decodes, leave the step only the prefill the pacer allows (prefill_pacer.py).
@@ -310,10 +336,13 @@ class Scheduler:
         prefill = max(MIN_SLO_PREFILL_TOKENS, self.cost_model.tokens_within(limit) - num_decode)
         plan.budget = min(plan.budget, prefill)
 
-    def _allocate_or_preempt(self, req: Request, num_new_tokens: int, plan: _StepPlan) -> bool:
-        """Get blocks for req, preempting the worst-keyed running requests until they fit.
-        False when req itself was the worst and got preempted."""
-        while self.kv_cache_manager.allocate_slots(req, num_new_tokens) is None:
+    def _allocate_or_preempt(
+        self, req: Request, num_new_tokens: int, plan: _StepPlan, num_spec_tokens: int = 0
+    ) -> bool:
+        """Get blocks for req (and its proposals), preempting the worst-keyed running requests until they
+        fit. False when req itself was the worst and got preempted."""
+        kv = self.kv_cache_manager
+        while kv.allocate_slots(req, num_new_tokens, num_lookahead_tokens=num_spec_tokens) is None:
             victim = self.running[-1]
             self._preempt(victim, plan)
             if victim is req:
@@ -411,6 +440,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         insort(self.waiting, req, key=self._key)
@@ -420,15 +450,17 @@ class Scheduler:
 
     def _emit(self, plan: _StepPlan, num_evictions: int) -> SchedulerOutput:
         kv = self.kv_cache_manager
-        scheduled, num_prefill, num_decode = [], 0, 0
+        scheduled, num_prefill, num_decode, num_spec = [], 0, 0, 0
         for req, num_new in plan.num_new_tokens.items():
             start = req.num_computed_tokens
             end = start + num_new
             sample = end == req.num_tokens
+            spec = plan.spec_token_ids.get(req, [])
+            req.spec_token_ids = []  # consumed: the next step's are proposed after this one
             scheduled.append(
                 ScheduledRequest(
                     req_id=req.req_id,
-                    token_ids=req.token_ids[start:end],
+                    token_ids=req.token_ids[start:end] + spec,
                     start_pos=start,
                     block_ids=kv.block_ids(req),
                     sample=sample,
@@ -436,20 +468,26 @@ class Scheduler:
                     num_prompt_tokens=req.num_prompt_tokens,
                     history=req.token_ids if _needs_history(req, start, sample) else None,
                     prompt_logprobs=_wants_prompt_logprobs(req, start),
+                    spec_token_ids=spec,
                 )
             )
             if req.num_output_tokens and start == req.num_tokens - 1:  # feeds the last sampled token
-                num_decode += num_new
+                num_decode += num_new + len(spec)
+                num_spec += len(spec)
                 if self._slo:
                     self._last_decodes.append(req)
             else:
                 num_prefill += num_new
                 req.num_prefill_tokens_computed += num_new
-            req.num_computed_tokens = end
+            # past the known sequence while proposals are in flight: update() rolls back the rejected
+            req.num_computed_tokens = end + len(spec)
+            if spec:
+                self._spec_in_flight[req.req_id] = len(spec)
         self._last_step = (num_decode, num_prefill)
         stats = StepStats(
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
+            num_spec_tokens=num_spec,
             num_preemptions=len(plan.preempted_req_ids),
             num_evictions=num_evictions,
             num_blocks_used=kv.num_used_blocks,
@@ -466,6 +504,7 @@ class Scheduler:
         token ids / max_tokens (min_tokens and ignore_eos respected) and free finished requests' blocks.
         Requests finished between schedule() and update() (aborts) are skipped."""
         now = self.clock()
+        self._spec_in_flight.clear()
         sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids, strict=True))
         logprobs = {}
         if runner_out.logprobs is not None:
@@ -474,6 +513,10 @@ class Scheduler:
         for sched in sched_out.scheduled:
             req = self.requests.get(sched.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            if sched.spec_token_ids:
+                accepted = runner_out.accepted_token_ids.get(req.req_id, [])
+                outputs.append(self._update_spec(req, sched, accepted, sampled[req.req_id], now))
                 continue
             self.kv_cache_manager.cache_blocks(req)  # before a finish frees them, so they stay reusable
             if not sched.sample:
@@ -495,6 +538,47 @@ class Scheduler:
                 )
             )
         return outputs
+
+    def _update_spec(
+        self, req: Request, sched: ScheduledRequest, accepted: list[int], sampled: int, now: float
+    ) -> RequestOutput:
+        """A decode that verified proposals: keep the accepted ones and the token sampled after them.
+
+            positions:  N-1      N    ...  N-1+a    N+a  ...  N-1+K
+            fed:      [ last | d1  ...   da     | d(a+1) ... dK ]     KV written for all of them
+                        <-- kept: accepted --->  <--- rejected --->   num_computed_tokens = N + a
+            emitted:           d1  ...   da  + the token sampled at position N-1+a
+
+        Rolling back is lowering num_computed_tokens: the rejected tokens' slots are overwritten by the
+        next step, and no block holding them is ever hashed (cache_blocks runs after the rollback and
+        stops at num_computed_tokens). Emission stops at a stop token or max_tokens."""
+        assert accepted == sched.spec_token_ids[: len(accepted)], (req.req_id, accepted)
+        req.num_computed_tokens -= len(sched.spec_token_ids) - len(accepted)
+        new_token_ids, status = [], None
+        for token_id in (*accepted, sampled):
+            new_token_ids.append(token_id)
+            status = req.append_output_token(token_id, now)
+            if status is not None:
+                break
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        self.kv_cache_manager.cache_blocks(req)
+        self.num_spec_drafts += 1
+        self.num_spec_draft_tokens += len(sched.spec_token_ids)
+        self.num_spec_accepted_tokens += len(accepted)
+        per_pos = self.num_spec_accepted_per_pos
+        per_pos.extend([0] * (len(accepted) - len(per_pos)))
+        for pos in range(len(accepted)):
+            per_pos[pos] += 1
+        if status is not None:
+            self._finish(req, status, now)
+        return RequestOutput(  # no logprobs: requests that want them are given no proposals
+            req_id=req.req_id,
+            new_token_ids=new_token_ids,
+            finished=req.is_finished(),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_tokens,
+        )
 
     # -- ending requests -----------------------------------------------------------------------------
 
@@ -552,7 +636,8 @@ class Scheduler:
         assert sorted(ids) == sorted(self.requests), "running + waiting != unfinished requests"
         for req in self.running:
             assert req.status == RequestStatus.RUNNING and kv.holds(req), req.req_id
-            assert 0 < req.num_computed_tokens <= req.num_tokens, (req.req_id, req.num_computed_tokens)
+            num_known = req.num_tokens + self._spec_in_flight.get(req.req_id, 0)  # proposals fed count
+            assert 0 < req.num_computed_tokens <= num_known, (req.req_id, req.num_computed_tokens)
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (req.req_id, req.status)
             assert not kv.holds(req) and req.num_computed_tokens == 0, req.req_id

@@ -39,6 +39,7 @@ from infer.models.loader import load_engine_model, weight_bytes
 from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
+from infer.runner.ngram_proposer import NgramProposer
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
 from infer.sampling_params import MAX_BAD_WORDS, SamplingParams, Unsatisfiable
 
@@ -160,6 +161,12 @@ class LLMEngine:
         self.quantization = {**model.quantization, "weight_mib": round(weight_bytes(model) / 2**20, 1)}
         if model.gguf is not None:  # what the GGUF file held
             self.quantization["gguf"] = model.gguf
+        spec = config.speculative_config
+        self.proposer = (
+            NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            if spec is not None
+            else None
+        )
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs: dict[str, dict[int, tuple]] = {}  # req_id -> prompt position -> entry
@@ -323,6 +330,8 @@ class LLMEngine:
         updates = self.scheduler.update(sched, runner_out)
         updated = time.perf_counter()
         outputs += self._detokenize_all(updates)
+        if self.proposer is not None:
+            self._propose()
         self.last_timing = StepTiming(
             schedule_s=scheduled - start,
             prepare_s=self.runner.last_prepare_s,
@@ -335,6 +344,21 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.record_step(start, self.last_timing, sched, outputs)
         return outputs
+
+    def _propose(self) -> None:
+        """Proposals for the next step's decodes, in a step where few enough requests run (a large batch
+        is compute-bound: the proposals' extra tokens would cost what they save). None for a request
+        with a grammar or logprobs (their state and entries are kept one token per step)."""
+        running = self.scheduler.running
+        speculate = len(running) <= self.config.speculative_config.disable_by_batch_size
+        for req in running:
+            p = req.sampling_params
+            room = p.max_tokens - req.num_output_tokens - 1  # the sampled token comes on top
+            plain = p.structured_outputs is None and p.logprobs is None
+            if speculate and plain and room > 0 and not req.is_prefill:
+                req.spec_token_ids = self.proposer.propose(req.token_ids, room)
+            else:
+                req.spec_token_ids = []
 
     def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """The runner's output, and the requests whose part of the step raised (see the module docstring)."""
@@ -353,6 +377,7 @@ class LLMEngine:
             merged.sampled_token_ids += out.sampled_token_ids
             merged.logprobs += out.logprobs or [None] * len(out.req_ids)
             merged.prompt_logprobs.update(out.prompt_logprobs or {})
+            merged.accepted_token_ids.update(out.accepted_token_ids)
             failures.update(failed)
         return merged, failures
 
@@ -379,8 +404,14 @@ class LLMEngine:
         ids = out.new_token_ids
         if isinstance(out.stop_reason, int) and not detok.include_stop_str:
             ids = ids[:-1]  # the stop token (EOS, stop_token_ids) ends the text, not in it (as vLLM)
+        num_read = detok.num_output_tokens
         text = detok.update(ids)
         reason = out.finish_reason
+        num_kept = detok.num_output_tokens - num_read  # up to the one that completed a stop string
+        if detok.stopped and num_kept < len(out.new_token_ids):
+            # a speculative step emitted tokens past the stop string (a stop token too): they never were
+            self.requests[out.req_id].drop_output_tail(len(out.new_token_ids) - num_kept)
+            out.new_token_ids = out.new_token_ids[:num_kept]
         if detok.stopped:  # a stop string: the engine's to find, not the core's
             if not out.finished:
                 self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED, detok.stop_str)

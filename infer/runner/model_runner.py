@@ -20,6 +20,7 @@ from infer.layers.parallel import SINGLE, TensorParallel
 from infer.runner.decode_graph import DecodeGraphs
 from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import allocate_kv_cache
+from infer.runner.rejection_sampler import verify
 from infer.runner.sampler import Sampler
 
 PROMPT_LOGPROBS_ROWS = 256  # [256, vocab] float32 logits at a time: 33 MB at 32,000 tokens
@@ -99,7 +100,10 @@ class ModelRunner:
         if not sampled:
             return None, []
         ends = list(itertools.accumulate(meta.query_lens))  # one past the last row of each request
-        logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sampled]], float32=False)
+        # a request that verifies K proposals needs the logits of its last 1 + K rows
+        num_spec = [len(sched.scheduled[i].spec_token_ids) for i in sampled]
+        rows = [r for i, k in zip(sampled, num_spec, strict=True) for r in range(ends[i] - 1 - k, ends[i])]
+        logits = self.model.compute_logits(hidden[rows], float32=False)
         if self.graphs is not None:
             self.graphs.maybe_capture(sched.scheduled, logits)
         return logits, [sched.scheduled[i] for i in sampled]
@@ -108,11 +112,34 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor | None, reqs: list) -> ModelRunnerOutput:
         if logits is None:
             return ModelRunnerOutput([], [], prompt_logprobs=self.last_prompt_logprobs)
+        if any(s.spec_token_ids for s in reqs):
+            return self._sample_verifying(logits, reqs)
         self._ban_early_stops(logits, reqs)
         req_ids = [s.req_id for s in reqs]
         histories = [(s.history, s.num_prompt_tokens) if s.history is not None else None for s in reqs]
         result = self.sampler(logits, req_ids, [s.sampling_params for s in reqs], histories)
         return ModelRunnerOutput(req_ids, result.token_ids, result.logprobs, self.last_prompt_logprobs)
+
+    def _sample_verifying(self, logits: torch.Tensor, reqs: list) -> ModelRunnerOutput:
+        """A step with proposals: logits has 1 + K rows for a request that verifies K proposals, one for
+        the others. Those sample as usual; the proposals are verified (rejection_sampler)."""
+        plain, plain_rows, spec, spec_rows, row = [], [], [], [], 0
+        for s in reqs:
+            num_rows = 1 + len(s.spec_token_ids)
+            (spec if s.spec_token_ids else plain).append(s)
+            (spec_rows if s.spec_token_ids else plain_rows).extend(range(row, row + num_rows))
+            row += num_rows
+        out = self.sample(logits[plain_rows], plain) if plain else ModelRunnerOutput([], [])
+        verified = verify(self.sampler, logits[spec_rows], spec, self.eos_token_ids)
+        logprobs = out.logprobs if out.logprobs is not None else [None] * len(out.req_ids)
+        for s, tokens in zip(spec, verified, strict=True):
+            out.req_ids.append(s.req_id)
+            out.sampled_token_ids.append(tokens[-1])
+            out.accepted_token_ids[s.req_id] = tokens[:-1]
+            logprobs.append(None)  # requests that want logprobs are not given proposals
+        out.logprobs = logprobs
+        out.prompt_logprobs = self.last_prompt_logprobs
+        return out
 
     def _prompt_logprobs(self, reqs, hidden: torch.Tensor, query_lens: list[int]) -> dict:
         """req_id -> (p, entries): the rows this step computed at prompt positions p, p + 1, ... predict

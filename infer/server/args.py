@@ -255,6 +255,15 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help="every forward eager: no decode steps replayed from captured graphs (as vLLM's flag)",
     )
     parser.add_argument(
+        "--speculative-config",
+        default=d["speculative_config"],
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' proposes the tokens that followed an earlier '
+        "occurrence of the text's last n tokens and verifies them in one forward; "
+        '"disable_by_batch_size" (default 4): speculate only while at most that many requests run',
+    )
+    parser.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,

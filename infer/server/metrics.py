@@ -17,6 +17,11 @@ A dashboard or harness written for `vllm:` ports by renaming the prefix. Every s
     gauges (read at scrape time)
       num_requests_running, num_requests_waiting, kv_cache_usage_perc (blocks held by requests / pool;
       cached blocks no request holds count as free)
+    with --speculative-config only: counters read from the scheduler at scrape time, each with `_total`
+      spec_decode_num_drafts (decodes that verified proposals), spec_decode_num_draft_tokens (proposals),
+      spec_decode_num_accepted_tokens, spec_decode_num_accepted_tokens_per_pos{position} (accepted at
+      position 0 .. num_speculative_tokens - 1 of a step's proposals; acceptance rate per position =
+      it / spec_decode_num_drafts)
 
 `arrival` is when the HTTP handler received the request (`note_arrival`), else when the engine thread took
 it (a request aborted by a disconnect is forgotten by the HTTP side first). Each app has its own
@@ -153,6 +158,29 @@ class _EngineCollector:
             family = kind(PREFIX + name, help, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        spec = engine.config.speculative_config
+        if spec is not None:
+            yield from self._spec_decode(sched, spec.num_speculative_tokens)
+
+    def _spec_decode(self, sched, num_positions: int):
+        """vLLM's speculative-decoding counters: verifications, proposals, accepted ones (per position)."""
+        for name, help, value in (
+            ("spec_decode_num_drafts", "Number of spec decoding drafts.", sched.num_spec_drafts),
+            ("spec_decode_num_draft_tokens", "Number of draft tokens.", sched.num_spec_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", sched.num_spec_accepted_tokens),
+        ):
+            family = CounterMetricFamily(PREFIX + name, help, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        family = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=["model_name", "position"],
+        )
+        per_pos = sched.num_spec_accepted_per_pos
+        for pos in range(num_positions):
+            family.add_metric([self.model_name, str(pos)], per_pos[pos] if pos < len(per_pos) else 0)
+        yield family
 
 
 class MeteredEngine(LLMEngine):

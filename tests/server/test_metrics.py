@@ -95,3 +95,39 @@ def test_each_app_has_its_own_registry():
     assert value(b["time_to_first_token_seconds"], "_count") == 0
     assert value(b["request_success_total"]) == 0
     assert "num_requests_running" not in a  # read from the engine at scrape time, which is not loaded
+
+
+def test_spec_decode_counters_with_a_speculative_config():
+    """vLLM's spec_decode_* counters, read from the scheduler; absent without a speculative config."""
+    from types import SimpleNamespace
+
+    from infer.config import SpeculativeConfig
+    from infer.server.metrics import _EngineCollector
+
+    kv = SimpleNamespace(usage=0.5, num_query_tokens=0, num_hit_tokens=0)
+    sched = SimpleNamespace(num_running=1, num_waiting=0, num_preemptions=0, kv_cache_manager=kv)
+    sched.num_spec_drafts, sched.num_spec_draft_tokens, sched.num_spec_accepted_tokens = 5, 15, 7
+    sched.num_spec_accepted_per_pos = [4, 3]
+    metrics = SimpleNamespace(engine=None)
+    collector = _EngineCollector(metrics, "m")
+    for spec, expected in (
+        (None, set()),
+        (SpeculativeConfig(num_speculative_tokens=3), {"drafts", "per_pos"}),
+    ):
+        metrics.engine = SimpleNamespace(scheduler=sched, config=SimpleNamespace(speculative_config=spec))
+        found = {f.name.removeprefix("infer:"): f for f in collector.collect()}
+        spec_names = {n for n in found if n.startswith("spec_decode")}
+        if not expected:
+            assert not spec_names
+            continue
+        assert spec_names == {
+            "spec_decode_num_drafts",
+            "spec_decode_num_draft_tokens",
+            "spec_decode_num_accepted_tokens",
+            "spec_decode_num_accepted_tokens_per_pos",
+        }
+        assert found["spec_decode_num_accepted_tokens"].samples[0].value == 7
+        per_pos = {
+            s.labels["position"]: s.value for s in found["spec_decode_num_accepted_tokens_per_pos"].samples
+        }
+        assert per_pos == {"0": 4, "1": 3, "2": 0}
