@@ -6,6 +6,8 @@ an unreadable SLO file exits with code 2 at once rather than after the weights h
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from infer.config import CacheConfig, EngineConfig, check_local_ranks
 from infer.core.slo import SloClasses
 
@@ -25,3 +27,14 @@ def check_engine_config(config: EngineConfig) -> None:
         enable_prefix_caching=config.enable_prefix_caching,
         kv_cache_backend=config.kv_cache_backend,
     )
+
+
+def gguf_config_json(path: Path) -> dict:
+    """The config.json a GGUF file's metadata amounts to (its shape, for sizing before a load); {} for a
+    file that cannot load (its load will say why)."""
+    from infer.models import gguf  # the gguf reader and torch: only for a GGUF file
+
+    try:
+        return gguf.hf_config(gguf.open_gguf(path))
+    except (OSError, ValueError):
+        return {}

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer.config import EngineConfig
+from infer.engine.config_check import gguf_config_json
 
 DEFAULT_KEEP_ALIVE = "5m"  # Ollama's
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -229,6 +230,8 @@ def estimated_bytes(engine: EngineConfig) -> int:
 
 
 def _config_json(path: Path | None) -> dict:
+    if path is not None and path.suffix == ".gguf" and path.is_file():
+        return gguf_config_json(path)
     try:
         return json.loads((path / "config.json").read_text()) if path and path.is_dir() else {}
     except (OSError, ValueError):
@@ -245,7 +248,7 @@ def _weight_file_bytes(path: Path | None) -> int:
 
 def _kv_bytes_per_token(config: dict, engine: EngineConfig, dtype_bytes: int) -> int:
     """Keys and values of one token over every layer (as the engine's kv_bytes_per_token); a GGUF file's
-    shape is not read here, so a 4096-wide, 32-layer model stands in."""
+    shape comes from its metadata; without a shape, a 4096-wide, 32-layer model stands in."""
     text = config.get("text_config", config)
     layers = text.get("num_hidden_layers", 32)
     heads = text.get("num_attention_heads", 32)

@@ -182,3 +182,14 @@ def test_llama_quantizes_q4_k_m_file_follows_its_dequantized_weights(tmp_path):
     a, b = forward_logits(ours, ids), forward_logits(ref, ids)
     assert (a - b).abs().max() <= 0.01 * b.abs().max()
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_a_served_gguf_file_is_sized_by_its_own_shape(files):
+    """--models-dir sizes a GGUF model before it loads: its KV pool from the file's layers and heads."""
+    from infer.config import EngineConfig
+    from infer.server.model_specs import estimated_bytes
+
+    path = files["q4_k"]
+    pool = 64 * 16 * 2 * LAYERS * KV_HEADS * (HIDDEN // HEADS) * 4  # blocks x tokens x K+V x ... x float32
+    config = EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64)
+    assert estimated_bytes(config) == path.stat().st_size + pool
