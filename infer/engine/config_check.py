@@ -32,9 +32,9 @@ def check_engine_config(config: EngineConfig) -> None:
 def gguf_config_json(path: Path) -> dict:
     """The config.json a GGUF file's metadata amounts to (its shape, for sizing before a load); {} for a
     file that cannot load (its load will say why)."""
-    from infer.models import gguf  # the gguf reader and torch: only for a GGUF file
+    from infer.models.gguf import hf_config, open_gguf  # the gguf reader and torch: only for a GGUF file
 
     try:
-        return gguf.hf_config(gguf.open_gguf(path))
+        return hf_config(open_gguf(path))
     except (OSError, ValueError):
         return {}
