@@ -32,6 +32,13 @@ def cmd_generate(args) -> int:
     llm = LLM(
         args.model, tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format, seed=args.seed
     )
+    if llm.engine is None:
+        print(
+            f"infer generate: {args.model} is a pooling model (embeddings, scores): serve it with "
+            "`infer serve` for /v1/embeddings, /score and /rerank, or use LLM.embed / LLM.score",
+            file=sys.stderr,
+        )
+        return 2
     tokenizer = llm.engine.tokenizer
     prompt = args.prompt
     if args.chat:

@@ -75,3 +75,11 @@ def test_a_generation_model_does_not_embed():
     llm = LLM(None, max_model_len=64, num_kv_blocks=8)
     with pytest.raises(ValueError, match="pooling model"):
         llm.embed("hello")
+
+
+def test_infer_generate_on_a_pooling_model_says_what_to_use(embedder, capsys):
+    from infer import cli
+
+    assert cli.main(["generate", "--model", str(embedder), "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "is a pooling model" in err and "infer serve" in err and "Traceback" not in err
