@@ -169,6 +169,16 @@ class StreamingClient:
         return rec
 
     async def _post(self, spec: RequestSpec, rec: RequestRecord) -> None:
+        try:
+            await self._post_once(spec, rec)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            if rec.http_status is not None:
+                raise
+            # a kept-alive connection the server had closed (llama-server's closes after a few requests):
+            # nothing reached it, so the request goes again on a new one, its time still counted
+            await self._post_once(spec, rec)
+
+    async def _post_once(self, spec: RequestSpec, rec: RequestRecord) -> None:
         body, headers = self.body(spec), self.headers
         async with self._http.post(self.url, data=orjson.dumps(body), headers=headers | JSON) as resp:
             rec.http_status = resp.status

@@ -148,3 +148,40 @@ def test_client_timeout_is_recorded_as_timeout(bench_server):
     slow, bad = asyncio.run(go())
     assert slow.status == "timeout" and slow.end is not None and slow.num_completion_tokens is None
     assert bad.status == "error" and bad.http_status == 400 and bad.error  # the server's message, kept
+
+
+def test_a_kept_alive_connection_the_server_closed_is_retried_on_a_new_one():
+    """llama-server closes a kept-alive connection after a few requests: the next request on it fails
+    before anything reaches the server, and goes again on a new connection rather than failing."""
+    body = b'data: {"choices": [{"text": "x"}]}\n\ndata: {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}\n\ndata: [DONE]\n\n'  # noqa: E501
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+    connections = []
+
+    async def serve(reader, writer):
+        connections.append(writer)
+        served = 0
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(
+                next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1]
+            )
+            await reader.readexactly(length)
+            if served == 1:  # the second request on a connection: closed unanswered
+                writer.close()
+                return
+            writer.write(answer)
+            await writer.drain()
+            served += 1
+
+    async def go():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with server, StreamingClient(url, "m") as client:
+            return [await client.send(i, RequestSpec("hi", 1), client.now()) for i in range(3)]
+
+    records = asyncio.run(go())
+    assert [r.status for r in records] == ["ok"] * 3, [r.error for r in records]
+    assert [r.num_completion_tokens for r in records] == [1, 1, 1] and len(connections) == 3
