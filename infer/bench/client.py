@@ -97,6 +97,9 @@ def check_server(base_url: str, model: str, api_key: str | None = None, timeout:
     raise BenchError(f"the server at {base_url} does not serve model {model!r}; it serves: {served}")
 
 
+STALE_RETRIES = 4  # sends of one request on kept-alive connections the server had closed
+
+
 class StreamingClient:
     """Sends streaming completions and records what it saw. Use as `async with StreamingClient(...)`."""
 
@@ -169,14 +172,15 @@ class StreamingClient:
         return rec
 
     async def _post(self, spec: RequestSpec, rec: RequestRecord) -> None:
-        try:
-            await self._post_once(spec, rec)
-        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
-            if rec.http_status is not None:
-                raise
-            # a kept-alive connection the server had closed (llama-server's closes after a few requests):
-            # nothing reached it, so the request goes again on a new one, its time still counted
-            await self._post_once(spec, rec)
+        for attempt in range(STALE_RETRIES + 1):
+            try:
+                return await self._post_once(spec, rec)
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+                if rec.http_status is not None or attempt == STALE_RETRIES:
+                    raise
+                # a kept-alive connection the server had closed (llama-server closes them after a few
+                # requests): nothing reached it, so the request goes again, its time still counted; the
+                # pool may hold several such connections
 
     async def _post_once(self, spec: RequestSpec, rec: RequestRecord) -> None:
         body, headers = self.body(spec), self.headers
