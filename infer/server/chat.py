@@ -387,10 +387,7 @@ class _StreamedCalls:
         delta, answer = {}, out.text
         reasoning = self.reasonings.get(index)
         if reasoning is not None:
-            thought, answer = reasoning.feed(out.text)
-            if out.finished:
-                more_thought, more_answer = reasoning.finish()
-                thought, answer = thought + more_thought, answer + more_answer
+            thought, answer = reasoning.feed_output(out.text, out.finished)
             if thought:
                 delta = {"reasoning_content": thought, "reasoning": thought}
         parser = self.parsers[index]
@@ -418,10 +415,7 @@ class _Reader:
         """A chunk's delta: reasoning, content, tool calls (each only when it has something)."""
         thought, answer = "", out.text
         if self.reasoning is not None:
-            thought, answer = self.reasoning.feed(out.text)
-            if out.finished:
-                more_thought, more_answer = self.reasoning.finish()
-                thought, answer = thought + more_thought, answer + more_answer
+            thought, answer = self.reasoning.feed_output(out.text, out.finished)
         delta: dict = {"reasoning_content": thought, "reasoning": thought} if thought else {}
         if self.tools is None:
             if answer:

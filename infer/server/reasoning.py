@@ -38,6 +38,14 @@ class ReasoningParser:
             self._char(char, reasoning, content)
         return "".join(reasoning), "".join(content)
 
+    def feed_output(self, text: str, finished: bool) -> tuple[str, str]:
+        """`feed` for one streamed output delta, with `finish` once the output has ended."""
+        reasoning, content = self.feed(text)
+        if finished:
+            more_reasoning, more_content = self.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
+
     def finish(self) -> tuple[str, str]:
         """The output ended: text held for a tag that did not come is what it was."""
         held, self._held = self._held, ""

@@ -43,10 +43,7 @@ class StreamedItems:
         if self.reasoning is not None:
             if not self.reasoning.in_content:
                 self.num_reasoning += len(out.token_ids)
-            thought, answer = self.reasoning.feed(out.text)
-            if out.finished:
-                more_thought, more_answer = self.reasoning.finish()
-                thought, answer = thought + more_thought, answer + more_answer
+            thought, answer = self.reasoning.feed_output(out.text, out.finished)
             if thought:
                 events += self._thought(thought)
         if self.parser is None:
