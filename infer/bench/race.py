@@ -294,22 +294,20 @@ def server_specs(args: argparse.Namespace, model_dir: Path, out) -> list[ServerS
     return [*specs, ServerSpec("peer", peer, url, env)]
 
 
-def model_folder(args: argparse.Namespace) -> tuple[Path, Path]:
-    """The model's folder, and the tokenizer folder infer serve will use (the model's own, else the
-    embedded model's, as the engine decides)."""
-    from infer.models.loader import resolve_model_path, tokenizer_folder
+def model_and_tokenizer(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """The model's path, and the tokenizer folder that overrides its own (the race's --tokenizer, else the
+    one in --infer-flags; None: the model's own, as infer serve reads it: engine.tokenizer.load_tokenizer)."""
+    from infer.models.loader import resolve_model_path
 
     flags = shlex.split(args.infer_flags)
     model = args.model or flag_value(flags, "--model")
     path = resolve_model_path(model, flag_value(flags, "--load-format") or "auto")
-    if args.tokenizer:
-        return path, Path(args.tokenizer)
-    return path, tokenizer_folder(path)
+    return path, args.tokenizer or flag_value(flags, "--tokenizer")
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> dict:
     """Run the race described by parsed `args`; print the table to `out` (stdout); return the report."""
-    from infer.engine.tokenizer import Tokenizer
+    from infer.engine.tokenizer import load_tokenizer
 
     out = sys.stdout if out is None else out
     if isinstance(args.concurrencies, str):
@@ -318,11 +316,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     started = datetime.datetime.now(datetime.UTC)
-    model_dir, tokenizer_dir = model_folder(args)
+    model_dir, tokenizer = model_and_tokenizer(args)
     num_prompts = args.warmup + len(args.concurrencies) * args.num_requests
-    prompts = exact_prompts(
-        Tokenizer.from_pretrained(tokenizer_dir), num_prompts, args.prompt_tokens, args.seed
-    )
+    prompts = exact_prompts(load_tokenizer(model_dir, tokenizer), num_prompts, args.prompt_tokens, args.seed)
     specs = {s.side: s for s in server_specs(args, model_dir, out)}
     path = args.out or DEFAULT_REPORT_DIR / f"race-{model_dir.name}-{started.strftime('%Y%m%d-%H%M%S')}.json"
     log_dir = path.with_name(path.stem + "-logs")
@@ -346,7 +342,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
     config = {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("func", "argv")
     }
-    config["tokenizer"] = str(tokenizer_dir)
+    config["tokenizer"] = tokenizer or str(model_dir)
     servers = {side: specs[side].describe() if side in specs else None for side in SIDES}
     command = shlex.join([Path(sys.argv[0]).name, *argv])
     report = build_report(started.isoformat(), command, config, servers, runs, figures, tables, lines)

@@ -4,12 +4,15 @@ files: test_gguf_quant.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 
 import pytest
 import torch
 
+from infer.bench import race
+from infer.bench.prompts import exact_prompts
 from infer.engine.tokenizer import Tokenizer, load_tokenizer
 from infer.models.gguf import EOG_TEXTS
 from infer.models.loader import EMBEDDED_MODEL, load_model, resolve_model_path
@@ -276,6 +279,21 @@ def test_gguf_tokenizer_encodes_and_renders_as_the_original(files, name):
     assert ref.special_tokens.items() <= ours.special_tokens.items()
     for generation in (True, False):
         assert ours.apply_chat_template(MESSAGES, generation) == ref.apply_chat_template(MESSAGES, generation)
+
+
+def test_the_race_cuts_its_prompts_with_the_files_own_tokenizer(files):
+    """`infer bench race X.gguf` counts prompt tokens as infer serve X.gguf does: with the file's tokenizer,
+    not the embedded model's (a GGUF file has no tokenizer.json beside it)."""
+    folder, gguf_file = files["qwen2-bf16"]
+    args = argparse.ArgumentParser()
+    race.add_arguments(args)
+    path, override = race.model_and_tokenizer(args.parse_args([str(gguf_file)]))
+    assert (path, override) == (gguf_file, None)
+    ref = Tokenizer.from_pretrained(folder)
+    prompts = exact_prompts(load_tokenizer(path, override), 8, 64, seed=0)
+    assert [len(ref.encode(p)) for p in prompts] == [64] * 8
+    flags = args.parse_args([str(gguf_file), f"--infer-flags=--tokenizer {EMBEDDED_MODEL}"])
+    assert race.model_and_tokenizer(flags)[1] == str(EMBEDDED_MODEL)
 
 
 @pytest.mark.parametrize("name", ["spm-f32", "gemma3_spm-f32"])
