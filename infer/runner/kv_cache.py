@@ -49,7 +49,8 @@ def warn_unserved_fp8(cache_dtype: torch.dtype, model_dtype: torch.dtype, head_d
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Under tensor parallelism, the pools of this rank's KV heads only."""
+    """Zeros, untouched until a block is written (hugepages.zeros): memory is taken as the pool fills.
+    Under tensor parallelism, the pools of this rank's KV heads only."""
     shape = (num_blocks, block_size, tp.kv_heads(cfg.num_kv_heads), cfg.head_dim)
     return [(hugepages.zeros(shape, dtype), hugepages.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
 

@@ -68,18 +68,32 @@ def test_packed_weights_keep_their_layout():
         assert packed.data_ptr() % hugepages.HUGE_PAGE == 0
 
 
-def test_kv_pools_are_zeroed():
+def resident_bytes() -> int:
+    """The process's resident anonymous memory, by its own accounting (/proc/self/status)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def test_kv_pools_are_zeroed_and_take_memory_only_as_they_are_written():
     cfg = ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=4096,
         layer_types=(FULL, FULL),
     )  # fmt: skip
-    pools = allocate_kv_cache(cfg, num_blocks=512, block_size=16, dtype=torch.bfloat16)  # 2 MiB each
+    before = resident_bytes()
+    pools = allocate_kv_cache(cfg, num_blocks=8192, block_size=16, dtype=torch.bfloat16)  # 32 MiB each
+    pool_bytes = sum(k.nbytes + v.nbytes for k, v in pools)
+    assert pool_bytes == 128 * MIB
+    assert resident_bytes() - before < pool_bytes // 8  # allocated, not touched
     assert len(pools) == 2
     for k, v in pools:
-        assert k.shape == (512, 16, 2, 64) and not k.any() and not v.any()
+        assert k.shape == (8192, 16, 2, 64)
+        assert not k[:64].any() and not v[-64:].any()  # reads as zeros
         if hugepages.available():
             assert k.data_ptr() % hugepages.HUGE_PAGE == 0
+    written = resident_bytes()
+    pools[0][0].fill_(1.0)  # one layer's keys, all blocks
+    assert resident_bytes() - written >= pools[0][0].nbytes // 2
 
 
 def test_a_loaded_models_streamed_weights_are_on_huge_pages():
