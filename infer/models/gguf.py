@@ -182,27 +182,44 @@ def open_gguf(path: Path) -> GGUFModel:
     """Read the metadata and tensor table of `path` (and its splits). ValueError naming what is wrong for
     a file that is not GGUF, of a version the reader does not know, truncated, or inconsistent.
 
-    The last file read is kept: a load reads it for its flags, its weights and its tokenizer, and
-    llama.cpp's reader takes seconds over a large vocabulary's metadata. Read-only: callers never change
-    what it returns."""
+    The last file read is kept: a load reads it for its flags, its weights and its tokenizer. What each
+    file's header says is kept for longer (_header): llama.cpp's reader takes seconds over a large
+    vocabulary's metadata, and a server of several models reopens each file at every load. Read-only:
+    callers never change what it returns."""
     files = split_files(path)
     return _open_files(tuple((f.absolute(), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
 
 
 @functools.lru_cache(maxsize=1)
 def _open_files(key: tuple[tuple[Path, int, int], ...]) -> GGUFModel:
-    files = [file for file, _, _ in key]
     metadata: dict[str, Any] = {}
     tensors: dict[str, GGUFTensor] = {}
-    for i, file in enumerate(files):
-        fields, file_tensors = _read_file(file)
+    for i, (file, size, mtime_ns) in enumerate(key):
+        fields, table = _header(file, size, mtime_ns)
         if i == 0:
             metadata = fields
-        for tensor in file_tensors:
-            if tensor.name in tensors:
-                raise ValueError(f"{file.name}: tensor {tensor.name!r} appears twice in {files[0].name}")
-            tensors[tensor.name] = tensor
-    return GGUFModel(files, metadata, tensors)
+        data = np.memmap(file, mode="c").view(np.ndarray)  # copy-on-write: torch wants writable arrays
+        for name, type_name, shape, offset, dtype, data_shape in table:
+            if name in tensors:
+                raise ValueError(f"{file.name}: tensor {name!r} appears twice in {key[0][0].name}")
+            count = int(np.prod(data_shape))
+            view = data[offset : offset + count * dtype.itemsize].view(dtype).reshape(data_shape)
+            tensors[name] = GGUFTensor(name, type_name, shape, view, file.name)
+    return GGUFModel([file for file, _, _ in key], metadata, tensors)
+
+
+@functools.lru_cache(maxsize=16)
+def _header(file: Path, size: int, mtime_ns: int) -> tuple[dict[str, Any], list[tuple]]:
+    """A file's metadata and where each tensor lies in it: (name, type name, shape in torch order, byte
+    offset, numpy dtype, the reader's array shape), for that size and modification time of the file.
+    Holds no mapping of the file: an unloaded model's pages are not kept resident."""
+    fields, reader = _read_file(file)
+    table = [
+        (t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape.tolist())), int(t.data_offset),
+         t.data.dtype, t.data.shape)
+        for t in reader.tensors
+    ]  # fmt: skip
+    return fields, table
 
 
 def _reader(file: Path):
@@ -232,7 +249,8 @@ def _reader(file: Path):
     return Reader(file, "c")
 
 
-def _read_file(file: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
+def _read_file(file: Path) -> tuple[dict[str, Any], Any]:
+    """The file's metadata, and llama.cpp's reader over it (its tensors), checked."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
@@ -262,13 +280,7 @@ def _read_file(file: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
         except Exception as e:
             raise ValueError(f"{file.name}: metadata {name!r} cannot be read: {e}") from e
     _check_overlaps(file.name, reader)
-    tensors = [
-        GGUFTensor(
-            t.name, t.tensor_type.name, tuple(int(n) for n in reversed(t.shape.tolist())), t.data, file.name
-        )
-        for t in reader.tensors
-    ]
-    return fields, tensors
+    return fields, reader
 
 
 def _check_overlaps(file: str, reader) -> None:
