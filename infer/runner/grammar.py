@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -72,11 +73,12 @@ class GrammarCompiler:
     def for_tokenizer(cls, tokenizer, model_vocab_size: int, **bounds) -> GrammarCompiler:
         """For an infer Tokenizer and a model whose logits may be wider than its vocabulary (padded)."""
         vocab_size = max(model_vocab_size, tokenizer.vocab_size)
-        return cls(tokenizer.to_json(), vocab_size, tokenizer.eos_token_ids, **bounds)
+        # its JSON written at the first grammar, not at every model load (~0.1 s for 32,000 tokens)
+        return cls(tokenizer.to_json, vocab_size, tokenizer.eos_token_ids, **bounds)
 
     def __init__(
         self,
-        tokenizer_json: str,
+        tokenizer_json: str | Callable[[], str],
         vocab_size: int,
         eos_token_ids,
         cache_mb: int = 64,
@@ -84,7 +86,8 @@ class GrammarCompiler:
         max_queued: int = 16,
         timeout_s: float = 10.0,
     ):
-        """cache_mb, max_compiling, max_queued, timeout_s: the bounds of CompilePool (its docstring)."""
+        """`tokenizer_json`: tokenizer.json's text, or what returns it (called once, at the first grammar).
+        cache_mb, max_compiling, max_queued, timeout_s: the bounds of CompilePool (its docstring)."""
         self.tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size  # the model's or the tokenizer's, whichever is larger
         self.eos_token_ids = sorted(eos_token_ids)
@@ -110,6 +113,8 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 import llguidance
 
+                if callable(self.tokenizer_json):
+                    self.tokenizer_json = self.tokenizer_json()
                 # a padded embedding's ids past the tokenizer's stay banned
                 tokenizer = llguidance.LLTokenizer(
                     self.tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_ids

@@ -248,6 +248,24 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher():
     assert second.validate_tokens(compiler.tokenizer.tokenize_str('"')) == 0  # untouched by the first
 
 
+def test_the_grammar_tokenizer_is_written_at_the_first_grammar_not_at_load(monkeypatch):
+    """A model's load does not write its tokenizer as JSON for llguidance (a server of several models
+    loads at every switch): the first grammar does, once."""
+    from infer.engine.tokenizer import Tokenizer
+
+    written = []
+    to_json = Tokenizer.to_json
+    monkeypatch.setattr(Tokenizer, "to_json", lambda self: written.append(1) or to_json(self))
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    assert written == []
+    for _ in range(2):
+        [result] = llm.generate(
+            ["Say"], SamplingParams(temperature=0, max_tokens=8, structured_outputs=SPECS["choice"])
+        )
+        assert result.text in ("alpha", "beta gamma", "delta")
+    assert written == [1]
+
+
 def test_a_model_without_eos_refuses_structured_outputs(tmp_path):
     from tests.models.tiny_models import save_byte_tokenizer, save_tiny_model
 
