@@ -351,8 +351,9 @@ def _gib(num_bytes: int) -> str:
 
 
 class ModelMetrics:
-    """/metrics over every model: each model's own registry (its samples labelled with its name), merged
-    into one family per metric name."""
+    """/metrics over every model: each model's own registry, merged into one family per metric name. Each
+    sample names its model twice: `model_name` (vLLM's label: its dashboards work unchanged) and `model`
+    (the request field's name, as a router's dashboards group by it)."""
 
     def __init__(self, manager: ModelManager):
         self.registry = CollectorRegistry(auto_describe=False)
@@ -374,7 +375,10 @@ class _MergedCollector:
                 into = merged.get(family.name)
                 if into is None:
                     into = merged[family.name] = Metric(family.name, family.documentation, family.type)
-                into.samples.extend(family.samples)
+                into.samples.extend(
+                    sample._replace(labels={**sample.labels, "model": sample.labels["model_name"]})
+                    for sample in family.samples
+                )
         yield from merged.values()
 
 

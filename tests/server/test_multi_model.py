@@ -26,6 +26,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from infer.config import EngineConfig
 from infer.server.app import create_app
@@ -203,8 +204,13 @@ def test_requests_alternating_between_three_models_all_answer(models_dir):
         assert server.statuses() == dict.fromkeys(NAMES, "loaded")
         assert server.manager.num_loads == 3  # each once
         metrics = server.http.get("/metrics").text
-        for name in NAMES:
-            assert f'infer:request_success_total{{finished_reason="length",model_name="{name}"}}' in metrics
+        samples = [s for f in text_string_to_metric_families(metrics) for s in f.samples]
+        assert samples and all(s.labels["model"] == s.labels["model_name"] for s in samples)
+        for name in NAMES:  # vLLM's label and the request field's, each model's own series
+            success = [
+                s for s in samples if s.name == "infer:request_success_total" and s.labels["model"] == name
+            ]
+            assert {s.labels["finished_reason"]: s.value for s in success}["length"] >= 2
         tokens = server.http.post("/tokenize", json={"model": "gamma", "prompt": "abc"}).json()
         assert tokens["count"] == 3
 
