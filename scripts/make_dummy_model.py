@@ -5,6 +5,9 @@ weights and tokenizer, so prompts, token counts and the work per token are the s
 
     python scripts/make_dummy_model.py llama-50m /work/models/llama-50m
     python scripts/make_dummy_model.py Llama-3.2-1B /work/models/llama-1b
+    python scripts/make_dummy_model.py llama-50m /work/models/smollm2-135m-shape --set num_hidden_layers=30 \
+        hidden_size=576 num_attention_heads=9 num_key_value_heads=3 intermediate_size=1536 vocab_size=49152 \
+        tie_word_embeddings=true max_position_embeddings=8192
 
 - config.json: the preset's (infer/assets/presets), in bfloat16, with the tokenizer's BOS/EOS ids.
 - model.safetensors: transformers' LlamaForCausalLM(config) with its own random init (seeded), in bf16.
@@ -54,10 +57,12 @@ def pad_tokenizer(out: Path, vocab_size: int) -> int:
     return vocab_size - len(ids)
 
 
-def build(preset: str, out: Path, bpe_vocab: int, seed: int, corpus: Path | None) -> None:
+def build(
+    preset: str, out: Path, bpe_vocab: int, seed: int, corpus: Path | None, overrides: dict | None = None
+) -> None:
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config_dict = json.loads((PRESETS / preset / "config.json").read_text())
+    config_dict = {**json.loads((PRESETS / preset / "config.json").read_text()), **(overrides or {})}
     vocab_size = config_dict["vocab_size"]
     out.mkdir(parents=True, exist_ok=True)
 
@@ -88,7 +93,7 @@ def build(preset: str, out: Path, bpe_vocab: int, seed: int, corpus: Path | None
     for f in out.iterdir():  # model.safetensors comes out 0600; make the folder readable
         f.chmod(0o644)
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"{preset}: {num_params:,} parameters (bf16) in {out}")
+    print(f"{preset} {overrides or ''}: {num_params:,} parameters (bf16) in {out}")
 
     check = AutoTokenizer.from_pretrained(out)
     text = "In the beginning God created the heaven and the earth."
@@ -104,11 +109,22 @@ def main() -> None:
     p.add_argument("--bpe-vocab", type=int, default=32000, help="most BPE tokens to train (then padding)")
     p.add_argument("--seed", type=int, default=0, help="seeds the random weights")
     p.add_argument("--corpus", type=Path, default=None, help="`bible -f` output instead of a download")
+    p.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE",
+        help="config.json fields over the preset's (JSON values): another model's shape in a Llama",
+    )  # fmt: skip
     args = p.parse_args()
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            p.error(f"--set {item}: the value is not JSON")
     if not (PRESETS / args.preset / "config.json").is_file():
         names = sorted(d.name for d in PRESETS.iterdir() if d.is_dir())
         p.error(f"no preset {args.preset!r}; presets: {', '.join(names)}")
-    build(args.preset, args.out, args.bpe_vocab, args.seed, args.corpus)
+    build(args.preset, args.out, args.bpe_vocab, args.seed, args.corpus, overrides)
 
 
 if __name__ == "__main__":
