@@ -21,7 +21,7 @@ Each loaded model is a ServerState of its own (its AsyncEngine, its KV pool, its
   keep_alive; a request without one sets the model's own, or --keep-alive), 0 unloads it at once, None
   keeps it until evicted.
 - Unloading stops the engine thread and drops every reference to the engine (the KV pool's and the
-  weights' tensors go with it), then runs the garbage collector.
+  weights' tensors go with it); the garbage collector runs only if a cycle still holds the engine.
 """
 
 from __future__ import annotations
