@@ -1,7 +1,8 @@
 """Prometheus metrics with vLLM's names and meanings under the prefix `infer:`, through prometheus-client.
 
 A dashboard or harness written for `vllm:` ports by renaming the prefix. Every sample carries the label
-`model_name` (a server of several models adds `model`, the same name: infer.server.model_manager). Where each number comes from:
+`model_name` (a server of several models adds `model`, the same name: infer.server.model_manager).
+Where each number comes from:
 
     histograms (observed on the engine thread when a request finishes, from its timestamps)
       time_to_first_token_seconds    first token - arrival
