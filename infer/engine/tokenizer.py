@@ -21,6 +21,7 @@ byte-identical to `apply_chat_template(..., tokenize=False)`.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -389,11 +390,37 @@ def _load_chat_templates(folder: Path, from_config: Any) -> str | dict[str, str]
 
 def load_tokenizer(path: Path, tokenizer: str | None = None):
     """The tokenizer of the model at `path` (resolve_model_path's): `tokenizer`, a folder, overrides it;
-    a GGUF file's is built from its metadata (infer.engine.gguf_tokenizer)."""
+    a GGUF file's is built from its metadata (infer.engine.gguf_tokenizer).
+
+    The last few are kept, by the files they were read from as those are now (a Tokenizer is immutable):
+    a server of several models builds each one once, not at every load (a large vocabulary's takes a
+    good part of a small model's load)."""
     if tokenizer:
-        return Tokenizer.from_pretrained(Path(tokenizer).expanduser())
-    if is_gguf(path):
+        return _cached_tokenizer(Path(tokenizer).expanduser(), False, _files_stamp(Path(tokenizer)))
+    source = path if is_gguf(path) else tokenizer_folder(path)
+    return _cached_tokenizer(source, is_gguf(source), _files_stamp(source))
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _files_stamp(source: Path) -> tuple:
+    """What changes when the files a tokenizer is read from change: the size and modification time of a
+    GGUF file, or of each file of a folder but its weights."""
+    source = source.expanduser()
+    files = [source] if source.is_file() else sorted(source.iterdir()) if source.is_dir() else []
+    stamp = []
+    for f in files:
+        if f.is_file() and f.suffix not in WEIGHT_SUFFIXES:
+            st = f.stat()
+            stamp.append((f.name, st.st_size, st.st_mtime_ns))
+    return tuple(stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_tokenizer(source: Path, gguf_file: bool, stamp: tuple):
+    if gguf_file:
         from infer.engine.gguf_tokenizer import gguf_tokenizer  # the gguf reader: only for a GGUF file
 
-        return gguf_tokenizer(open_gguf(path))
-    return Tokenizer.from_pretrained(tokenizer_folder(path))
+        return gguf_tokenizer(open_gguf(source))
+    return Tokenizer.from_pretrained(source)

@@ -485,3 +485,31 @@ def test_stop_random_property(tok):
 def test_empty_stop_string_rejected(tok):
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(tok, [], stop=[""])
+
+
+def test_a_model_loaded_again_reuses_its_tokenizer_until_its_files_change(tmp_path, monkeypatch):
+    """A server of several models loads each one many times: its tokenizer is built once, and again only
+    once a file it was read from has changed."""
+    import os
+    import shutil
+
+    from infer.engine import tokenizer as tokenizer_module
+    from infer.engine.tokenizer import load_tokenizer
+    from infer.models.loader import EMBEDDED_MODEL
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(EMBEDDED_MODEL / name, folder / name)
+    builds = []
+    build = tokenizer_module.Tokenizer.from_pretrained
+    monkeypatch.setattr(tokenizer_module.Tokenizer, "from_pretrained", lambda f: builds.append(f) or build(f))
+    first = load_tokenizer(folder)
+    assert load_tokenizer(folder) is first and len(builds) == 1
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[0]['content'] }}!"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    os.utime(folder / "tokenizer_config.json", ns=(1, 1))  # a new modification time on a coarse clock
+    again = load_tokenizer(folder)
+    assert again is not first and len(builds) == 2
+    assert again.encode("In the beginning") == first.encode("In the beginning")
