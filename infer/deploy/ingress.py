@@ -43,7 +43,7 @@ from infer.models.loader import resolve_model_path
 from infer.sampling_params import SamplingParams
 from infer.server.args import ServerArgs
 from infer.server.metrics import PREFIX, Metrics
-from infer.server.serving import ServerState
+from infer.server.server_state import ServerState
 
 logger = logging.getLogger("infer.deploy")
 
@@ -98,7 +98,7 @@ class _Timeline:
 
 
 class RemoteEngine:
-    """`AsyncEngine.add` over the engine deployment's handle (what infer.server.serving.Fanout calls)."""
+    """`AsyncEngine.add` over the engine deployment's handle (what infer.server.fanout.Fanout calls)."""
 
     def __init__(self, handle, metrics: Metrics):
         self.handle = handle.options(stream=True)
