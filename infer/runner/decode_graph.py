@@ -37,7 +37,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from infer.core.outputs import ScheduledRequest
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("infer.runner")

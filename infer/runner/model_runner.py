@@ -15,7 +15,7 @@ import torch
 
 from infer import kernels
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.runner.decode_graph import DecodeGraphs
 from infer.runner.grammar import GrammarCompiler

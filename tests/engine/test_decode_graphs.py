@@ -13,7 +13,7 @@ import transformers
 from infer import kernels
 from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
-from infer.layers import attention, linear
+from infer.layers import attention_kernels, linear
 from infer.runner import decode_graph
 from infer.sampling_params import SamplingParams
 from tests.models.tiny_models import COMMON, save_byte_tokenizer
@@ -73,7 +73,7 @@ def test_replayed_steps_give_the_eager_tokens_and_logprobs(model_dir, config):
     replayed, engine = generate(model_dir, False, GREEDY, **config)
     assert replayed == eager
     graphs = engine.runner.graphs
-    if config.get("kv_cache_dtype") == "fp8" and not attention.kernels_read_fp8(torch.bfloat16, 64):
+    if config.get("kv_cache_dtype") == "fp8" and not attention_kernels.kernels_read_fp8(torch.bfloat16, 64):
         assert not graphs.enabled  # the Python attention path: nothing captured
         return
     assert graphs.enabled and graphs.captures >= 1 and graphs.replays > 20
