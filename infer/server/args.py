@@ -1,5 +1,5 @@
-"""Server flags: the seeds' names (vLLM's where they exist), an optional YAML file with the same keys, and
-their mapping onto `EngineConfig`.
+"""Server flags: vLLM's names where vLLM has the flag (with aliases beside some: `--max-batch-size` for
+`--max-num-seqs`), an optional YAML file with the same keys, and their mapping onto `EngineConfig`.
 
     python -m infer.server --model MODEL --max-batch-size 8 --num-gpu-blocks 2048 --prefix-caching
     infer serve MODEL --config serve.yaml --port 8001        # flags override the file
