@@ -399,6 +399,16 @@ class EngineConfig:
             max_long_partial_prefills=self.max_long_partial_prefills,
         )
 
+    def cache_config(self, num_blocks: int) -> CacheConfig:
+        """The KV pool's part of this configuration, for a pool of num_blocks (known once the model's shape
+        is: built in one place, the engine and the server's check of its flags)."""
+        return CacheConfig(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_backend=self.kv_cache_backend,
+        )
+
 
 # vLLM's CPU default. Against 32: waiting requests no longer queue behind the running 32, so more
 # throughput and a shorter TTFT beyond 32 streams (docs/optimizations.md, "Running requests").

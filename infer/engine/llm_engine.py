@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from infer.config import CacheConfig, EngineConfig
+from infer.config import EngineConfig
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats
 from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
@@ -133,12 +133,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // (config.block_size * self.kv_bytes_per_token)
         )
-        self.cache_config = CacheConfig(
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            kv_cache_backend=config.kv_cache_backend,
-        )
+        self.cache_config = config.cache_config(num_blocks)
         self.scheduler_config = config.scheduler_config(self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.scheduler.prompt_logprob_token_cost = prompt_logprob_token_cost(model, self.model_config)
