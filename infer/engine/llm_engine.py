@@ -35,7 +35,9 @@ from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.tokenizer import load_tokenizer
 from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
+from infer.models.gguf import is_gguf
 from infer.models.loader import load_engine_model, weight_bytes
+from infer.runner.draft_proposer import DraftProposer, DraftWant, check_draft_vocabulary
 from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
@@ -161,12 +163,7 @@ class LLMEngine:
         self.quantization = {**model.quantization, "weight_mib": round(weight_bytes(model) / 2**20, 1)}
         if model.gguf is not None:  # what the GGUF file held
             self.quantization["gguf"] = model.gguf
-        spec = config.speculative_config
-        self.proposer = (
-            NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            if spec is not None
-            else None
-        )
+        self.proposer = self._proposer(config, model, num_blocks)
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs: dict[str, dict[int, tuple]] = {}  # req_id -> prompt position -> entry
@@ -176,6 +173,30 @@ class LLMEngine:
         # the step trace (infer.engine.trace), None unless asked for: then one `is not None` per step
         budget = self.scheduler_config.max_num_batched_tokens
         self.trace = StepTrace(config.trace_steps, budget=budget) if config.trace_path else None
+
+    def _proposer(self, config: EngineConfig, model, num_blocks: int) -> NgramProposer | DraftProposer | None:
+        """speculative_config's proposer; a draft model is loaded as the target was, and refused when its
+        vocabulary is not the target's (its proposals are token ids the target must mean the same by)."""
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        draft, draft_config, draft_path = load_engine_model(dataclasses.replace(config, model=spec.model))
+        own = is_gguf(draft_path) or (draft_path / "tokenizer.json").is_file()
+        draft_tokenizer = load_tokenizer(draft_path) if own else None  # none of its own: the target's is its
+        target_vocab_size = self.model_config.vocab_size
+        check_draft_vocabulary(target_vocab_size, self.tokenizer, draft_config.vocab_size, draft_tokenizer)
+        # as many tokens as the target's pool, and each running request's last proposals on top
+        lookahead = -(-spec.num_speculative_tokens // config.block_size) + 1
+        return DraftProposer(
+            draft,
+            spec.num_speculative_tokens,
+            num_blocks + self.scheduler_config.max_num_seqs * lookahead,
+            config.block_size,
+            self.scheduler_config.max_num_batched_tokens,
+            self.kv_cache_dtype,
+        )
 
     def close(self) -> None:
         """Write the trace file, if tracing (at shutdown; again whenever called). The engine stays usable."""
@@ -296,6 +317,8 @@ class LLMEngine:
     def abort(self, req_ids: str | list[str]) -> list[StepOutput]:
         """End requests in any state; their blocks go back to the pool. Unknown ids are ignored."""
         ended = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.forget(o.req_id for o in ended)
         outputs = [self._output(o.req_id, "", [], "abort", None) for o in ended]
         if self.trace is not None:
             self.trace.record_ended(outputs)
@@ -351,14 +374,39 @@ class LLMEngine:
         with a grammar or logprobs (their state and entries are kept one token per step)."""
         running = self.scheduler.running
         speculate = len(running) <= self.config.speculative_config.disable_by_batch_size
+        wanted = []
         for req in running:
             p = req.sampling_params
             room = p.max_tokens - req.num_output_tokens - 1  # the sampled token comes on top
             plain = p.structured_outputs is None and p.logprobs is None
-            if speculate and plain and room > 0 and not req.is_prefill:
+            wanted.append(room if speculate and plain and room > 0 and not req.is_prefill else 0)
+            req.spec_token_ids = []
+        if isinstance(self.proposer, DraftProposer):
+            self._propose_with_draft(running, wanted, speculate)
+            return
+        for req, room in zip(running, wanted, strict=True):
+            if room:
                 req.spec_token_ids = self.proposer.propose(req.token_ids, room)
-            else:
-                req.spec_token_ids = []
+
+    def _propose_with_draft(self, running: list[Request], wanted: list[int], speculate: bool) -> None:
+        """One batch of draft forwards: prompt chunks the target computed this step, then proposals. With
+        speculation off for the step, the draft waits (its cache stays right for what it holds)."""
+        self.proposer.retain(req.req_id for req in running)
+        if not speculate:
+            return
+        wants = [
+            DraftWant(
+                req.req_id,
+                req.token_ids,
+                req.num_computed_tokens if req.is_prefill else len(req.token_ids),
+                room,
+            )
+            for req, room in zip(running, wanted, strict=True)
+            if room or req.is_prefill
+        ]
+        proposals = self.proposer.propose(wants)
+        for req in running:
+            req.spec_token_ids = proposals.get(req.req_id, [])
 
     def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """The runner's output, and the requests whose part of the step raised (see the module docstring)."""

@@ -167,7 +167,7 @@ def test_speculative_config_is_vllms():
     for bad, message in [
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
-        ({"method": "draft_model", "num_speculative_tokens": 2}, "not served yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, '"model"'),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
