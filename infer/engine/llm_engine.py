@@ -371,14 +371,15 @@ class LLMEngine:
     def _propose(self) -> None:
         """Proposals for the next step's decodes, in a step where few enough requests run (a large batch
         is compute-bound: the proposals' extra tokens would cost what they save). None for a request
-        with a grammar or logprobs (their state and entries are kept one token per step)."""
+        that asks for logprobs (its entries are kept one token per step) or whose grammar starts after
+        grammar_after_ids (the start may fall among the proposals)."""
         running = self.scheduler.running
         speculate = len(running) <= self.config.speculative_config.disable_by_batch_size
         wanted = []
         for req in running:
             p = req.sampling_params
             room = p.max_tokens - req.num_output_tokens - 1  # the sampled token comes on top
-            plain = p.structured_outputs is None and p.logprobs is None
+            plain = p.logprobs is None and not p.grammar_after_ids
             wanted.append(room if speculate and plain and room > 0 and not req.is_prefill else 0)
             req.spec_token_ids = []
         if isinstance(self.proposer, DraftProposer):

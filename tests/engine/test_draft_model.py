@@ -149,3 +149,26 @@ def test_speculative_config_takes_vllms_draft_model_fields():
     ]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_value(bad)
+
+
+@pytest.mark.parametrize("temperature", [0, 0.2])
+def test_a_grammar_rejects_the_targets_own_proposals_it_does_not_allow(tiny, temperature):
+    """The target as its own draft proposes its unconstrained argmax, which every step keeps without a
+    grammar; under a grammar of lowercase letters, the proposals the grammar bans are rejected, and the
+    output is the grammar's (greedy: exactly the output without speculation)."""
+    import re
+
+    from infer.sampling_params import StructuredOutputs
+
+    path, prompts, _ = tiny
+    grammar = StructuredOutputs(regex="[a-z]{12}")
+    params = SamplingParams(temperature=temperature, seed=5, max_tokens=20, structured_outputs=grammar)
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, speculative_config=draft_config(path))
+    results = llm.generate(prompts, params)
+    assert all(re.fullmatch("[a-z]{12}", r.text) for r in results)
+    scheduler = llm.engine.scheduler
+    assert 0 < scheduler.num_spec_accepted_tokens < scheduler.num_spec_draft_tokens
+    if temperature == 0:
+        plain = LLM(path, dtype="float32", num_kv_blocks=256).generate(prompts, params)
+        assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    check_pools_idle(llm.engine)
