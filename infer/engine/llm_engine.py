@@ -32,12 +32,12 @@ from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
 from infer.core.slo import Objectives, SloClasses
 from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.engine.draft_model import draft_proposer
 from infer.engine.tokenizer import load_tokenizer
 from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
-from infer.models.gguf import is_gguf
 from infer.models.loader import load_engine_model, weight_bytes
-from infer.runner.draft_proposer import DraftProposer, DraftWant, check_draft_vocabulary
+from infer.runner.draft_proposer import DraftProposer, DraftWant
 from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
@@ -163,7 +163,7 @@ class LLMEngine:
         self.quantization = {**model.quantization, "weight_mib": round(weight_bytes(model) / 2**20, 1)}
         if model.gguf is not None:  # what the GGUF file held
             self.quantization["gguf"] = model.gguf
-        self.proposer = self._proposer(config, model, num_blocks)
+        self.proposer = self._proposer(config, num_blocks)
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs: dict[str, dict[int, tuple]] = {}  # req_id -> prompt position -> entry
@@ -174,29 +174,13 @@ class LLMEngine:
         budget = self.scheduler_config.max_num_batched_tokens
         self.trace = StepTrace(config.trace_steps, budget=budget) if config.trace_path else None
 
-    def _proposer(self, config: EngineConfig, model, num_blocks: int) -> NgramProposer | DraftProposer | None:
-        """speculative_config's proposer; a draft model is loaded as the target was, and refused when its
-        vocabulary is not the target's (its proposals are token ids the target must mean the same by)."""
+    def _proposer(self, config: EngineConfig, num_blocks: int) -> NgramProposer | DraftProposer | None:
         spec = config.speculative_config
         if spec is None:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        draft, draft_config, draft_path = load_engine_model(dataclasses.replace(config, model=spec.model))
-        own = is_gguf(draft_path) or (draft_path / "tokenizer.json").is_file()
-        draft_tokenizer = load_tokenizer(draft_path) if own else None  # none of its own: the target's is its
-        target_vocab_size = self.model_config.vocab_size
-        check_draft_vocabulary(target_vocab_size, self.tokenizer, draft_config.vocab_size, draft_tokenizer)
-        # as many tokens as the target's pool, and each running request's last proposals on top
-        lookahead = -(-spec.num_speculative_tokens // config.block_size) + 1
-        return DraftProposer(
-            draft,
-            spec.num_speculative_tokens,
-            num_blocks + self.scheduler_config.max_num_seqs * lookahead,
-            config.block_size,
-            self.scheduler_config.max_num_batched_tokens,
-            self.kv_cache_dtype,
-        )
+        return draft_proposer(self, num_blocks)
 
     def close(self) -> None:
         """Write the trace file, if tracing (at shutdown; again whenever called). The engine stays usable."""

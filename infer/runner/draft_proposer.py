@@ -198,29 +198,3 @@ def _one_token(prev: ScheduledRequest, state: _DraftState, token_id: int) -> Sch
         sampling_params=_GREEDY,
         num_prompt_tokens=0,
     )
-
-
-def check_draft_vocabulary(target_vocab_size: int, target_tokenizer, draft_vocab_size: int, draft_tokenizer):
-    """ValueError unless the draft's token ids mean what the target's do: the same number of logits,
-    and, when the draft has a tokenizer of its own, the same token at every id."""
-    if draft_vocab_size != target_vocab_size:
-        raise ValueError(
-            f"speculative_config: the draft model's vocabulary has {draft_vocab_size} tokens, the target's "
-            f"{target_vocab_size}: a draft must share the target's tokenizer"
-        )
-    if draft_tokenizer is None:
-        return
-    size = target_tokenizer.vocab_size
-    if draft_tokenizer.vocab_size != size:
-        raise ValueError(
-            f"speculative_config: the draft's tokenizer has {draft_tokenizer.vocab_size} tokens, the "
-            f"target's {size}: a draft must share the target's tokenizer"
-        )
-    for token_id in range(size):
-        draft_token = draft_tokenizer.id_to_token(token_id)
-        target_token = target_tokenizer.id_to_token(token_id)
-        if draft_token != target_token:
-            raise ValueError(
-                f"speculative_config: token id {token_id} is {draft_token!r} to the draft's tokenizer and "
-                f"{target_token!r} to the target's: a draft must share the target's tokenizer"
-            )

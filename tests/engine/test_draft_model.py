@@ -111,7 +111,7 @@ def test_aborts_mid_speculation_leave_both_pools_idle_and_whole(tiny, other_draf
     check_pools_idle(engine)
 
 
-def test_a_draft_of_another_vocabulary_is_refused(tiny, tmp_path):
+def test_a_draft_of_another_vocabulary_or_a_shorter_context_is_refused(tiny, tmp_path):
     path, _, _ = tiny
     import transformers
 
@@ -120,6 +120,13 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny, tmp_path):
     transformers.LlamaForCausalLM(config).save_pretrained(wider)
     with pytest.raises(ValueError, match="300 tokens"):
         LLM(path, dtype="float32", speculative_config=draft_config(wider))
+    shorter = tmp_path / "shorter"
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 64})
+    ).save_pretrained(shorter)
+    with pytest.raises(ValueError, match="64 positions"):
+        LLM(path, dtype="float32", speculative_config=draft_config(shorter))
+    LLM(path, dtype="float32", max_model_len=64, speculative_config=draft_config(shorter))
     _, renamed = save_tiny_model("llama", tmp_path / "renamed", seed=1)
     save_byte_tokenizer(renamed)
     tokenizer = json.loads((renamed / "tokenizer.json").read_text())
