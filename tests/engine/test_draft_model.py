@@ -45,7 +45,7 @@ def check_pools_idle(engine) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(set(CONFIGS) - {"static", "slo", "contiguous"}))
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_greedy_output_is_the_targets_with_another_model_as_draft(tiny, other_draft, name):
     path, prompts, expected = tiny
     args = {"num_kv_blocks": 256, **CONFIGS[name]}
@@ -179,3 +179,18 @@ def test_a_grammar_rejects_the_targets_own_proposals_it_does_not_allow(tiny, tem
         plain = LLM(path, dtype="float32", num_kv_blocks=256).generate(prompts, params)
         assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     check_pools_idle(llm.engine)
+
+
+def test_the_server_flag_takes_a_draft_model():
+    import argparse
+
+    from infer.server.args import add_server_args, parse_server_args
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    flag = '{"method": "draft_model", "model": "/drafts/small", "num_speculative_tokens": 4}'
+    config = parse_server_args(parser, ["--speculative-config", flag]).engine.speculative_config
+    assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", "/drafts/small", 4)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
+        bad = '{"model": "/drafts/small", "num_speculative_tokens": 4, "draft_tensor_parallel_size": 2}'
+        parse_server_args(parser, ["--speculative-config", bad])
