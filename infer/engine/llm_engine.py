@@ -32,10 +32,12 @@ from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
 from infer.core.slo import Objectives, SloClasses
 from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.engine.draft_model import draft_proposer
 from infer.engine.tokenizer import load_tokenizer
 from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
 from infer.models.loader import load_engine_model, weight_bytes
+from infer.runner.draft_proposer import DraftProposer, DraftWant
 from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
@@ -156,12 +158,7 @@ class LLMEngine:
         self.quantization = {**model.quantization, "weight_mib": round(weight_bytes(model) / 2**20, 1)}
         if model.gguf is not None:  # what the GGUF file held
             self.quantization["gguf"] = model.gguf
-        spec = config.speculative_config
-        self.proposer = (
-            NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            if spec is not None
-            else None
-        )
+        self.proposer = self._proposer(config, num_blocks)
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs: dict[str, dict[int, tuple]] = {}  # req_id -> prompt position -> entry
@@ -171,6 +168,14 @@ class LLMEngine:
         # the step trace (infer.engine.trace), None unless asked for: then one `is not None` per step
         budget = self.scheduler_config.max_num_batched_tokens
         self.trace = StepTrace(config.trace_steps, budget=budget) if config.trace_path else None
+
+    def _proposer(self, config: EngineConfig, num_blocks: int) -> NgramProposer | DraftProposer | None:
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return draft_proposer(self, num_blocks)
 
     def close(self) -> None:
         """Write the trace file, if tracing (at shutdown; again whenever called). The engine stays usable."""
@@ -291,6 +296,8 @@ class LLMEngine:
     def abort(self, req_ids: str | list[str]) -> list[StepOutput]:
         """End requests in any state; their blocks go back to the pool. Unknown ids are ignored."""
         ended = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.forget(o.req_id for o in ended)
         outputs = [self._output(o.req_id, "", [], "abort", None) for o in ended]
         if self.trace is not None:
             self.trace.record_ended(outputs)
@@ -343,17 +350,43 @@ class LLMEngine:
     def _propose(self) -> None:
         """Proposals for the next step's decodes, in a step where few enough requests run (a large batch
         is compute-bound: the proposals' extra tokens would cost what they save). None for a request
-        with a grammar or logprobs (their state and entries are kept one token per step)."""
+        that asks for logprobs (its entries are kept one token per step) or whose grammar starts after
+        grammar_after_ids (the start may fall among the proposals)."""
         running = self.scheduler.running
         speculate = len(running) <= self.config.speculative_config.disable_by_batch_size
+        wanted = []
         for req in running:
             p = req.sampling_params
             room = p.max_tokens - req.num_output_tokens - 1  # the sampled token comes on top
-            plain = p.structured_outputs is None and p.logprobs is None
-            if speculate and plain and room > 0 and not req.is_prefill:
+            plain = p.logprobs is None and not p.grammar_after_ids
+            wanted.append(room if speculate and plain and room > 0 and not req.is_prefill else 0)
+            req.spec_token_ids = []
+        if isinstance(self.proposer, DraftProposer):
+            self._propose_with_draft(running, wanted, speculate)
+            return
+        for req, room in zip(running, wanted, strict=True):
+            if room:
                 req.spec_token_ids = self.proposer.propose(req.token_ids, room)
-            else:
-                req.spec_token_ids = []
+
+    def _propose_with_draft(self, running: list[Request], wanted: list[int], speculate: bool) -> None:
+        """One batch of draft forwards: prompt chunks the target computed this step, then proposals. With
+        speculation off for the step, the draft waits (its cache stays right for what it holds)."""
+        self.proposer.retain(req.req_id for req in running)
+        if not speculate:
+            return
+        wants = [
+            DraftWant(
+                req.req_id,
+                req.token_ids,
+                req.num_computed_tokens if req.is_prefill else len(req.token_ids),
+                room,
+            )
+            for req, room in zip(running, wanted, strict=True)
+            if room or req.is_prefill
+        ]
+        proposals = self.proposer.propose(wants)
+        for req in running:
+            req.spec_token_ids = proposals.get(req.req_id, [])
 
     def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """The runner's output, and the requests whose part of the step raised (see the module docstring)."""

@@ -95,16 +95,9 @@ class Sampler:
         for row, p in enumerate(params):
             if p.structured_outputs is None:
                 continue
-            req_id = req_ids[row]
-            history, num_prompt = histories[row]
-            start = self._grammar_start(req_id, p.grammar_after_ids, history, num_prompt)
-            if start is None:  # the output is free until the ids that start the grammar
+            grammar = self.grammar(req_ids[row], p, *histories[row])
+            if grammar is None:  # the output is free until the ids that start the grammar
                 continue
-            grammar = self.grammars.get(req_id)
-            if grammar is None:
-                matcher = self.compiler.take(req_id, p.structured_outputs)
-                grammar = self.grammars[req_id] = Grammar(matcher, p.ignore_eos)
-            grammar.advance(history[num_prompt + start :])
             rows.append(row)
             grammars.append(grammar)
         if not rows:
@@ -115,9 +108,21 @@ class Sampler:
             self._executor = llguidance.LLExecutor(num_threads=usable_cores())
         bans = banned(grammars, self.compiler.vocab_size, num_logits, self._executor)
         for grammar in grammars:
-            if grammar.error is not None:  # fails this request alone (the engine splits the step)
-                raise Unsatisfiable(f"structured_outputs: the grammar's parser failed: {grammar.error}")
+            check_grammar(grammar)
         return rows, bans
+
+    def grammar(self, req_id: str, p: SamplingParams, history: list[int], num_prompt: int) -> Grammar | None:
+        """The request's grammar, fed its output up to the end of history; None while a grammar that
+        starts after grammar_after_ids has not started."""
+        start = self._grammar_start(req_id, p.grammar_after_ids, history, num_prompt)
+        if start is None:
+            return None
+        grammar = self.grammars.get(req_id)
+        if grammar is None:
+            matcher = self.compiler.take(req_id, p.structured_outputs)
+            grammar = self.grammars[req_id] = Grammar(matcher, p.ignore_eos)
+        grammar.advance(history[num_prompt + start :])
+        return grammar
 
     def _grammar_start(self, req_id: str, after: tuple[int, ...], history: list[int], num_prompt: int):
         """Where in the output a request's grammar starts: 0, or just past the first appearance of
@@ -260,6 +265,11 @@ class Adjustment:
         if self.counts:
             ids, counts = torch.tensor(list(self.counts)), torch.tensor(list(self.counts.values()))
             x.index_add_(0, ids, -(p.frequency_penalty * counts.float() + p.presence_penalty))
+
+
+def check_grammar(grammar: Grammar) -> None:
+    if grammar.error is not None:  # fails this request alone (the engine splits the step)
+        raise Unsatisfiable(f"structured_outputs: the grammar's parser failed: {grammar.error}")
 
 
 def adjusted(

@@ -261,6 +261,8 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' proposes the tokens that followed an earlier '
         "occurrence of the text's last n tokens and verifies them in one forward; "
+        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\' has a small model of the '
+        "same vocabulary propose them; "
         '"disable_by_batch_size" (default 4): speculate only while at most that many requests run',
     )
     parser.add_argument(
