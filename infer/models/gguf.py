@@ -15,9 +15,9 @@ Unquantized tensors (F32, F16, BF16) load as `--dtype` says. Quantized matrices 
 token embedding keeps its codes too, its rows dequantized as they are looked up, and a head tied to it
 gets them as well): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K as the file holds them, Q6_K requantized
 to int8 in groups of 32 (infer.quant.gguf_kquants). Projections run as one layer (q/k/v, gate/up) whose
-parts differ (Q4_K q and k beside a Q6_K v, as in Q4_K_M files) run on the int8 path, the int4 parts'
-codes held as int8. Every other type (IQ-quants, ternary, Q2_K, Q3_K) is refused, naming the tensor and
-its type, before the model is allocated.
+parts differ (Q4_K q and k beside a Q6_K v, as in Q4_K_M files) run each type's parts as a layer of their
+own (infer.quant.split_linear), the int4 codes still two to a byte. Every other type (IQ-quants,
+ternary, Q2_K, Q3_K) is refused, naming the tensor and its type, before the model is allocated.
 """
 
 from __future__ import annotations
@@ -472,13 +472,13 @@ def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
 
 
 def tensor_paths(
-    model: GGUFModel, layers: dict[str, dict[str, str]], dtype: torch.dtype, widened: dict[str, int]
+    model: GGUFModel, layers: dict[str, dict[str, str]], dtype: torch.dtype, split: dict[str, int]
 ) -> dict:
     """What became of each tensor type of a GGUF file, for the start-up log and /server_info, e.g.
     {"Q8_0": "int8 in groups of 32: 9 linear layers (infer kernel x9); token_embd.weight as int8 in groups
     of 32, rows dequantized to bfloat16 as looked up", "F32": "bfloat16 (--dtype)"}. `layers`: block type ->
-    {module path: backend} of the quantized linears made from it; `widened`: block type -> how many of its
-    int4 tensors share a fused layer with int8 parts (their codes held as int8)."""
+    {module path: backend} of the quantized linears made from it; `split`: block type -> how many of its
+    tensors share a fused layer with parts of another type (each type runs as a part of its own)."""
     dtype_name = str(dtype).removeprefix("torch.")
     embedding = model.tensors.get(EMBEDDING)
     paths = {}
@@ -492,8 +492,8 @@ def tensor_paths(
             runs = ", ".join(f"{BACKEND_NAMES[b]} x{n}" for b, n in backends.most_common())
             count = len(layers[kind])
             parts.append(f"{LOADS_AS[kind]}: {count} linear layer{'s' * (count != 1)} ({runs})")
-        if widened.get(kind):
-            parts.append(f"{widened[kind]} tensors as int8 codes, fused with int8 tensors in one layer")
+        if split.get(kind):
+            parts.append(f"{split[kind]} fused with another type, each type a kernel call of its own")
         if embedding is not None and embedding.type_name == kind:
             parts.append(f"{EMBEDDING} as {LOADS_AS[kind]}, rows dequantized to {dtype_name} as looked up")
         paths[kind] = "; ".join(parts)
