@@ -454,7 +454,28 @@ def _rope_scaling(model: GGUFModel) -> dict[str, Any] | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(model.get("rope.scaling.factor", 1.0))}
-    raise ValueError(f"{model.name}: rope scaling {kind!r} is not supported; supported: none, linear")
+    if kind == "yarn":
+        return _yarn(model)
+    raise ValueError(f"{model.name}: rope scaling {kind!r} is not supported; supported: none, linear, yarn")
+
+
+def _yarn(model: GGUFModel) -> dict[str, Any]:
+    """YaRN as transformers' rope_scaling holds it, from what llama.cpp's converter writes of it."""
+    get = model.get
+    if get("rope.scaling.original_context_length") is None:
+        raise ValueError(f"{model.name}: yarn rope scaling without rope.scaling.original_context_length")
+    if get("rope.scaling.yarn_ext_factor") not in (None, 1.0) or get("rope.scaling.yarn_log_multiplier"):
+        raise ValueError(f"{model.name}: yarn rope scaling with an extrapolation factor or log multiplier")
+    params = {
+        "rope_type": "yarn",
+        "factor": _f32(get("rope.scaling.factor", 1.0)),
+        "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+    }
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                      ("yarn_attn_factor", "attention_factor")):  # fmt: skip
+        if get(f"rope.scaling.{key}") is not None:
+            params[name] = _f32(get(f"rope.scaling.{key}"))
+    return params
 
 
 def _gemma3(model: GGUFModel, cfg: dict[str, Any]) -> dict[str, Any]:
