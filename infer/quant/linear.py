@@ -303,9 +303,8 @@ def summarize(method, swapped: dict[str, QuantizedLinear | SplitQuantizedLinear]
     """What was quantized, for the start-up log and /server_info. `method`: ours (int8/int4), a
     checkpoint's CheckpointQuant, or None."""
     backends: dict[str, int] = {}
-    for layer in swapped.values():
-        for part in getattr(layer, "parts", [layer]):
-            backends[part.backend] = backends.get(part.backend, 0) + 1
+    for layer in swapped.values():  # a SplitQuantizedLinear counts once, by its slowest part's path
+        backends[layer.backend] = backends.get(layer.backend, 0) + 1
     body = [layer for name, layer in swapped.items() if not name.endswith("lm_head")]
     head = next((layer for name, layer in swapped.items() if name.endswith("lm_head")), None)
     if "dequant" in backends:

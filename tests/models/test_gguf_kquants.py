@@ -130,6 +130,8 @@ def test_the_q4_k_m_mix_loads_each_type_onto_its_path(files):
         (8, 64 * KV_HEADS),
     ]
     assert plain.bits == 4 and not hasattr(plain, "parts")
+    summary = model.quantization  # a split layer is one layer, of its slowest part's path
+    assert summary["layers"] == LAYERS * 4 + 1 == sum(summary["backends"].values())
     if mixed.parts[0].backend == "infer":
         assert mixed.parts[0].qweight.nbytes == plain.qweight.nbytes * 3 // 4  # q, k of q, k, v
     assert (layers[0].mlp.down_proj.bits, layers[1].mlp.down_proj.bits) == (8, 8)
