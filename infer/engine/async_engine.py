@@ -39,7 +39,6 @@ from infer.config import EngineConfig
 from infer.core.slo import Objectives
 from infer.engine.llm_engine import LLMEngine, StepOutput
 from infer.engine.stop_strings import automaton
-from infer.runner.compile_pool import CompileQueueFull as CompileQueueFull  # for the server: a 429
 from infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("infer.engine")

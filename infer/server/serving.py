@@ -34,15 +34,17 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from infer.core.slo import LateRequest, Objectives
-from infer.engine.async_engine import AsyncEngine, CompileQueueFull, RequestFailed
+from infer.engine.async_engine import AsyncEngine, RequestFailed
 from infer.engine.async_pooling import AsyncPoolingEngine
 from infer.engine.llm_engine import StepOutput
 from infer.engine.pooling import PoolingEngine, model_task
-from infer.sampling_params import INT64_MIN, SamplingParams, StructuredOutputs, Unsatisfiable
+from infer.sampling_params import INT64_MIN, SamplingParams, Unsatisfiable
 from infer.server.args import ServerArgs
 from infer.server.metrics import MeteredEngine, Metrics
 from infer.server.protocol import APIError, bad_request
-from infer.server.tools import tool_schema
+from infer.structured_outputs.compile_pool import CompileQueueFull
+from infer.structured_outputs.constraint import StructuredOutputs
+from infer.structured_outputs.tool_calls import tool_schema
 
 logger = logging.getLogger("infer.server")
 RETRY_AFTER_S = 1

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from infer.runner.compile_pool import CompilePool, CompileQueueFull, CompileTimeout
+from infer.structured_outputs.compile_pool import CompilePool, CompileQueueFull, CompileTimeout
 
 
 class Gated:
