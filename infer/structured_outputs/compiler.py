@@ -26,8 +26,8 @@ import threading
 from infer.config import EngineConfig
 from infer.structured_outputs.compile_pool import CompilePool
 from infer.structured_outputs.constraint import StructuredOutputs
-from infer.structured_outputs.grammar_text import grammar_text
 from infer.structured_outputs.matcher import Grammar, banned
+from infer.structured_outputs.text_process import build_text
 
 # What a compiled grammar holds, for the cache's bound in bytes. llguidance reports no size: RSS growth per
 # compiled grammar, measured over 20-100 distinct grammars of each kind (embedded model, 8,192 tokens),
@@ -148,7 +148,7 @@ class GrammarCompiler:
     def _prepare(self, spec: StructuredOutputs) -> tuple[StructuredOutputs, str]:
         """llguidance's grammar text, within the bounds (refused from the text alone), and the tokenizer
         built: what a compilation needs before the part that is timed."""
-        grammar = grammar_text(spec)
+        grammar = build_text(spec)  # in a worker process: Python that would hold the GIL
         self.tokenizer  # noqa: B018 (built once)
         return spec, grammar
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json as _json
 from dataclasses import dataclass
+from functools import cached_property
 
 # A grammar's text at most (a JSON schema serialized, a regex, a grammar, the choices together): the
 # compiler's time and memory grow with it, and it runs beside other requests' steps.
@@ -89,9 +90,10 @@ class StructuredOutputs:
     def kind(self) -> str:
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None)
 
-    @property
+    @cached_property
     def text(self) -> str:
-        """The constraint as one string (a compiled grammar's cache key, with the options)."""
+        """The constraint as one string (a compiled grammar's cache key, with the options): serialized once,
+        as a schema of 128 tools takes milliseconds."""
         value = getattr(self, self.kind)
         if self.kind == "json" and isinstance(value, dict) or self.kind == "choice":
             return _json.dumps(list(value) if self.kind == "choice" else value, sort_keys=True)
