@@ -6,7 +6,7 @@
                      compiling and every step cheap (forced_text.py: the text a grammar forces)
     compiler.py      GrammarCompiler: compiles off the engine thread, one compilation per distinct
                      grammar, a copy of the matcher per request (compile_pool.py: the bounds and the
-                     cache in bytes)
+                     cache in bytes; text_process.py: the grammar text built in worker processes)
     matcher.py       Grammar, one request's matcher step by step, and `banned`, the step's bitmask
     tool_calls.py    the JSON schema a forced tool_choice constrains the output to
 
