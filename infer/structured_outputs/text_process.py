@@ -13,17 +13,21 @@ grammar (not multiprocessing, whose children import the parent's main script aga
 makes an LLM at its top level would make one in each). They are shared by every compiler of the process
 (the text does not depend on the tokenizer), started when a compilation finds none idle (so at most as
 many as compilations run at once) and kept. A worker that dies (killed, out of memory) is replaced: the
-grammar goes once more to a new one, and fails with a ValueError if that one dies too.
+grammar goes once more to a new one, and fails with a ValueError if that one dies too. Workers run
+COMPILE_NICENESS below the engine's process, as the compiling threads do (compile_pool.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+from infer.structured_outputs.compile_pool import COMPILE_NICENESS
 from infer.structured_outputs.constraint import StructuredOutputs
 
 _lock = threading.Lock()
@@ -104,6 +108,9 @@ def _serve() -> None:
     text, or why not ("refused": a ValueError, the client's; otherwise a defect). Ends at stdin's end."""
     from infer.structured_outputs.grammar_text import grammar_text
 
+    with contextlib.suppress(OSError, AttributeError):  # below the engine's process, as compilations run
+        engine = os.getpriority(os.PRIO_PROCESS, os.getppid())
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, engine + COMPILE_NICENESS))
     out, sys.stdout = sys.stdout, sys.stderr  # stdout carries the answers alone
     for line in sys.stdin.buffer:
         try:

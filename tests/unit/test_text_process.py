@@ -53,3 +53,13 @@ def test_a_worker_that_died_is_replaced(compiler):
     os.kill(pid, signal.SIGKILL)  # whether the pool has seen it yet or not, the grammar goes on a new one
     compiler.check(_schema("after"))
     assert text_process.worker_pids() and pid not in text_process.worker_pids()
+
+
+def test_workers_run_below_the_engine_s_priority(compiler):
+    from infer.structured_outputs.compile_pool import COMPILE_NICENESS
+
+    compiler.check(_schema("nice"))
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in text_process.worker_pids()} == {
+        min(19, mine + COMPILE_NICENESS)
+    }
