@@ -328,9 +328,9 @@ class EngineConfig:
     tensor_parallel_size: ranks that each hold a shard of every layer (infer.runner.parallel); 1 = one
         process.
     grammar_cache_mb, max_grammar_compilations, max_queued_grammars, grammar_compile_timeout: the bounds
-        of structured outputs' compilations (infer.runner.compile_pool): the compiled-grammar cache's
-        memory (LRU), the compilations run at once, those waiting beyond them (more are refused: 429),
-        and the seconds one may take (then its requests are refused: 400).
+        of structured outputs' compilations (infer.structured_outputs.compile_pool): the compiled-grammar
+        cache's memory (LRU), the compilations run at once, those waiting beyond them (more are refused:
+        429), and the seconds one may take (then its requests are refused: 400).
     runner: vLLM's: "generate" (text), "pooling" (embeddings, scores: infer.engine.pooling), or "auto":
         pooling for an encoder, a cross-encoder or a decoder's body saved without its LM head.
     pooler_config: vLLM's `--pooler-config` JSON, overriding what the model's folder says of its pooler

@@ -38,12 +38,12 @@ from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
 from infer.models.loader import load_engine_model, weight_bytes
 from infer.runner.draft_proposer import DraftProposer, DraftWant
-from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
 from infer.runner.ngram_proposer import NgramProposer
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
 from infer.sampling_params import MAX_BAD_WORDS, SamplingParams, Unsatisfiable
+from infer.structured_outputs.compiler import GrammarCompiler
 
 logger = logging.getLogger("infer.engine")
 
@@ -98,19 +98,6 @@ def prompt_logprob_token_cost(model, model_config) -> float:
     return 1.0 + 2 * head / body
 
 
-def grammar_compiler(config: EngineConfig, tokenizer, vocab_size: int) -> GrammarCompiler:
-    """The compiler of structured-output grammars that the engine's flags configure (deploy's ingress
-    builds one too: it checks a request's grammar before routing it)."""
-    return GrammarCompiler.for_tokenizer(
-        tokenizer,
-        vocab_size,
-        cache_mb=config.grammar_cache_mb,
-        max_compiling=config.max_grammar_compilations,
-        max_queued=config.max_queued_grammars,
-        timeout_s=config.grammar_compile_timeout,
-    )
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -126,7 +113,7 @@ class LLMEngine:
         tp = ranks.tp if ranks else SINGLE
         model, self.model_config, path = load_engine_model(config, tp)
         self.tokenizer = load_tokenizer(path, config.tokenizer)
-        self.grammars = grammar_compiler(config, self.tokenizer, self.model_config.vocab_size)
+        self.grammars = GrammarCompiler.from_config(config, self.tokenizer, self.model_config.vocab_size)
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
         model_dtype = next(model.parameters()).dtype
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)

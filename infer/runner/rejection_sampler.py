@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from infer.core.outputs import ScheduledRequest
-from infer.runner.grammar import Grammar, banned
 from infer.runner.sampler import Sampler, adjusted, argmax, check_grammar
+from infer.structured_outputs.matcher import Grammar, banned
 
 
 def verify(

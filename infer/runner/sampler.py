@@ -3,7 +3,7 @@
 Each row has its own temperature, top-k, top-p, min-p and optional seed. Filters run on the whole
 [num_reqs, vocab] tensor at once; the only per-request work is drawing the noise of seeded rows from their
 own generator, which is what makes a seeded request's tokens independent of its batch, a request's
-grammar (structured outputs: infer.runner.grammar) and its allowed ids, logit_bias and penalties
+grammar (structured outputs: infer.structured_outputs) and its allowed ids, logit_bias and penalties
 (`Adjustment`); both kept per request and applied to a float32 copy of the logits, only in a step that
 has such a request.
 
@@ -19,8 +19,9 @@ import torch
 
 from infer import kernels
 from infer.config import usable_cores
-from infer.runner.grammar import Grammar, GrammarCompiler, banned
 from infer.sampling_params import SamplingParams, Unsatisfiable
+from infer.structured_outputs.compiler import GrammarCompiler
+from infer.structured_outputs.matcher import Grammar, banned
 
 MAX_TEMPERATURE = 1e4
 # A repetition penalty near 0 divides a positive logit into float32's overflow; capped here, so that

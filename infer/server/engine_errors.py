@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 
 from infer.core.slo import LateRequest
-from infer.engine.async_engine import CompileQueueFull, RequestFailed
+from infer.engine.async_engine import RequestFailed
 from infer.sampling_params import Unsatisfiable
 from infer.server.protocol import APIError, bad_request
 from infer.server.server_state import RETRY_AFTER_S
+from infer.structured_outputs.compile_pool import CompileQueueFull
 
 logger = logging.getLogger("infer.server")
 

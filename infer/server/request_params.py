@@ -10,12 +10,13 @@ import asyncio
 import logging
 
 from infer.core.slo import Objectives
-from infer.engine.async_engine import CompileQueueFull
-from infer.sampling_params import SamplingParams, StructuredOutputs
+from infer.sampling_params import SamplingParams
 from infer.server.engine_errors import grammars_busy
 from infer.server.protocol import bad_request
 from infer.server.server_state import ServerState
-from infer.server.tools import tool_schema
+from infer.structured_outputs.compile_pool import CompileQueueFull
+from infer.structured_outputs.constraint import StructuredOutputs
+from infer.structured_outputs.tool_calls import tool_schema
 
 logger = logging.getLogger("infer.server")
 
@@ -153,8 +154,9 @@ def _named(field: str, message: str) -> str:
 
 
 async def check_grammar(state: ServerState, body, params: SamplingParams) -> None:
-    """Await the request's grammar, compiled on the compiler's own threads (infer.runner.compile_pool):
-    400 naming its field if it does not compile, 429 if too many distinct grammars are compiling."""
+    """Await the request's grammar, compiled on the compiler's own threads
+    (infer.structured_outputs.compile_pool): 400 naming its field if it does not compile, 429 if too many
+    distinct grammars are compiling."""
     if params.structured_outputs is None:
         return
     try:

@@ -32,6 +32,26 @@ def run(engine: AsyncEngine, coro):
     return asyncio.run(main())
 
 
+def test_the_engine_thread_waits_for_the_gil_a_short_switch_interval_at_most(model_path):
+    # after each torch op the engine thread takes the GIL back from whichever thread runs Python, which
+    # drops it only every switch interval
+    import sys
+
+    from infer.engine.async_engine import GIL_SWITCH_INTERVAL_S
+
+    previous = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)  # Python's default
+        engine = AsyncEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=64))
+
+        async def interval():
+            return sys.getswitchinterval()
+
+        assert run(engine, interval) <= GIL_SWITCH_INTERVAL_S < 0.005
+    finally:
+        sys.setswitchinterval(previous)
+
+
 def test_concurrent_streams_match_offline_results(model_path):
     from infer.engine.llm import LLM
 

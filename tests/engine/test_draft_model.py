@@ -165,7 +165,7 @@ def test_a_grammar_rejects_the_targets_own_proposals_it_does_not_allow(tiny, tem
     output is the grammar's (greedy: exactly the output without speculation)."""
     import re
 
-    from infer.sampling_params import StructuredOutputs
+    from infer.structured_outputs.constraint import StructuredOutputs
 
     path, prompts, _ = tiny
     grammar = StructuredOutputs(regex="[a-z]{12}")

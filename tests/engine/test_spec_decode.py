@@ -11,7 +11,8 @@ from infer.config import SpeculativeConfig
 from infer.core.request import Request
 from infer.engine.llm import LLM
 from infer.models.loader import EMBEDDED_MODEL
-from infer.sampling_params import SamplingParams, StructuredOutputs
+from infer.sampling_params import SamplingParams
+from infer.structured_outputs.constraint import StructuredOutputs
 from tests.engine.test_engine import CONFIGS, MAX_TOKENS
 from tests.models.tiny_models import VARIANTS, save_tiny_model
 
