@@ -3,6 +3,8 @@ r"""The race: our server against a peer (vLLM) on the same model, the same load,
     infer bench race [MODEL] [--infer-flags="--max-batch-size 32"] \
         [--peer-cmd "vllm serve DIR --dtype bfloat16 --port 8010" [--peer-env KEY=VAL ...] [--peer-url URL]] \
         [--prompt-tokens 128] [--output-tokens 64] [--num-requests 32] [--concurrencies 1,8,32] [--rounds 2]
+    infer bench race MODEL --workload embeddings|rerank [--input-tokens 128,512] [--batch-sizes 1,32,256] \
+        [--num-requests 4] [--concurrencies 1] [--query-tokens 16] [--peer-cmd ...]
 
 Each round starts `infer serve MODEL FLAGS`, then the peer, one at a time (never both up: they share two
 cores); odd rounds go peer first, so a machine that drifts over minutes weighs on both sides alike. Per
@@ -19,10 +21,18 @@ Every request is a streaming /v1/completions at temperature 0 asking for exactly
 servers get the same texts, and the counts are checked against each server's `usage`. Servers restart
 between runs and no two prompts share a first KV block, so the prefix cache never serves a measured prompt.
 
-With no --peer-cmd, the peer is `vllm serve MODEL_DIR` when a `vllm` executable is on PATH; else the race
-says so and runs our server alone. Output: one table (every round's tok/s, ratio of medians, ITL and TTFT
-medians over rounds), a JSON record (benchmarks/reports/race-*.json, or --out) with every request, and its
-HTML page beside it (unless --no-report).
+With `--workload embeddings` (or `rerank`) the load is a pooling model's (infer.bench.pooling_workload): at
+each --input-tokens T, --batch-sizes B and --concurrencies C, --num-requests requests of B texts of
+exactly T tokens (special tokens included) to POST /v1/embeddings (or /v1/rerank, against one query of
+--query-tokens), from C clients; documents per second and latency p50/p99. The peer is any server of
+those endpoints: `vllm serve DIR --runner pooling`, `llama-server -m FILE.gguf --embeddings` (or
+`--reranking`), with enough slots and a batch that holds B x T tokens.
+
+With no --peer-cmd, the peer is `vllm serve MODEL_DIR` (with `--runner pooling` for a pooling workload)
+when a `vllm` executable is on PATH; else the race says so and runs our server alone. Output: one table
+(every round's tok/s or docs/s, ratio of medians, latencies' medians over rounds), a JSON record
+(benchmarks/reports/race-*.json, or --out) with every request, and its HTML page beside it (unless
+--no-report).
 """
 
 from __future__ import annotations
