@@ -201,3 +201,41 @@ def test_pooling_race_end_to_end_against_our_server(workload, tmp_path, monkeypa
             assert {r["num_prompt_tokens"] for r in x["requests"]} == {x["tokens"] * x["batch"]}
     assert all(f["infer"]["docs_s"][0] > 0 and f["ratio"] is None for f in report["figures"])
     assert path.with_suffix(".html").is_file()
+
+
+@pytest.mark.slow  # builds a model and launches our server
+def test_bench_serve_runs_the_pooling_workloads_against_a_running_server(tmp_path):
+    from infer.bench import serving
+    from tests.server.conftest import ServerProcess
+
+    folder = build_embedder(tmp_path / "model", "bert")
+    server = ServerProcess(["--model", str(folder)], tmp_path / "server.log").start()
+    try:
+        argv = ["--server", server.url, "--workload", "embeddings,rerank", "--input-tokens", "16,40",
+                "--batch-sizes", "1,3", "--scale", "small", "--report-dir", str(tmp_path / "reports"),
+                "--no-progress"]  # fmt: skip
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = serving.main(argv)
+    finally:
+        server.stop()
+    assert rc == 0, err.getvalue()
+    assert "pooling workloads" in out.getvalue() and "note:" not in out.getvalue()
+    (path,) = (tmp_path / "reports").glob("serving-*.json")
+    report = json.loads(path.read_text())
+    assert report["kind"] == "serving" and path.with_suffix(".html").is_file()
+    assert [r["name"] for r in report["pooling_workloads"]] == ["embeddings", "rerank"]
+    for r in report["pooling_workloads"]:
+        assert [(x["tokens"], x["batch"]) for x in r["results"]] == [(16, 1), (16, 3), (40, 1), (40, 3)]
+        assert all(x["summary"]["num_ok"] == 2 and x["summary"]["docs_per_s"] > 0 for x in r["results"])
+    rows = report["tables"][0]["rows"]
+    assert len(rows) == 8 and {row[0] for row in rows} == {"embeddings", "rerank"}
+
+
+def test_pooling_and_generation_workloads_do_not_mix():
+    from infer.bench import serving
+
+    parser = race.argparse.ArgumentParser()
+    serving.add_arguments(parser)
+    with pytest.raises(ValueError, match="without the others"):
+        serving.run(parser.parse_args(["--workload", "embeddings,baseline"]), [], io.StringIO())
