@@ -2,25 +2,26 @@
 everyone's stream.
 
 A decode step on a CPU costs about one read of the weights; a step that also carries a 2048-token prefill
-chunk costs many times that, and every running stream waits for it. The pacer keeps the time of the steps
-that carry decodes within `max_decode_slowdown` times what decode-only steps of the same decodes cost:
+chunk costs many times that, and every running stream waits for it. A client sees each gap, not their
+mean, so the pacer bounds every step that carries decodes to about `max_decode_slowdown` times what a
+decode-only step of the same decodes costs:
 
-  - a step's prefill is at most `allowed` tokens, learned from measured step times so that one step
-    takes about STEP_FACTOR times a decode-only one: what a linear model misses (attention over a long
-    context, prompt logprobs, an eager step beside a replayed decode graph, a busy machine) counts as
-    the time it takes. Chunks that size keep a step's fixed costs small beside its prefill, so the
-    prompt's own time to first token suffers little, and bound a stream's longest gap;
-  - the time over max_decode_slowdown times a decode-only step is a debt that decode-only steps pay
-    back (each earns its time times max_decode_slowdown - 1): prefill and decode-only steps alternate,
-    so that the streams' pace holds on average;
+  - a step's prefill is at most `allowed` tokens, learned from measured step times so that the step
+    takes about max_decode_slowdown times a decode-only one: what a linear model misses (attention over
+    a long context, prompt logprobs, an eager step beside a replayed decode graph, a busy machine)
+    counts as the time it takes. On a CPU the decodes' weight read is shared with the chunk, so the
+    prefill keeps most of a step's time;
+  - a step that overshot anyway (a noisy machine, a chunk deeper in a long context) leaves a debt: the
+    time over the bound, which decode-only steps pay back (each earns its time times
+    max_decode_slowdown - 1), so that the streams' pace holds on average too;
   - the decode cost is the median of recent decode-only steps with about as many decodes, one of which
     the pacer asks for every PROBE_EVERY paced steps (a stream that joined while a long prompt was
     prefilled has never been seen alone).
 
-Steps without decodes are not paced: a prompt alone gets the whole budget. A bystander's time is then at
-most about max_decode_slowdown times its time alone, and the long prompt's time to first token grows by
-about the bystanders' time alone. docs/engine.md, "Long prompts beside running streams", has the
-measured tradeoff.
+Steps without decodes are not paced: a prompt alone gets the whole budget. A bystander's gaps are then
+at most about max_decode_slowdown times its gaps alone, and the long prompt's time to first token grows
+by what the decodes beside it take of each step. docs/robustness.md, "Long prompts: the streams' gaps
+against the prompt's first token", has the measured tradeoff.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-STEP_FACTOR = 4.0  # a paced step's time, in decode-only steps (at least max_decode_slowdown)
-MIN_PREFILL_TOKENS = 32  # a paced chunk at least: smaller ones cost a step's overhead for little progress
-INITIAL_PREFILL_TOKENS = 64  # learned up by doubling: a chunk too small costs less than one too big
+MIN_PREFILL_TOKENS = 8  # a paced chunk at least: smaller ones cost a step's overhead for little progress
+INITIAL_PREFILL_TOKENS = 32  # learned up by doubling: a chunk too small costs less than one too big
 MAX_CHANGE = 2.0  # the allowance moves at most this factor per step (damping one noisy step)
 PROBE_EVERY = 32  # paced steps between decode-only steps that refresh the decode cost
 DECODE_SAMPLES = 32  # recent decode-only steps kept
@@ -81,7 +81,7 @@ class PrefillPacer:
         if decode is None:
             return  # nothing to compare with yet
         self.debt = max(0.0, self.debt + seconds - self.slowdown * decode)
-        target = max(self.slowdown, STEP_FACTOR) * decode
+        target = self.slowdown * decode
         observed_prefill = max(seconds - decode, 1e-6)
         fitting = num_prefill * (target - decode) / observed_prefill  # the tokens that would have met it
         if num_prefill < self.allowed and fitting >= self.allowed:

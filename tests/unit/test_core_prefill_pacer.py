@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from infer.config import CacheConfig, SchedulerConfig
-from infer.core.prefill_pacer import MIN_PREFILL_TOKENS, PrefillPacer
+from infer.core.prefill_pacer import INITIAL_PREFILL_TOKENS, MIN_PREFILL_TOKENS, PrefillPacer
 from infer.core.scheduler import Scheduler
 from infer.sampling_params import SamplingParams
 from tests.unit.core_fakes import FakeRunner, make_request, step
@@ -87,6 +87,29 @@ def test_pacing_keeps_the_stream_within_its_bound_and_the_long_prompt_progresses
     assert long_time <= 1.5 * long_unpaced
 
 
+@pytest.mark.parametrize("long_prompt", [2000, 8000, 16000])
+def test_no_step_beside_a_decode_takes_much_over_the_bound(long_prompt):
+    """Each gap of a stream, not only their mean: once the pacer has seen a few paced steps, a step that
+    carries decodes and prefill takes at most about max_decode_slowdown times a decode-only one."""
+    s = scheduler(slowdown=2)
+    runner = FakeRunner(s)
+    s.add_request(make_request("b", 16, max_tokens=400, ignore_eos=True))
+    decode_only, paced = [], []
+    for k in range(100_000):
+        if k == 3:
+            s.add_request(make_request("long", long_prompt, max_tokens=1, ignore_eos=True))
+        if not s.has_unfinished():
+            break
+        out, _ = step(s, runner)
+        seconds = step_seconds(out)
+        s.observe_step(out.num_batched_tokens, seconds)
+        num_decode, num_prefill = out.stats.num_decode_tokens, out.stats.num_prefill_tokens
+        if num_decode:
+            (paced if num_prefill else decode_only).append(seconds)
+    assert len(paced) > 10
+    assert max(paced[4:]) <= 2.2 * max(decode_only)
+
+
 def test_a_prompt_alone_is_not_paced():
     s = scheduler(slowdown=2)
     s.add_request(make_request("long", 5000, max_tokens=1))
@@ -99,16 +122,17 @@ def test_the_pacer_probes_decode_only_steps_and_backs_off_slow_steps():
     assert pacer.prefill_limit(num_decodes=0) is None
     assert pacer.prefill_limit(num_decodes=1) == 0  # nothing known of a decode alone: learn it first
     pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
-    assert pacer.prefill_limit(num_decodes=1) == 64  # a small start, learned up
-    pacer.observe(num_decodes=1, num_prefill=64, seconds=0.012)  # well within 2x a decode
-    assert pacer.allowed == 128  # doubled at most per step
-    pacer.observe(num_decodes=1, num_prefill=128, seconds=0.200)  # 20x a decode: over the step's target
-    assert pacer.allowed == 64  # halved at most per step
+    start = INITIAL_PREFILL_TOKENS
+    assert pacer.prefill_limit(num_decodes=1) == start  # a small start, learned up
+    pacer.observe(num_decodes=1, num_prefill=start, seconds=0.012)  # well within 2x a decode
+    assert pacer.allowed == 2 * start  # doubled at most per step
+    pacer.observe(num_decodes=1, num_prefill=2 * start, seconds=0.200)  # 20x a decode: over the bound
+    assert pacer.allowed == start  # halved at most per step
     assert pacer.debt == pytest.approx(0.180)  # over 2x: what decode-only steps pay back, 0.010 each
     assert [pacer.prefill_limit(num_decodes=1) for _ in range(1)] == [0]
     for _ in range(18):
         pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
-    assert pacer.debt < 1e-6 and pacer.prefill_limit(num_decodes=1) == 64
+    assert pacer.debt < 1e-6 and pacer.prefill_limit(num_decodes=1) == start
 
 
 def test_an_outlier_decode_step_does_not_set_the_target():
