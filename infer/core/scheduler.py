@@ -8,7 +8,7 @@ There are no prefill and decode phases, only a token budget per step and counts 
       2. prefill chunks of running, partly prefilled requests  min(remaining, chunk, budget)
       3. admissions from the waiting queue, in key order       min(remaining - prefix hit, chunk, budget)
          (none in a step where 1. or 2. had to preempt: the pool is full); the sequences of one API
-         request (its n choices: a group) in waves of a fair share of max_num_seqs (_group_shares),
+         request (its n choices: a group) in waves of a fair share of max_num_seqs (group_shares.py),
          so that one request cannot take the whole batch
 
 A request's key is (priority, arrival_time, seq) under "priority", (0, arrival_time, seq) under
@@ -63,6 +63,7 @@ from bisect import insort
 from collections.abc import Callable, Iterable
 
 from infer.config import CacheConfig, SchedulerConfig
+from infer.core.group_shares import GroupShares
 from infer.core.kv_cache_manager import make_kv_cache_manager
 from infer.core.outputs import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput, StepStats
 from infer.core.prefill_pacer import PrefillPacer
@@ -362,7 +363,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         order = self._slo_order() if self._slo else list(self.waiting)
         partial, long_partial = self._partial_prefills(plan)
-        group_share, group_running = self._group_shares()
+        groups = GroupShares(self.config.max_num_seqs, self.running, self.waiting)
         i = 0
         wave_full = self._static and self._wave_slots == 0
         while i < len(order) and plan.available(admission=True) > 0 and not wave_full:
@@ -372,7 +373,7 @@ class Scheduler:
                     order = self._slo_order() if self._slo else list(self.waiting)
                     continue
                 return
-            if req.group_id is not None and group_running.get(req.group_id, 0) >= group_share:
+            if not groups.may_admit(req):
                 i += 1  # its group holds its share of the batch: the next wave waits, others may pass
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
@@ -399,34 +400,13 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
             insort(self.running, req, key=self._key)
             self._grant(plan, req, num_new, num_hit)
-            if req.group_id is not None:
-                group_running[req.group_id] = group_running.get(req.group_id, 0) + 1
+            groups.admitted(req)
             if num_hit + num_new < req.num_tokens:
                 partial += 1
                 long_partial += self._is_long(req)
             if self._static:
                 self._wave_slots -= 1
                 wave_full = self._wave_slots == 0
-
-    def _group_shares(self) -> tuple[int, dict[str, int]]:
-        """(the running sequences a group may hold, each group's running ones). The batch is shared out
-        max-min fairly among the unfinished requests: one that is not in a group takes a slot, the groups
-        split what is left alike, and one slot stays free for the next arrival; a group holds one
-        sequence at least. A group alone thus runs in waves of max_num_seqs - 1."""
-        running: dict[str, int] = {}
-        for req in self.running:
-            if req.group_id is not None:
-                running[req.group_id] = running.get(req.group_id, 0) + 1
-        groups, num_single = set(running), 0
-        for req in self.waiting:
-            if req.group_id is None:
-                num_single += 1
-            else:
-                groups.add(req.group_id)
-        num_single += len(self.running) - sum(running.values())
-        if not groups:
-            return self.config.max_num_seqs, running
-        return max(1, (self.config.max_num_seqs - num_single - 1) // len(groups)), running
 
     def _is_long(self, req: Request) -> bool:
         threshold = self.config.long_prefill_token_threshold

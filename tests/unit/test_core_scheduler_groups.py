@@ -70,6 +70,38 @@ def test_groups_share_the_batch_and_every_sequence_completes():
     assert done == {f"{g}-{i}" for g in "ab" for i in range(16)} | {"bystander"}
 
 
+def test_a_second_group_does_not_take_the_seat_kept_for_the_next_arrival():
+    s = make()
+    r = FakeRunner(s)
+    for req in group("a", 8, max_tokens=20):
+        s.add_request(req)
+    step(s, r)
+    assert running_of(s, "a") == 7
+    for req in group("b", 8, max_tokens=20):
+        s.add_request(req)
+    step(s, r)
+    assert running_of(s, "b") == 0  # it waits for a's wave: the free seat is not a group's
+    s.add_request(make_request("bystander", 3, max_tokens=4, ignore_eos=True))
+    out, _ = step(s, r)
+    assert "bystander" in [x.req_id for x in out.scheduled]
+
+
+def test_singles_filling_the_batch_leave_a_group_one_sequence_at_a_time():
+    s = make(max_num_seqs=4)
+    r = FakeRunner(s)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 3, max_tokens=30, ignore_eos=True))
+    for req in group("n", 3, max_tokens=2):
+        s.add_request(req)
+    done, most = set(), 0
+    for _ in range(12):
+        _, outputs = step(s, r)
+        most = max(most, running_of(s, "n"))
+        done |= {o.req_id for o in outputs if o.finished}
+    assert most == 1  # no room beside the three singles but the free seat: one at a time
+    assert done == {"n-0", "n-1", "n-2"}  # the singles still run
+
+
 @pytest.mark.parametrize("max_num_seqs", [1, 2])
 def test_a_small_batch_still_runs_a_group_one_sequence_at_least(max_num_seqs):
     s = make(max_num_seqs)
