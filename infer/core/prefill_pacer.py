@@ -6,14 +6,15 @@ chunk costs many times that, and every running stream waits for it. A client see
 mean, so the pacer bounds every step that carries decodes to about `max_decode_slowdown` times what a
 decode-only step of the same decodes costs:
 
-  - a step's prefill is at most `allowed` tokens, learned from measured step times so that the step
-    takes about max_decode_slowdown times a decode-only one: what a linear model misses (attention over
-    a long context, prompt logprobs, an eager step beside a replayed decode graph, a busy machine)
-    counts as the time it takes. On a CPU the decodes' weight read is shared with the chunk, so the
-    prefill keeps most of a step's time;
-  - a step that overshot anyway (a noisy machine, a chunk deeper in a long context) leaves a debt: the
-    time over the bound, which decode-only steps pay back (each earns its time times
-    max_decode_slowdown - 1), so that the streams' pace holds on average too;
+  - a step's prefill is at most `allowed` tokens: what the time left beside the decodes holds at the
+    median cost per prefill token of the last PREFILL_SAMPLES paced steps, measured, so that what a
+    linear model misses (attention over a long context, prompt logprobs, an eager step beside a
+    replayed decode graph) counts as the time it takes, and the median so that a stall of a busy
+    machine does not shrink the chunks. On a CPU the decodes' weight read is shared with the chunk;
+  - a step that overshot anyway leaves a debt, the time over the bound (at most MAX_PAYBACK_STEPS
+    decode-only steps' worth: a stall is not the prefill's doing), which decode-only steps pay back
+    (each earns its time times max_decode_slowdown - 1) once it reaches half of one, so that the
+    streams' pace holds on average too;
   - the decode cost is the median of recent decode-only steps with about as many decodes, one of which
     the pacer asks for every PROBE_EVERY paced steps (a stream that joined while a long prompt was
     prefilled has never been seen alone).
@@ -34,6 +35,8 @@ INITIAL_PREFILL_TOKENS = 32  # learned up by doubling: a chunk too small costs l
 MAX_CHANGE = 2.0  # the allowance moves at most this factor per step (damping one noisy step)
 PROBE_EVERY = 32  # paced steps between decode-only steps that refresh the decode cost
 DECODE_SAMPLES = 32  # recent decode-only steps kept
+PREFILL_SAMPLES = 8  # recent paced steps whose cost per prefill token sets the allowance
+MAX_PAYBACK_STEPS = 2  # decode-only steps one slow paced step may cost at most
 
 
 class PrefillPacer:
@@ -42,6 +45,7 @@ class PrefillPacer:
         self.max_tokens = max_tokens
         self.allowed = min(INITIAL_PREFILL_TOKENS, max_tokens)
         self.decode_steps: deque[tuple[int, float]] = deque(maxlen=DECODE_SAMPLES)  # (decodes, seconds)
+        self.prefill_costs: deque[float] = deque(maxlen=PREFILL_SAMPLES)  # seconds per prefill token
         self.debt = 0.0  # seconds over the target that decode-only steps have yet to pay back
         self.steps_since_decode_only = 0  # paced steps since the last decode-only one
 
@@ -64,7 +68,11 @@ class PrefillPacer:
         if not self.enabled or num_decodes == 0:
             return None
         self.steps_since_decode_only += 1
-        if self.debt > 1e-6 or self.steps_since_decode_only > PROBE_EVERY or not self.decode_steps:
+        decode = self.decode_seconds(num_decodes)
+        # a debt under half what a decode-only step pays back waits: a whole step for a hair over the
+        # bound would cost the prompt more than it gives the streams
+        owed = decode is None or self.debt > 0.5 * (self.slowdown - 1) * decode
+        if owed or self.steps_since_decode_only > PROBE_EVERY:
             self.steps_since_decode_only = 0
             return 0  # a decode-only step: pays back the debt, or measures what the decodes cost alone
         return self.allowed
@@ -80,11 +88,16 @@ class PrefillPacer:
         decode = self.decode_seconds(num_decodes)
         if decode is None:
             return  # nothing to compare with yet
-        self.debt = max(0.0, self.debt + seconds - self.slowdown * decode)
         target = self.slowdown * decode
-        observed_prefill = max(seconds - decode, 1e-6)
-        fitting = num_prefill * (target - decode) / observed_prefill  # the tokens that would have met it
-        if num_prefill < self.allowed and fitting >= self.allowed:
+        # MAX_PAYBACK_STEPS decode-only steps at most per step over the target: a stall of the machine is
+        # not the prefill's doing, and must not hold the prompt back for many steps
+        over = min(seconds - target, MAX_PAYBACK_STEPS * (self.slowdown - 1) * decode)
+        self.debt = max(0.0, self.debt + over)
+        cost = max(seconds - decode, 1e-9) / num_prefill
+        if num_prefill < self.allowed / 2 and cost * self.allowed <= target - decode:
             return  # a short chunk (a prompt's last) within the target says nothing against the allowance
+        self.prefill_costs.append(cost)
+        # the median of recent steps' cost per token: one slow step (noise) moves it little
+        fitting = (target - decode) / statistics.median(self.prefill_costs)
         fitting = min(self.allowed * MAX_CHANGE, max(self.allowed / MAX_CHANGE, fitting))
         self.allowed = min(self.max_tokens, max(MIN_PREFILL_TOKENS, int(fitting)))

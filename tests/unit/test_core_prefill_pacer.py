@@ -110,6 +110,27 @@ def test_no_step_beside_a_decode_takes_much_over_the_bound(long_prompt):
     assert max(paced[4:]) <= 2.2 * max(decode_only)
 
 
+def test_stalls_of_a_busy_machine_do_not_shrink_the_chunks():
+    """A step that a stall of the machine made slow says little of what a prefill token costs: the
+    allowance follows the median of recent steps, and a stall costs two decode-only steps at most."""
+    pacer = PrefillPacer(max_decode_slowdown=2, max_tokens=2048)
+    pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
+    for _ in range(20):  # 0.1 ms a token: 100 tokens fill the 10 ms a paced step may add
+        limit = pacer.prefill_limit(num_decodes=1)
+        pacer.observe(num_decodes=1, num_prefill=limit, seconds=(0.010 + 0.0001 * limit) if limit else 0.010)
+    assert pacer.allowed == 100
+    allowed, num_paced, decode_only = [], 0, 0
+    for _ in range(60):  # every fourth paced step stalls for 50 ms
+        limit = pacer.prefill_limit(num_decodes=1)
+        stall = 0.050 if limit and num_paced % 4 == 0 else 0.0
+        pacer.observe(num_decodes=1, num_prefill=limit, seconds=0.010 + 0.0001 * limit + stall)
+        allowed.append(pacer.allowed)
+        num_paced += limit > 0
+        decode_only += limit == 0
+    assert min(allowed) == 100
+    assert decode_only <= 2 * num_paced / 4  # two for each stall at most
+
+
 def test_a_prompt_alone_is_not_paced():
     s = scheduler(slowdown=2)
     s.add_request(make_request("long", 5000, max_tokens=1))
@@ -128,9 +149,11 @@ def test_the_pacer_probes_decode_only_steps_and_backs_off_slow_steps():
     assert pacer.allowed == 2 * start  # doubled at most per step
     pacer.observe(num_decodes=1, num_prefill=2 * start, seconds=0.200)  # 20x a decode: over the bound
     assert pacer.allowed == start  # halved at most per step
-    assert pacer.debt == pytest.approx(0.180)  # over 2x: what decode-only steps pay back, 0.010 each
+    # over 2x: what decode-only steps pay back, 0.010 each; two of them at most for one step (a stall of
+    # the machine is not the prefill's doing)
+    assert pacer.debt == pytest.approx(2 * 0.010)
     assert [pacer.prefill_limit(num_decodes=1) for _ in range(1)] == [0]
-    for _ in range(18):
+    for _ in range(2):
         pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
     assert pacer.debt < 1e-6 and pacer.prefill_limit(num_decodes=1) == start
 
