@@ -7,7 +7,8 @@ mean, so the pacer bounds every step that carries decodes to about `max_decode_s
 decode-only step of the same decodes costs:
 
   - a step's prefill is at most `allowed` tokens: what the time left beside the decodes holds at the
-    median cost per prefill token of the last PREFILL_SAMPLES paced steps, measured, so that what a
+    median cost per prefill token of recent paced steps with chunks of about that size (below a CPU's
+    compute-bound knee a token costs ~nothing: small chunks say nothing of larger ones), so that what a
     linear model misses (attention over a long context, prompt logprobs, an eager step beside a
     replayed decode graph) counts as the time it takes, and the median so that a stall of a busy
     machine does not shrink the chunks. On a CPU the decodes' weight read is shared with the chunk;
@@ -45,7 +46,8 @@ class PrefillPacer:
         self.max_tokens = max_tokens
         self.allowed = min(INITIAL_PREFILL_TOKENS, max_tokens)
         self.decode_steps: deque[tuple[int, float]] = deque(maxlen=DECODE_SAMPLES)  # (decodes, seconds)
-        self.prefill_costs: deque[float] = deque(maxlen=PREFILL_SAMPLES)  # seconds per prefill token
+        # (prefill tokens, seconds per prefill token) of recent paced steps
+        self.prefill_costs: deque[tuple[int, float]] = deque(maxlen=PREFILL_SAMPLES)
         self.debt = 0.0  # seconds over the target that decode-only steps have yet to pay back
         self.steps_since_decode_only = 0  # paced steps since the last decode-only one
 
@@ -96,8 +98,11 @@ class PrefillPacer:
         cost = max(seconds - decode, 1e-9) / num_prefill
         if num_prefill < self.allowed / 2 and cost * self.allowed <= target - decode:
             return  # a short chunk (a prompt's last) within the target says nothing against the allowance
-        self.prefill_costs.append(cost)
+        self.prefill_costs.append((num_prefill, cost))
+        # chunks of about the size asked next: below a CPU's compute-bound knee a token costs ~nothing,
+        # and small chunks' costs would grow the allowance past it
+        costs = [c for n, c in self.prefill_costs if n >= self.allowed / 2] or [cost]
         # the median of recent steps' cost per token: one slow step (noise) moves it little
-        fitting = (target - decode) / statistics.median(self.prefill_costs)
+        fitting = (target - decode) / statistics.median(costs)
         fitting = min(self.allowed * MAX_CHANGE, max(self.allowed / MAX_CHANGE, fitting))
         self.allowed = min(self.max_tokens, max(MIN_PREFILL_TOKENS, int(fitting)))

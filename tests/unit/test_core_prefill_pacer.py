@@ -131,6 +131,25 @@ def test_stalls_of_a_busy_machine_do_not_shrink_the_chunks():
     assert decode_only <= 2 * num_paced / 4  # two for each stall at most
 
 
+def test_below_a_cpus_compute_knee_small_chunks_do_not_grow_the_allowance_past_it():
+    """A step reads the weights once: up to the knee a prefill token costs ~nothing, past it each costs
+    its compute. Small chunks' near-zero costs must not send the allowance past the bound."""
+    pacer = PrefillPacer(max_decode_slowdown=2, max_tokens=2048)
+
+    def seconds(num_prefill: int) -> float:
+        return max(0.025, 0.0002 * (1 + num_prefill)) + 0.0025
+
+    pacer.observe(num_decodes=1, num_prefill=0, seconds=seconds(0))
+    paced = []
+    for _ in range(80):
+        limit = pacer.prefill_limit(num_decodes=1)
+        pacer.observe(num_decodes=1, num_prefill=limit, seconds=seconds(limit))
+        if limit:
+            paced.append(seconds(limit))
+    assert max(paced[6:]) <= 2.2 * seconds(0)
+    assert pacer.allowed >= 200  # and the chunks grew to about what the bound holds (262 tokens)
+
+
 def test_a_prompt_alone_is_not_paced():
     s = scheduler(slowdown=2)
     s.add_request(make_request("long", 5000, max_tokens=1))
