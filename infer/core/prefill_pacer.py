@@ -12,10 +12,11 @@ decode-only step of the same decodes costs:
     linear model misses (attention over a long context, prompt logprobs, an eager step beside a
     replayed decode graph) counts as the time it takes, and the median so that a stall of a busy
     machine does not shrink the chunks. On a CPU the decodes' weight read is shared with the chunk;
-  - a step that overshot anyway leaves a debt, the time over the bound (at most MAX_PAYBACK_STEPS
-    decode-only steps' worth: a stall is not the prefill's doing), which decode-only steps pay back
-    (each earns its time times max_decode_slowdown - 1) once it reaches half of one, so that the
-    streams' pace holds on average too;
+  - a chunk that costs more than the bound at that rate anyway (the smallest chunk, or one that the
+    allowance has not caught up with) leaves a debt, its time over the bound (at most MAX_PAYBACK_STEPS
+    decode-only steps' worth; a step's own time is not used: a stall of the machine is not the
+    prefill's doing), which decode-only steps pay back (each earns its time times
+    max_decode_slowdown - 1) once it reaches half of one, so that the streams' pace holds on average;
   - the decode cost is the median of recent decode-only steps with about as many decodes, one of which
     the pacer asks for every PROBE_EVERY paced steps (a stream that joined while a long prompt was
     prefilled has never been seen alone).
@@ -91,10 +92,6 @@ class PrefillPacer:
         if decode is None:
             return  # nothing to compare with yet
         target = self.slowdown * decode
-        # MAX_PAYBACK_STEPS decode-only steps at most per step over the target: a stall of the machine is
-        # not the prefill's doing, and must not hold the prompt back for many steps
-        over = min(seconds - target, MAX_PAYBACK_STEPS * (self.slowdown - 1) * decode)
-        self.debt = max(0.0, self.debt + over)
         cost = max(seconds - decode, 1e-9) / num_prefill
         if num_prefill < self.allowed / 2 and cost * self.allowed <= target - decode:
             return  # a short chunk (a prompt's last) within the target says nothing against the allowance
@@ -103,6 +100,13 @@ class PrefillPacer:
         # and small chunks' costs would grow the allowance past it
         costs = [c for n, c in self.prefill_costs if n >= self.allowed / 2] or [cost]
         # the median of recent steps' cost per token: one slow step (noise) moves it little
-        fitting = (target - decode) / statistics.median(costs)
+        per_token = statistics.median(costs)
+        # the debt is what this chunk costs over the bound at that rate, not what the step took: a stall
+        # of a busy machine is not the prefill's doing; MAX_PAYBACK_STEPS decode-only steps at most
+        over = min(
+            decode + per_token * num_prefill - target, MAX_PAYBACK_STEPS * (self.slowdown - 1) * decode
+        )
+        self.debt = max(0.0, self.debt + over)
+        fitting = (target - decode) / per_token
         fitting = min(self.allowed * MAX_CHANGE, max(self.allowed / MAX_CHANGE, fitting))
         self.allowed = min(self.max_tokens, max(MIN_PREFILL_TOKENS, int(fitting)))
