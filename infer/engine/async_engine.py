@@ -107,12 +107,14 @@ class AsyncEngine:
         req_id: str | None = None,
         priority: int = 0,
         slo: Objectives | None = None,
+        group_id: str | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Queue a request and return the iterator of its outputs once the engine has accepted it.
 
         Raises ValueError if the engine refuses it. Closing the iterator early (a client that went away)
         aborts the request; so does a cancellation while waiting for the engine's answer. A request the
-        engine fails alone (finish_reason "error") raises RequestFailed from the iterator."""
+        engine fails alone (finish_reason "error") raises RequestFailed from the iterator. group_id: shared
+        by the engine requests of one API request (its n choices): admitted in waves of a fair share."""
         await self.ready()  # a model that failed to load fails the request here, instead of a hang
         matcher = None
         if params is not None and params.structured_outputs is not None:  # compiled here, not in a step
@@ -125,7 +127,7 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         added = self._loop.create_future()
         self._streams[req_id] = stream
-        self._send(("add", (prompt, params, req_id, priority, slo, matcher), added))
+        self._send(("add", (prompt, params, req_id, priority, slo, matcher, group_id), added))
         try:
             await added
         except BaseException:

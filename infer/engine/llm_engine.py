@@ -191,11 +191,14 @@ class LLMEngine:
         priority: int = 0,
         slo: Objectives | None = None,
         matcher=None,
+        group_id: str | None = None,
     ) -> Request:
         """Queue a request. ValueError (nothing queued) for bad token ids or one that can never fit.
         slo: its TTFT / TPOT objectives, which the "slo" scheduling policy serves; None: its class's in
         config.slo_config, if any. LateRequest (a ValueError) under slo_reject_late. matcher: its
-        structured outputs' matcher, compiled off this thread (AsyncEngine.add); None: compiled here."""
+        structured outputs' matcher, compiled off this thread (AsyncEngine.add); None: compiled here.
+        group_id: shared by the engine requests of one API request (its n choices), which the scheduler
+        then admits in waves of a fair share of the batch."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -242,6 +245,7 @@ class LLMEngine:
             priority=priority,
             eos_token_ids=self.tokenizer.eos_token_ids,
             slo=slo,
+            group_id=group_id,
         )
         self.scheduler.add_request(req)  # may refuse it (too long, late, an id in use): nothing kept yet
         if params.structured_outputs is not None:

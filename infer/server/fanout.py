@@ -71,6 +71,7 @@ class Fanout:
         self.num_open = len(jobs)
         self.last: dict[int, StepOutput] = {}
         self.req_ids = [f"{prefix}-{i}" for i in range(len(jobs))]
+        self.group_id = prefix if len(jobs) > 1 else None  # its n choices share the batch fairly
         for req_id in self.req_ids:
             state.metrics.note_arrival(req_id, arrival)
         self.tasks = []
@@ -83,7 +84,7 @@ class Fanout:
     async def _pump(self, index: int, job: Job) -> None:
         try:
             outputs = await self.state.engine.add(
-                job.prompt_ids, job.params, self.req_ids[index], job.priority, job.slo
+                job.prompt_ids, job.params, self.req_ids[index], job.priority, job.slo, self.group_id
             )
             self.queue.put_nowait((index, _ACCEPTED))
             async with aclosing(outputs):

@@ -88,6 +88,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})  # hold no text: a 1,024-entry logit_bias costs ~0
+
+
 def _check_unicode(value: Any, where: str = "body") -> None:
     """Every string, key or value, nested anywhere, must encode as UTF-8 (no lone surrogates)."""
     if isinstance(value, str):
@@ -99,11 +102,14 @@ def _check_unicode(value: Any, where: str = "body") -> None:
             ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_unicode(key, where)
-            _check_unicode(item, f"{where}.{key}" if isinstance(key, str) and key.isascii() else where)
+            if isinstance(key, str):
+                _check_unicode(key, where)
+            if type(item) not in _SCALARS:
+                _check_unicode(item, f"{where}.{key}" if isinstance(key, str) and key.isascii() else where)
     elif isinstance(value, list | tuple):
         for i, item in enumerate(value):
-            _check_unicode(item, f"{where}[{i}]")
+            if type(item) not in _SCALARS:
+                _check_unicode(item, f"{where}[{i}]")
     elif isinstance(value, BaseModel):
         _check_unicode(value.__dict__, where)
         _check_unicode(value.__pydantic_extra__ or {}, where)
