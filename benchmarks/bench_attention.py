@@ -14,8 +14,9 @@ the prefill kernel (infer/kernels/prefill_attention.cpp) against SDPA, its fallb
 The paths run alternately in one process, best of --rounds (a shared machine drifts by tens of percent
 between runs: never compare numbers from two runs), each swapped in for `infer.layers.attention._batched`:
 `old` is a copy of the SDPA call this repository used before (main at d259f98), `matmul` the gather and
-two matmuls (`_matmul_batched`), `kernel` the C++ kernel of infer/kernels (`_kernel_batched`, always; in
---model mode, the shipped dispatch `_batched`, which picks it wherever it serves the step).
+two matmuls (`matmul_batched`, infer.layers.attention_reference), `kernel` the C++ kernel of
+infer/kernels (`_kernel_batched`, always; in --model mode, the shipped dispatch `_batched`, which picks
+it wherever it serves the step).
 
 Decode rows time one layer's `attention(...)` call, its cache write included, with the metadata of
 the step already built (once per forward, shared by every layer); `first layer` is a call that also
@@ -37,7 +38,9 @@ import torch.nn.functional as F
 
 from infer import kernels
 from infer.layers import attention as attention_module
-from infer.layers.attention import AttentionMetadata, _take, attention
+from infer.layers import attention_kernels, attention_metadata
+from infer.layers.attention import attention
+from infer.layers.attention_metadata import AttentionMetadata, take_rows
 from infer.runner.kv_cache import FP8_FORMATS
 
 BLOCK = 16
@@ -49,7 +52,7 @@ def sdpa_batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, slid
     of the cache for one stream over consecutive blocks). Its per-forward tensors are kept on meta."""
     n, max_q = len(meta.batch_seqs), meta.max_query_len
     block_size = key_cache.shape[1]
-    q = q if meta.q_rows is None else _take(q, meta.q_rows)  # [n * max_q, H, D]
+    q = q if meta.q_rows is None else take_rows(q, meta.q_rows)  # [n * max_q, H, D]
     if n == 1 and max_q == 1:
         seq_len, ids = meta.batch_seq_lens[0], meta.batch_tables[0].tolist()
         if ids == list(range(ids[0], ids[0] + len(ids))):
@@ -102,8 +105,8 @@ def kernel_batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sl
 
 
 SHIPPED = attention_module._batched
-IMPLS = {"old": sdpa_batched, "matmul": attention_module._matmul_batched, "kernel": kernel_batched}
-MODEL_IMPLS = {"old": sdpa_batched, "matmul": attention_module._matmul_batched, "kernel": SHIPPED}
+IMPLS = {"old": sdpa_batched, "matmul": attention_module.matmul_batched, "kernel": kernel_batched}
+MODEL_IMPLS = {"old": sdpa_batched, "matmul": attention_module.matmul_batched, "kernel": SHIPPED}
 
 
 @contextmanager
@@ -225,12 +228,12 @@ def decode_row(heads, dtype, batch, context, chunk, rounds) -> list[str]:
 def riding_chunks():
     """Metadata built within lets the step's chunk ride with the decodes, however long: not through the
     prefill kernel, and whatever the padding (MAX_PADDED_SCORES)."""
-    saved = attention_module.PREFILL_KERNEL_MIN_QUERY_LEN, attention_module.MAX_PADDED_SCORES
-    attention_module.PREFILL_KERNEL_MIN_QUERY_LEN = attention_module.MAX_PADDED_SCORES = 1 << 40
+    saved = attention_metadata.PREFILL_KERNEL_MIN_QUERY_LEN, attention_metadata.MAX_PADDED_SCORES
+    attention_metadata.PREFILL_KERNEL_MIN_QUERY_LEN = attention_metadata.MAX_PADDED_SCORES = 1 << 40
     try:
         yield
     finally:
-        attention_module.PREFILL_KERNEL_MIN_QUERY_LEN, attention_module.MAX_PADDED_SCORES = saved
+        attention_metadata.PREFILL_KERNEL_MIN_QUERY_LEN, attention_metadata.MAX_PADDED_SCORES = saved
 
 
 @torch.inference_mode()
@@ -305,12 +308,12 @@ def model_prefill(model, cfg, batch: int, length: int) -> dict:
         return model.compute_logits(model(ids, pos, meta)[last])
 
     def sdpa():
-        saved = attention_module._prefill_kernel_for
-        attention_module._prefill_kernel_for = lambda key_cache, q_dtype=None: None
+        saved = attention_kernels.prefill_kernel_for
+        attention_kernels.prefill_kernel_for = lambda key_cache, q_dtype=None: None
         try:
             return forward()
         finally:
-            attention_module._prefill_kernel_for = saved
+            attention_kernels.prefill_kernel_for = saved
 
     return {"sdpa": sdpa, "kernel": forward}
 
@@ -378,7 +381,7 @@ def prefill_step(batch: int, length: int, heads, dtype, chunk: bool, seed: int =
 def prefill_row(heads, dtype, batch, length, chunk, rounds) -> str:
     ops = kernels.load()
     q, k, v, cache, make_meta = prefill_step(batch, length, heads, dtype, chunk)
-    if ops is None or attention_module._prefill_kernel_for(cache[0]) is None:
+    if ops is None or attention_kernels.prefill_kernel_for(cache[0]) is None:
         raise SystemExit("the prefill kernel does not serve this machine or dtype (see infer/kernels)")
     scale = heads[2] ** -0.5
     with kernels_off():

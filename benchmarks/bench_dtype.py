@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.models.loader import load_model
 from infer.runner.kv_cache import allocate_kv_cache
 

@@ -39,12 +39,12 @@ from infer.layers.rotary import _rotate
 from infer.runner import sampler
 from infer.sampling_params import SamplingParams
 
-REAL = kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS, attention._prefill_kernel
+REAL = kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS, attention.prefill_kernel
 
 
 def switch(name: str, on: bool) -> None:
     """Turn one of the step's kernels on (as shipped) or off (the code it replaced)."""
-    kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS, attention._prefill_kernel = REAL
+    kernels.layer_ops, sampler.argmax, linear.SMALL_ROWS, attention.prefill_kernel = REAL
     if on:
         return
     if name == "layer_ops":
@@ -52,7 +52,7 @@ def switch(name: str, on: bool) -> None:
     elif name == "argmax":
         sampler.argmax = lambda logits: logits.float().argmax(dim=-1)
     elif name == "prefill_kernel":
-        attention._prefill_kernel = lambda q, cache: None
+        attention.prefill_kernel = lambda q, cache: None
     elif name == "tiles":
         linear.SMALL_ROWS = 6
     else:

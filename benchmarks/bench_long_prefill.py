@@ -5,10 +5,10 @@
 
 For each server variant (flags added to `infer serve`) and each long-prompt length: a bystander (a
 streamed greedy completion of --bystander-tokens tokens, ignore_eos) alone, then again with a long prompt
-(max_tokens 1) sent --long-delay seconds after it. Reports the bystander's time (and its ratio to alone),
-and the long prompt's time to first token (and its ratio to the first variant's). Random weights write
-random bytes that are streamed only once they decode, so gaps between chunks say little here: whole
-times do. The variants run alternated, one server at a time.
+(max_tokens 1) sent --long-delay seconds after it. Reports the bystander's time and its inter-token p99
+(each with its ratio to alone; return_token_ids streams a chunk per token, even of random weights' bytes
+that are no text yet), and the long prompt's time to first token (and its ratio to the first variant's).
+The variants run one server at a time.
 docs/engine.md, "Long prompts beside running streams", has the figures.
 """
 
@@ -30,7 +30,8 @@ WORDS = "The quick brown fox jumps over the lazy dog. "
 
 
 def stream_times(url: str, body: dict) -> list[float]:
-    """The arrival time of every streamed chunk that carries text, from the request's start."""
+    """The arrival time of every streamed chunk, from the request's start (with return_token_ids a chunk
+    comes with each token, even where random weights' bytes are not yet text)."""
     start, times = time.perf_counter(), []
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=3600) as r:
         r.raise_for_status()
@@ -46,12 +47,18 @@ def long_prompt(url: str, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
+def itl_p99_ms(times: list[float]) -> float:
+    gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+    return 1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0
+
+
 def measure(url: str, prompt_len: int, bystander_tokens: int, delay: float) -> dict:
     bystander = {
         "prompt": "Once upon a time",
         "max_tokens": bystander_tokens,
         "temperature": 0,
         "ignore_eos": True,
+        "return_token_ids": True,
     }
     stream_times(url, {**bystander, "max_tokens": 4})  # warm
     alone = stream_times(url, bystander)
@@ -71,6 +78,9 @@ def measure(url: str, prompt_len: int, bystander_tokens: int, delay: float) -> d
         "bystander_alone_s": round(alone[-1], 3),
         "bystander_beside_s": round(beside[-1], 3),
         "bystander_ratio": round(beside[-1] / alone[-1], 2),
+        "itl_p99_alone_ms": round(itl_p99_ms(alone), 1),
+        "itl_p99_beside_ms": round(itl_p99_ms(beside), 1),
+        "itl_p99_ratio": round(itl_p99_ms(beside) / max(itl_p99_ms(alone), 1e-9), 2),
         "long_ttft_s": round(found["ttft"], 3),
     }
 

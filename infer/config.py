@@ -179,12 +179,14 @@ RUNNERS = ("auto", "generate", "pooling")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 SPECULATIVE_FIELDS = (
     "method",
     "num_speculative_tokens",
     "prompt_lookup_min",
     "prompt_lookup_max",
+    "model",
+    "draft_tensor_parallel_size",
     "disable_by_batch_size",
 )
 DEFAULT_SPEC_BATCH_SIZE = 4  # speculate only while this many requests or fewer run
@@ -197,29 +199,56 @@ class SpeculativeConfig:
     forward verifies them all (infer/runner/rejection_sampler.py, docs/speculative-decoding.md).
 
     method: "ngram" (prompt lookup: the tokens that followed the first earlier occurrence of the
-        sequence's last n tokens, in the prompt or the output; infer/runner/ngram_proposer.py).
+        sequence's last n tokens, in the prompt or the output; infer/runner/ngram_proposer.py), or
+        "draft_model" (a small model of the same vocabulary proposes greedily, with a KV cache of its
+        own: infer/runner/draft_proposer.py). None: "draft_model" when a model is given, else "ngram".
     num_speculative_tokens: proposals per step at most (K); a decode then costs 1 + K tokens of the budget.
-    prompt_lookup_min, prompt_lookup_max: the n-gram lengths tried, longest first; vLLM's defaults: both
-        5 when neither is given, else the one given for both.
+    prompt_lookup_min, prompt_lookup_max: ngram only: the n-gram lengths tried, longest first; vLLM's
+        defaults: both 5 when neither is given, else the one given for both.
+    model: draft_model only: the draft's folder, hub id or GGUF file (loaded as the target is).
+    draft_tensor_parallel_size: draft_model only; 1, the draft runs in the engine's process.
     disable_by_batch_size: speculate only in steps where at most this many requests run: a larger
         batch is compute-bound, and the proposals' extra tokens would cost what they save.
     """
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
     disable_by_batch_size: int = DEFAULT_SPEC_BATCH_SIZE
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ValueError(
-                'speculative_config: method "draft_model" is not served yet; use "ngram" (prompt lookup)'
-            )
-        _one_of("speculative_config method", self.method, SPECULATIVE_METHODS)
+        method = self.method or ("draft_model" if self.model is not None else "ngram")
+        object.__setattr__(self, "method", method)
+        _one_of("speculative_config method", method, SPECULATIVE_METHODS)
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens (proposals per step, >= 1)")
         _positive_int("speculative_config num_speculative_tokens", self.num_speculative_tokens)
+        _positive_int("speculative_config disable_by_batch_size", self.disable_by_batch_size)
+        if method == "draft_model":
+            self._check_draft_model()
+        else:
+            self._check_ngram()
+
+    def _check_draft_model(self) -> None:
+        if not self.model or not isinstance(self.model, str):
+            raise ValueError('speculative_config: method "draft_model" needs "model", the draft\'s path')
+        tp = self.draft_tensor_parallel_size
+        if tp is not None and tp != 1:
+            raise ValueError(
+                f"speculative_config: draft_tensor_parallel_size must be 1 (the draft runs in the "
+                f"engine's process), got {tp!r}"
+            )
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                raise ValueError(f'speculative_config: {name} is the "ngram" method\'s, not "draft_model"\'s')
+
+    def _check_ngram(self) -> None:
+        for name in ("model", "draft_tensor_parallel_size"):
+            if getattr(self, name) is not None:
+                raise ValueError(f'speculative_config: {name} is the "draft_model" method\'s, not "ngram"\'s')
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = 5
@@ -232,7 +261,6 @@ class SpeculativeConfig:
             )
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
-        _positive_int("speculative_config disable_by_batch_size", self.disable_by_batch_size)
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -300,9 +328,9 @@ class EngineConfig:
     tensor_parallel_size: ranks that each hold a shard of every layer (infer.runner.parallel); 1 = one
         process.
     grammar_cache_mb, max_grammar_compilations, max_queued_grammars, grammar_compile_timeout: the bounds
-        of structured outputs' compilations (infer.runner.compile_pool): the compiled-grammar cache's
-        memory (LRU), the compilations run at once, those waiting beyond them (more are refused: 429),
-        and the seconds one may take (then its requests are refused: 400).
+        of structured outputs' compilations (infer.structured_outputs.compile_pool): the compiled-grammar
+        cache's memory (LRU), the compilations run at once, those waiting beyond them (more are refused:
+        429), and the seconds one may take (then its requests are refused: 400).
     runner: vLLM's: "generate" (text), "pooling" (embeddings, scores: infer.engine.pooling), or "auto":
         pooling for an encoder, a cross-encoder or a decoder's body saved without its LM head.
     pooler_config: vLLM's `--pooler-config` JSON, overriding what the model's folder says of its pooler
@@ -397,6 +425,16 @@ class EngineConfig:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills,
             max_long_partial_prefills=self.max_long_partial_prefills,
+        )
+
+    def cache_config(self, num_blocks: int) -> CacheConfig:
+        """The KV pool's part of this configuration, for a pool of num_blocks (known once the model's shape
+        is: built in one place, the engine and the server's check of its flags)."""
+        return CacheConfig(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_backend=self.kv_cache_backend,
         )
 
 

@@ -54,16 +54,18 @@ class PromptFactory:
 
 
 def exact_prompts(tokenizer, num_prompts: int, num_tokens: int, seed: int, distinct: int = 16) -> list[str]:
-    """`num_prompts` corpus texts of exactly `num_tokens` tokens each by `tokenizer` (its BOS included when
-    it adds one: the count a server's `usage.prompt_tokens` reports).
+    """`num_prompts` corpus texts of exactly `num_tokens` tokens each by `tokenizer`, its special tokens
+    included (a BOS, or BERT's [CLS] ... [SEP]: the count a server's `usage.prompt_tokens` reports).
 
-    `tokenizer` has `encode(text) -> ids` and `decode(ids, skip_special_tokens=True) -> text`. A text is
-    cut at a token boundary and kept only when it encodes back to the same ids (a cut inside a word may
-    not), and only when its first `distinct` ids differ from every kept one's: no two prompts share a
-    cached KV block of `distinct` tokens or more (ours and vLLM's are 16 or more). The same seed and
-    tokenizer give the same prompts."""
+    `tokenizer` has `encode(text, add_special_tokens=True) -> ids` and `decode(ids,
+    skip_special_tokens=True) -> text`. A text is cut at a token boundary and kept only when it encodes back
+    to the same ids (a cut inside a word may not), and only when its first `distinct` ids differ from every
+    kept one's: no two prompts share a cached KV block of `distinct` tokens or more (ours and vLLM's are 16
+    or more). The same seed and tokenizer give the same prompts."""
     if num_prompts < 0 or num_tokens < 1:
         raise ValueError(f"need num_prompts >= 0 and num_tokens >= 1, got {num_prompts} and {num_tokens}")
+    num_special = len(tokenizer.encode("x")) - len(tokenizer.encode("x", add_special_tokens=False))
+    num_text = num_tokens - num_special  # the special tokens the tokenizer adds around a text
     factory = PromptFactory(seed)
     prompts: list[str] = []
     seen: set[tuple[int, ...]] = set()
@@ -75,13 +77,17 @@ def exact_prompts(tokenizer, num_prompts: int, num_tokens: int, seed: int, disti
                 f"corpus (got {len(prompts)}); try another length"
             )
         attempts -= 1
-        ids = tokenizer.encode(factory.text(2 * num_tokens))  # ~4 chars a token: about twice enough
-        if len(ids) < num_tokens:
+        ids = tokenizer.encode(factory.text(2 * num_tokens), add_special_tokens=False)  # ~4 chars a token
+        if len(ids) < num_text or num_text < 0:
             continue
-        ids = ids[:num_tokens]
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        key = tuple(ids[:distinct])
-        if key not in seen and tokenizer.encode(text) == ids:
+        text = tokenizer.decode(ids[:num_text], skip_special_tokens=True)
+        full = tokenizer.encode(text)
+        key = tuple(full[:distinct])
+        if (
+            key not in seen
+            and len(full) == num_tokens
+            and tokenizer.encode(text, add_special_tokens=False) == ids[:num_text]
+        ):
             seen.add(key)
             prompts.append(text)
     return prompts

@@ -3,6 +3,8 @@ r"""The race: our server against a peer (vLLM) on the same model, the same load,
     infer bench race [MODEL] [--infer-flags="--max-batch-size 32"] \
         [--peer-cmd "vllm serve DIR --dtype bfloat16 --port 8010" [--peer-env KEY=VAL ...] [--peer-url URL]] \
         [--prompt-tokens 128] [--output-tokens 64] [--num-requests 32] [--concurrencies 1,8,32] [--rounds 2]
+    infer bench race MODEL --workload embeddings|rerank [--input-tokens 128,512] [--batch-sizes 1,32,256] \
+        [--num-requests 4] [--concurrencies 1] [--query-tokens 16] [--peer-cmd ...]
 
 Each round starts `infer serve MODEL FLAGS`, then the peer, one at a time (never both up: they share two
 cores); odd rounds go peer first, so a machine that drifts over minutes weighs on both sides alike. Per
@@ -19,10 +21,18 @@ Every request is a streaming /v1/completions at temperature 0 asking for exactly
 servers get the same texts, and the counts are checked against each server's `usage`. Servers restart
 between runs and no two prompts share a first KV block, so the prefix cache never serves a measured prompt.
 
-With no --peer-cmd, the peer is `vllm serve MODEL_DIR` when a `vllm` executable is on PATH; else the race
-says so and runs our server alone. Output: one table (every round's tok/s, ratio of medians, ITL and TTFT
-medians over rounds), a JSON record (benchmarks/reports/race-*.json, or --out) with every request, and its
-HTML page beside it (unless --no-report).
+With `--workload embeddings` (or `rerank`) the load is a pooling model's (infer.bench.pooling_workload): at
+each --input-tokens T, --batch-sizes B and --concurrencies C, --num-requests requests of B texts of
+exactly T tokens (special tokens included) to POST /v1/embeddings (or /v1/rerank, against one query of
+--query-tokens), from C clients; documents per second and latency p50/p99. The peer is any server of
+those endpoints: `vllm serve DIR --runner pooling`, `llama-server -m FILE.gguf --embeddings` (or
+`--reranking`), with enough slots and a batch that holds B x T tokens.
+
+With no --peer-cmd, the peer is `vllm serve MODEL_DIR` (with `--runner pooling` for a pooling workload)
+when a `vllm` executable is on PATH; else the race says so and runs our server alone. Output: one table
+(every round's tok/s or docs/s, ratio of medians, latencies' medians over rounds), a JSON record
+(benchmarks/reports/race-*.json, or --out) with every request, and its HTML page beside it (unless
+--no-report).
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infer.bench import pooling_workload
 from infer.bench.arrivals import Arrivals
 from infer.bench.client import BenchError, RequestSpec, StreamingClient, resolve_model, run_requests
 from infer.bench.launch import LaunchedServer, free_port
@@ -59,8 +70,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-url", default=None, help="default: 127.0.0.1 and the command's --port (8000)")
     p.add_argument("--prompt-tokens", type=int, default=128, help="exact prompt length, BOS included")
     p.add_argument("--output-tokens", type=int, default=64, help="exact output length (ignore_eos)")
-    p.add_argument("--num-requests", type=int, default=32, help="requests per concurrency")
-    p.add_argument("--concurrencies", default="1,8,32", help="comma-separated concurrent streams")
+    p.add_argument(
+        "--workload",
+        default="generate",
+        choices=["generate", *pooling_workload.WORKLOADS],
+        help="generate: streamed completions; embeddings: POST /v1/embeddings; rerank: POST /v1/rerank",
+    )
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per concurrency (per point: embeddings, rerank); 32 (4)")  # fmt: skip
+    p.add_argument("--concurrencies", default=None,
+                   help="comma-separated concurrent clients; default 1,8,32 (1)")  # fmt: skip
+    p.add_argument("--input-tokens", default="128,512",
+                   help="embeddings / rerank: each text's exact tokens, special tokens included")  # fmt: skip
+    p.add_argument("--batch-sizes", default="1,32,256",
+                   help="embeddings / rerank: texts per request, comma-separated")  # fmt: skip
+    p.add_argument("--query-tokens", type=int, default=16, help="rerank: the query's exact tokens")
     p.add_argument("--rounds", type=int, default=2, help="times each server is started and measured")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per server start (not counted)")
     p.add_argument("--seed", type=int, default=0, help="which corpus texts the prompts are")
@@ -238,8 +262,9 @@ async def drive(url: str, model: str, prompts: list[str], args: argparse.Namespa
     }
 
 
-def run_one(spec: ServerSpec, rnd: int, prompts: list[str], args, log_dir: Path, out) -> dict:
-    """Start `spec`'s server, drive it, stop it. A failure is recorded in the run, not raised."""
+def run_one(spec: ServerSpec, rnd: int, drive_one, rates, args, log_dir: Path, out) -> dict:
+    """Start `spec`'s server, `drive_one(url, model, label)` it, stop it; a failure is recorded in the run,
+    not raised. `rates(results)` says what each result measured, for the line printed after the run."""
     log_path = log_dir / f"round{rnd + 1}-{spec.side}.log"
     run = {"round": rnd, "side": spec.side, "command": shlex.join(spec.cmd), "url": spec.url,
            "log": str(log_path), "pid": None, "startup_s": None, "model": None, "server": None,
@@ -251,19 +276,28 @@ def run_one(spec: ServerSpec, rnd: int, prompts: list[str], args, log_dir: Path,
         run["pid"], run["startup_s"] = server.proc.pid, time.perf_counter() - t0
         run["model"], card = resolve_model(spec.url, None, None)
         run["server"] = server_info(spec.url, card, None)
-        run.update(asyncio.run(drive(spec.url, run["model"], prompts, args, f"{spec.side} r{rnd + 1}")))
+        run.update(drive_one(spec.url, run["model"], f"{spec.side} r{rnd + 1}"))
     except RuntimeError as exc:  # BenchError too
         run["error"] = str(exc)
     finally:
         server.stop()
-    figures = ", ".join(
-        f"c={x['concurrency']} {x['summary']['throughput']['output_tokens_per_s']:,.1f}"
-        for x in run["results"]
-    )
     up = f"up in {run['startup_s']:.0f} s" if run["startup_s"] is not None else "did not start"
-    print(f"-- round {rnd + 1} {spec.side}: {up}; out tok/s {figures or '-'}"
+    print(f"-- round {rnd + 1} {spec.side}: {up}; {rates(run['results']) or '-'}"
           + (f"; error: {run['error']}" if run["error"] else ""), file=out, flush=True)  # fmt: skip
     return run
+
+
+def generate_rates(results: list[dict]) -> str:
+    return "out tok/s " + ", ".join(
+        f"c={x['concurrency']} {x['summary']['throughput']['output_tokens_per_s']:,.1f}" for x in results
+    )
+
+
+def pooling_rates(results: list[dict]) -> str:
+    docs = lambda s: "-" if s["docs_per_s"] is None else f"{s['docs_per_s']:,.1f}"
+    return "docs/s " + ", ".join(
+        f"{x['tokens']}x{x['batch']} c={x['concurrency']} {docs(x['summary'])}" for x in results
+    )
 
 
 def find_vllm() -> str | None:
@@ -286,7 +320,8 @@ def server_specs(args: argparse.Namespace, model_dir: Path, out) -> list[ServerS
     if args.peer_cmd:
         peer = shlex.split(args.peer_cmd)
     elif vllm := find_vllm():
-        peer = [vllm, "serve", str(model_dir), "--port", str(free_port())]
+        runner = ["--runner", "pooling"] if args.workload in pooling_workload.WORKLOADS else []
+        peer = [vllm, "serve", str(model_dir), *runner, "--port", str(free_port())]
     else:
         print("no peer: no --peer-cmd given and no `vllm` executable on PATH; racing infer alone", file=out)
         return specs
@@ -305,42 +340,101 @@ def model_and_tokenizer(args: argparse.Namespace) -> tuple[Path, str | None]:
     return path, args.tokenizer or flag_value(flags, "--tokenizer")
 
 
+POOLING_DEFAULTS = {"num_requests": 4, "concurrencies": "1"}
+GENERATE_DEFAULTS = {"num_requests": 32, "concurrencies": "1,8,32"}
+
+
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """The workload's defaults for what was not given; counts parsed and checked (ValueError)."""
+    pooling = args.workload in pooling_workload.WORKLOADS
+    for name, value in (POOLING_DEFAULTS if pooling else GENERATE_DEFAULTS).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if isinstance(args.concurrencies, str):
+        args.concurrencies = parse_concurrencies(args.concurrencies)
+    for name in ("prompt_tokens", "output_tokens", "num_requests", "rounds", "query_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if pooling:
+        args.input_tokens = pooling_workload.parse_counts(str(args.input_tokens), "--input-tokens")
+        args.batch_sizes = pooling_workload.parse_counts(str(args.batch_sizes), "--batch-sizes")
+
+
+def generate_race(args: argparse.Namespace, tokenizer, specs: dict, log_dir: Path, out) -> tuple:
+    """Streamed completions: the runs, their figures and the table."""
+    num_prompts = args.warmup + len(args.concurrencies) * args.num_requests
+    prompts = exact_prompts(tokenizer, num_prompts, args.prompt_tokens, args.seed)
+    drive_one = lambda url, model, label: asyncio.run(drive(url, model, prompts, args, label))
+    runs = [
+        run_one(specs[side], rnd, drive_one, generate_rates, args, log_dir, out)
+        for rnd, side in run_order(args.rounds, list(specs))
+    ]
+    figures = race_figures(runs, args.concurrencies)
+    title = (
+        f"== race: {args.prompt_tokens} prompt + {args.output_tokens} output tokens, {args.num_requests} "
+        "requests per concurrency; out tok/s per round, ratio of medians, ms (median over rounds)"
+    )
+    return runs, figures, table(HEADERS, race_rows(figures, args.model_label), title), notes(runs)
+
+
+def pooling_race(args: argparse.Namespace, tokenizer, specs: dict, log_dir: Path, out) -> tuple:
+    """Embeddings or rerank: the runs, their figures and the table. Each length's texts are a pool of
+    distinct ones, as many as the largest request holds (and 64 at least), every request taking the next."""
+    all_points = pooling_workload.points(args.input_tokens, args.batch_sizes, args.concurrencies)
+    pool = max(64, max(args.batch_sizes))
+    texts = {t: exact_prompts(tokenizer, pool, t, args.seed + t) for t in args.input_tokens}
+    query = exact_prompts(tokenizer, 1, args.query_tokens, args.seed)[0] if args.workload == "rerank" else ""
+
+    def drive_one(url: str, model: str, label: str) -> dict:
+        return asyncio.run(
+            pooling_workload.drive(
+                url, model, args.workload, texts, query, all_points, args.num_requests, args.warmup,
+                args.timeout, label, not args.no_progress,
+            )
+        )  # fmt: skip
+
+    runs = [
+        run_one(specs[side], rnd, drive_one, pooling_rates, args, log_dir, out)
+        for rnd, side in run_order(args.rounds, list(specs))
+    ]
+    figures = pooling_workload.race_figures(runs, all_points)
+    query_note = f" against a {args.query_tokens}-token query" if args.workload == "rerank" else ""
+    title = (
+        f"== race, {args.workload}: texts of exactly the tokens shown{query_note}, {args.num_requests} "
+        "requests per point; docs/s per round, ratio of medians, latency ms (median over rounds)"
+    )
+    rows = pooling_workload.race_rows(figures, args.model_label)
+    return runs, figures, table(pooling_workload.HEADERS, rows, title), pooling_workload.notes(runs)
+
+
 def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> dict:
     """Run the race described by parsed `args`; print the table to `out` (stdout); return the report."""
     from infer.engine.tokenizer import load_tokenizer
 
     out = sys.stdout if out is None else out
-    if isinstance(args.concurrencies, str):
-        args.concurrencies = parse_concurrencies(args.concurrencies)
-    for name in ("prompt_tokens", "output_tokens", "num_requests", "rounds"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    resolve_defaults(args)
     started = datetime.datetime.now(datetime.UTC)
     model_dir, tokenizer = model_and_tokenizer(args)
-    num_prompts = args.warmup + len(args.concurrencies) * args.num_requests
-    prompts = exact_prompts(load_tokenizer(model_dir, tokenizer), num_prompts, args.prompt_tokens, args.seed)
     specs = {s.side: s for s in server_specs(args, model_dir, out)}
     path = args.out or DEFAULT_REPORT_DIR / f"race-{model_dir.name}-{started.strftime('%Y%m%d-%H%M%S')}.json"
     log_dir = path.with_name(path.stem + "-logs")
     log_dir.mkdir(parents=True, exist_ok=True)
-    runs = [
-        run_one(specs[side], rnd, prompts, args, log_dir, out)
-        for rnd, side in run_order(args.rounds, list(specs))
-    ]
-    figures = race_figures(runs, args.concurrencies)
     model = args.model or flag_value(shlex.split(args.infer_flags), "--model") or "embedded"
-    title = (
-        f"== race: {args.prompt_tokens} prompt + {args.output_tokens} output tokens, {args.num_requests} "
-        "requests per concurrency; out tok/s per round, ratio of medians, ms (median over rounds)"
+    args.model_label = Path(model).name
+    race = generate_race if args.workload == "generate" else pooling_race
+    runs, figures, result_table, run_notes = race(
+        args, load_tokenizer(model_dir, tokenizer), specs, log_dir, out
     )
-    tables = [table(HEADERS, race_rows(figures, Path(model).name), title)]
-    lines = ["note: " + line for line in notes(runs)]
+    tables = [result_table]
+    lines = ["note: " + line for line in run_notes]
     print("\n" + render_tables(tables), file=out)
     for line in lines:
         print(line, file=out)
     argv = sys.argv[1:] if argv is None else argv
     config = {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("func", "argv")
+        k: str(v) if isinstance(v, Path) else v
+        for k, v in vars(args).items()
+        if k not in ("func", "argv", "model_label")
     }
     config["tokenizer"] = tokenizer or str(model_dir)
     servers = {side: specs[side].describe() if side in specs else None for side in SIDES}

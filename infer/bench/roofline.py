@@ -1,6 +1,7 @@
 """The roofline: what this machine should do with a model, before any serving overhead.
 
     infer bench roofline [--model M] [--dtype bfloat16] [--quantization int8|int4] [--memory-gb 16]
+    infer bench roofline --model FILE.gguf        the file's own bytes: quantized blocks as stored
 
 From the model's shape (built on the meta device: no weights loaded, presets need no download):
 parameters, weight bytes, KV bytes per token, KV capacity for a memory budget. From this machine: memory
@@ -30,18 +31,22 @@ DTYPES = ("float32", "bfloat16", "float16")  # torch is imported where used: `in
 
 
 def model_shape(model: str | None, dtype: str, quantization: str = "none") -> dict:
-    """Parameters, weight bytes and KV bytes per token of `model` (a folder, hub id, preset or embedded).
+    """Parameters, weight bytes and KV bytes per token of `model` (a folder, hub id, preset, GGUF file or
+    embedded). Weight bytes are what a decode step reads: all parameters but an untied token embedding.
 
     With `quantization` int8/int4, weight bytes are what a decode step reads as infer quantizes
     (infer.quant.linear.quantize_model): the linear layers' codes and float32 scales (and zero points),
     the LM head in int8, the other parameters in `dtype`; the embedding is only looked up, not read."""
     import torch
 
+    from infer.models import gguf
     from infer.models.config import ModelConfig
     from infer.models.loader import read_config, resolve_model_path
     from infer.models.registry import model_class
 
     path = resolve_model_path(model, load_format="dummy")
+    if gguf.is_gguf(path):
+        return _gguf_shape(model, gguf.open_gguf(path), dtype)
     cfg = ModelConfig.from_hf(read_config(path))
     with torch.device("meta"):
         net = model_class(cfg.architecture)(cfg)
@@ -49,7 +54,11 @@ def model_shape(model: str | None, dtype: str, quantization: str = "none") -> di
         net.tie_weights()
     num_params = sum(p.numel() for p in net.parameters())  # shared (tied) parameters counted once
     nbytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-    weight_bytes = num_params * nbytes
+    # a decode step looks one row of the token embedding up: read only as the head, when tied to it
+    embedding = net.input_embeddings().weight
+    head = getattr(net, "lm_head", None)
+    looked_up = 0 if head is not None and head.weight is embedding else embedding.numel()
+    weight_bytes = (num_params - looked_up) * nbytes
     if quantization != "none":
         weight_bytes = _quantized_bytes(net, quantization, nbytes)
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * nbytes
@@ -60,6 +69,39 @@ def model_shape(model: str | None, dtype: str, quantization: str = "none") -> di
         "num_params": num_params,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_per_token,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }
+
+
+def _gguf_shape(model: str, file, dtype: str) -> dict:
+    """model_shape of a GGUF file: its weight bytes are what its tensors take in the file, quantized blocks
+    as they are (what llama.cpp reads a token), the others in `dtype`; the token embedding is only looked
+    up, unless the head is tied to it. A ceiling for every engine that runs the file: infer holds some
+    blocks in wider forms (docs/quantization.md, "GGUF files")."""
+    import torch
+
+    from infer.models import gguf
+
+    cfg = gguf.model_config(file)
+    nbytes = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    tied = "output.weight" not in file.tensors
+    weight_bytes = num_params = 0
+    for name, tensor in file.tensors.items():
+        numel = 1
+        for n in tensor.shape:
+            numel *= n
+        num_params += numel
+        if name == gguf.EMBEDDING and not tied:
+            continue
+        weight_bytes += tensor.data.nbytes if tensor.type_name in gguf.QUANTIZED else numel * nbytes
+    counts = ", ".join(f"{n} {kind}" for kind, n in file.type_counts().items())
+    return {
+        "model": model,
+        "architecture": cfg.architecture,
+        "dtype": f"GGUF ({counts}), {dtype} activations",
+        "num_params": num_params,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * nbytes,
         "max_position_embeddings": cfg.max_position_embeddings,
     }
 
@@ -160,7 +202,9 @@ def rows(shape: dict, roof: dict) -> list[tuple[str, str]]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model folder, hub id or preset; default: embedded")
+    p.add_argument(
+        "--model", default=None, help="model folder, hub id, preset or GGUF file; default: embedded"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weights / KV / matmul dtype")
     p.add_argument(
         "--quantization", default="none", choices=["none", "int8", "int4"], help="weights as --quantization"

@@ -8,6 +8,13 @@ Per workload: two warm-up requests (not counted), then the workload's requests w
 throughput (output tok/s, from the server's `usage`), TTFT P50/P95/P99, ITL P50/P95/P99, latency P50/P99
 (both from the intended send time), errors; then a cross-workload table and a JSON report in
 `benchmarks/reports/` holding every request's timestamps.
+
+    infer bench serve --server URL --workload embeddings,rerank [--input-tokens 128,512] \
+        [--batch-sizes 1,32,256] [--tokenizer DIR]
+
+A pooling model's workloads (infer.bench.pooling_workload): at each T x B, requests of B texts of exactly
+T tokens (by the model's tokenizer) to POST /v1/embeddings or /v1/rerank, one at a time, 8 per point (2
+at --scale small); documents per second and latency P50/P99.
 """
 
 from __future__ import annotations
@@ -34,8 +41,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default="http://127.0.0.1:8000", help="base URL of the server")
     p.add_argument("--model", default=None, help="model name to send; default: the server's only model")
     p.add_argument(
-        "--workload", default="all", help=f"'all' or a comma-separated list of: {', '.join(WORKLOADS)}"
+        "--workload",
+        default="all",
+        help=f"'all' or a comma-separated list of: {', '.join(WORKLOADS)}; or, for a pooling model, "
+        "embeddings and/or rerank",
     )
+    p.add_argument("--input-tokens", default="128,512",
+                   help="embeddings / rerank: each text's exact tokens, comma-separated")  # fmt: skip
+    p.add_argument("--batch-sizes", default="1,32,256",
+                   help="embeddings / rerank: texts per request, comma-separated")  # fmt: skip
+    p.add_argument("--tokenizer", default=None,
+                   help="embeddings / rerank: the model's tokenizer folder, to cut texts of exact lengths "
+                   "(default: --model, when it is a folder)")  # fmt: skip
     p.add_argument("--seed", type=int, default=42, help="seeds prompts, lengths and Poisson arrivals")
     p.add_argument(
         "--scale", default="full", choices=list(SCALES), help="shrink the workloads (small: 2-core CPU)"
@@ -227,9 +244,94 @@ def _local_infer_dtype(base_url: str, server: dict) -> str | None:
     return flags.get("dtype") if server["is_infer"] and local and isinstance(flags, dict) else None
 
 
+POOLING_REQUESTS = {"full": 8, "small": 2}  # requests per (tokens, batch) point of a pooling workload
+
+
+def pooling_spec(results: list[dict]) -> tuple[list[str], list, str]:
+    headers = ["Workload", "Tokens", "Batch", "Reqs", "Docs/s", "Prompt tok/s", "Lat P50 ms", "Lat P99 ms",
+               "Errors"]  # fmt: skip
+    rows = [
+        [r["name"], x["tokens"], x["batch"], x["summary"]["num_requests"], x["summary"]["docs_per_s"],
+         x["summary"]["prompt_tokens_per_s"], x["summary"]["latency_ms"]["p50"],
+         x["summary"]["latency_ms"]["p99"], x["summary"]["num_errors"]]
+        for r in results for x in r["results"]
+    ]  # fmt: skip
+    return headers, rows, "== pooling workloads: B texts of exactly T tokens per request, one at a time"
+
+
+def run_pooling(args: argparse.Namespace, names: list[str], argv: list[str] | None, out) -> dict:
+    """The embeddings / rerank workloads (infer.bench.pooling_workload) against the server, one request
+    at a time, at each --input-tokens x --batch-sizes."""
+    from infer.bench import pooling_workload
+    from infer.bench.prompts import exact_prompts
+    from infer.engine.tokenizer import load_tokenizer
+
+    tokens = pooling_workload.parse_counts(args.input_tokens, "--input-tokens")
+    batches = pooling_workload.parse_counts(args.batch_sizes, "--batch-sizes")
+    model, card = resolve_model(args.server, args.model, args.api_key, args.wait)
+    folder = args.tokenizer or (model if Path(model).is_dir() else None)
+    if folder is None:
+        raise BenchError(
+            "embeddings / rerank cut texts of exact lengths with the model's tokenizer: pass --tokenizer "
+            f"DIR (the server's model {model!r} is not a folder here)"
+        )
+    tokenizer = load_tokenizer(Path(folder))
+    pool = max(64, max(batches))
+    texts = {t: exact_prompts(tokenizer, pool, t, args.seed + t) for t in tokens}
+    query = exact_prompts(tokenizer, 1, 16, args.seed)[0]
+    started = datetime.datetime.now(datetime.UTC)
+    print(f"infer bench serve: {args.server} model={model} workloads={','.join(names)}", file=out)
+    results = []
+    for name in names:
+        run = asyncio.run(
+            pooling_workload.drive(
+                args.server, model, name, texts, query, pooling_workload.points(tokens, batches, [1]),
+                POOLING_REQUESTS[args.scale], args.warmup, args.timeout, name, not args.no_progress,
+            )
+        )  # fmt: skip
+        results.append({"name": name, **run})
+    spec = pooling_spec(results)
+    print("\n" + render_table(*spec), file=out)
+    notes = [
+        f"{r['name']} {x['tokens']}x{x['batch']}: usage counted {x['token_counts']['prompt_tokens_seen']} "
+        f"prompt tokens, not {x['token_counts']['expected']}"
+        for r in results for x in r["results"] if x["token_counts"]["num_prompt_mismatch"]
+    ]  # fmt: skip
+    for line in notes:
+        print("note: " + line, file=out)
+    argv = sys.argv[1:] if argv is None else argv
+    report = new_record(
+        "serving",
+        shlex.join([Path(sys.argv[0]).name, *argv]),
+        {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("func", "argv")},
+        started=started.isoformat(),
+        server=server_info(args.server, card, args.server_flags, args.api_key),
+        tables=[table(*spec)],
+        notes=notes,
+        pooling_workloads=results,
+    )
+    if not args.no_save:
+        stamp = started.strftime("%Y%m%d-%H%M%S")
+        path = (
+            args.report_dir / f"serving-{model.replace('/', '_').strip('_')}-{'+'.join(names)}-{stamp}.json"
+        )
+        write_record(path, report, out)
+        if not args.no_report:
+            from infer.bench.html_report import write_html
+
+            write_html(path, report, out=out)
+    return report
+
+
 def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> dict:
     """Run the benchmark described by parsed `args`; print tables to `out` (stdout); return the report."""
     out = sys.stdout if out is None else out
+    names = [n.strip() for n in args.workload.split(",") if n.strip()]
+    pooling = [n for n in names if n in ("embeddings", "rerank")]
+    if pooling and len(pooling) < len(names):
+        raise ValueError("embeddings and rerank are a pooling model's workloads: run them without the others")
+    if pooling:
+        return run_pooling(args, pooling, argv, out)
     workloads = get_workloads(args.workload, args.scale)
     model, card = resolve_model(args.server, args.model, args.api_key, args.wait)
     max_model_len = card.get("max_model_len")

@@ -59,6 +59,9 @@ class Request:
     slo: Objectives | None = None  # TTFT / TPOT objectives, used by the "slo" policy
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: frozenset[int] = frozenset()
+    # The engine requests of one API request (its n choices, its prompts) share a group: the scheduler
+    # admits a group's sequences in waves of a fair share of the batch (None: a request of its own).
+    group_id: str | None = None
 
     # Progress, owned by the scheduler.
     token_ids: list[int] = field(init=False)  # prompt + outputs, appended in place

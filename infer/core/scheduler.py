@@ -7,7 +7,9 @@ There are no prefill and decode phases, only a token budget per step and counts 
                                                                speculative decoding, _update_spec)
       2. prefill chunks of running, partly prefilled requests  min(remaining, chunk, budget)
       3. admissions from the waiting queue, in key order       min(remaining - prefix hit, chunk, budget)
-         (none in a step where 1. or 2. had to preempt: the pool is full)
+         (none in a step where 1. or 2. had to preempt: the pool is full); the sequences of one API
+         request (its n choices: a group) in waves of a fair share of max_num_seqs (group_shares.py),
+         so that one request cannot take the whole batch
 
 A request's key is (priority, arrival_time, seq) under "priority", (0, arrival_time, seq) under
 "fcfs", and (0, deadline, seq) under "slo", where deadline = arrival_time + its TTFT objective
@@ -33,7 +35,10 @@ Why no request is preempted forever:
       of blocks preempts the worst-keyed running request (itself, if it is the worst), and under
       "priority" a waiting request preempts a running one only if that one's priority value is larger;
   (b) the waiting queue is served strictly in key order with head-of-line blocking: when the head
-      cannot be admitted, nothing behind it is, so the running set drains and the head gets in;
+      cannot be admitted, nothing behind it is, so the running set drains and the head gets in. Two
+      exceptions pass a head that waits for its own kind to progress: a long prompt held back by
+      max_long_partial_prefills, and a group's sequence while its group holds its share of the batch
+      (at least one sequence, which runs to its end, and then the next wave gets in);
   (c) the best-keyed running request is never a victim, always gets budget (the others' decodes take at
       most max_num_seqs - 1 <= max_num_batched_tokens - 1 tokens), and can always get blocks, since
       add_request refused any request that the whole pool cannot hold.
@@ -58,6 +63,7 @@ from bisect import insort
 from collections.abc import Callable, Iterable
 
 from infer.config import CacheConfig, SchedulerConfig
+from infer.core.group_shares import GroupShares
 from infer.core.kv_cache_manager import make_kv_cache_manager
 from infer.core.outputs import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput, StepStats
 from infer.core.prefill_pacer import PrefillPacer
@@ -352,10 +358,12 @@ class Scheduler:
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         """Admit waiting requests in key order while the budget, max_num_seqs and the pool allow.
         Stops at the first request that cannot be admitted (head-of-line blocking, see module doc), but
-        for a long prompt held back by max_long_partial_prefills, which shorter prompts may pass."""
+        for a long prompt held back by max_long_partial_prefills, which shorter prompts may pass, and a
+        group's sequence past its group's share, which other requests may pass."""
         kv = self.kv_cache_manager
         order = self._slo_order() if self._slo else list(self.waiting)
         partial, long_partial = self._partial_prefills(plan)
+        groups = GroupShares(self.config.max_num_seqs, self.running, self.waiting)
         i = 0
         wave_full = self._static and self._wave_slots == 0
         while i < len(order) and plan.available(admission=True) > 0 and not wave_full:
@@ -365,6 +373,9 @@ class Scheduler:
                     order = self._slo_order() if self._slo else list(self.waiting)
                     continue
                 return
+            if not groups.may_admit(req):
+                i += 1  # its group holds its share of the batch: the next wave waits, others may pass
+                continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = self._num_new_tokens(req, num_hit, plan.available(admission=True))
             if num_new == 0:
@@ -389,6 +400,7 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
             insort(self.running, req, key=self._key)
             self._grant(plan, req, num_new, num_hit)
+            groups.admitted(req)
             if num_hit + num_new < req.num_tokens:
                 partial += 1
                 long_partial += self._is_long(req)

@@ -36,14 +36,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from infer.core.slo import LateRequest, Objectives
 from infer.deploy.routing import ROUTERS
-from infer.engine.async_engine import CompileQueueFull, RequestFailed
-from infer.engine.llm_engine import StepOutput, grammar_compiler
+from infer.engine.async_engine import RequestFailed
+from infer.engine.llm_engine import StepOutput
 from infer.engine.tokenizer import load_tokenizer
 from infer.models.loader import resolve_model_path
 from infer.sampling_params import SamplingParams
 from infer.server.args import ServerArgs
 from infer.server.metrics import PREFIX, Metrics
-from infer.server.serving import ServerState
+from infer.server.server_state import ServerState
+from infer.structured_outputs.compile_pool import CompileQueueFull
+from infer.structured_outputs.compiler import GrammarCompiler
 
 logger = logging.getLogger("infer.deploy")
 
@@ -72,7 +74,7 @@ class EngineView:
         self.trace = None  # refused at start with --replicas (infer.deploy.args)
         path = resolve_model_path(self.config.model, self.config.load_format)
         self.tokenizer = load_tokenizer(path, self.config.tokenizer)  # as LLMEngine finds it
-        self.grammars = grammar_compiler(self.config, self.tokenizer, self.model_config.vocab_size)
+        self.grammars = GrammarCompiler.from_config(self.config, self.tokenizer, self.model_config.vocab_size)
 
 
 @dataclasses.dataclass
@@ -98,7 +100,7 @@ class _Timeline:
 
 
 class RemoteEngine:
-    """`AsyncEngine.add` over the engine deployment's handle (what infer.server.serving.Fanout calls)."""
+    """`AsyncEngine.add` over the engine deployment's handle (what infer.server.fanout.Fanout calls)."""
 
     def __init__(self, handle, metrics: Metrics):
         self.handle = handle.options(stream=True)

@@ -25,9 +25,10 @@ from contextlib import aclosing
 
 from infer.config import EngineConfig
 from infer.core.slo import Objectives
-from infer.engine.async_engine import AsyncEngine, CompileQueueFull, RequestFailed
+from infer.engine.async_engine import AsyncEngine, RequestFailed
 from infer.engine.llm_engine import LLMEngine
 from infer.sampling_params import SamplingParams
+from infer.structured_outputs.compile_pool import CompileQueueFull
 
 logger = logging.getLogger("infer.deploy")
 

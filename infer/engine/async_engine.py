@@ -18,6 +18,12 @@ prefill beside the early ones' decodes: a slow gap for each of those, which is w
 With it every wave prefills in one step (docs/optimizations.md, "The server around the engine"); a lone
 request's first token costs the 0.5 ms wait. A busy engine never waits.
 
+The engine thread gives the GIL up at every torch op and must get it back after: beside a thread of the
+process that runs Python (the event loop validating a large body, a chat template rendered on a worker
+thread), it waits for that thread to drop the GIL, which Python does every switch interval (5 ms by
+default): a decode step of many small ops then takes many times its length. `start` lowers the interval
+to GIL_SWITCH_INTERVAL_S, which bounds each such wait; a thread alone keeps the GIL whatever the interval.
+
 An engine that cannot go on (`LLMEngine.fatal_error`: a tensor-parallel rank died) ends every request
 with RequestFailed, refuses new ones, and calls `on_fatal`: the server then exits non-zero. The idle
 thread looks at it every IDLE_CHECK_S, so a death between requests is noticed too.
@@ -30,6 +36,7 @@ import contextlib
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -39,13 +46,13 @@ from infer.config import EngineConfig
 from infer.core.slo import Objectives
 from infer.engine.llm_engine import LLMEngine, StepOutput
 from infer.engine.stop_strings import automaton
-from infer.runner.compile_pool import CompileQueueFull as CompileQueueFull  # for the server: a 429
 from infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("infer.engine")
 IDLE_CHECK_S = 1.0
 BURST_QUIET_S = 0.0005  # an idle engine woken by a request waits for this long a silence (docstring)
 BURST_MAX_S = 0.004  # and no longer than this in all
+GIL_SWITCH_INTERVAL_S = 0.0005  # the longest the engine thread waits for the GIL after a torch op (docstring)
 
 
 class AsyncEngine:
@@ -74,6 +81,7 @@ class AsyncEngine:
         """Start the engine thread (which first builds the engine); call from the event loop that will
         consume the streams. Requests may be sent at once: they wait for the engine."""
         self._loop = asyncio.get_running_loop()
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._built = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
         self._thread.start()
@@ -99,12 +107,14 @@ class AsyncEngine:
         req_id: str | None = None,
         priority: int = 0,
         slo: Objectives | None = None,
+        group_id: str | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Queue a request and return the iterator of its outputs once the engine has accepted it.
 
         Raises ValueError if the engine refuses it. Closing the iterator early (a client that went away)
         aborts the request; so does a cancellation while waiting for the engine's answer. A request the
-        engine fails alone (finish_reason "error") raises RequestFailed from the iterator."""
+        engine fails alone (finish_reason "error") raises RequestFailed from the iterator. group_id: shared
+        by the engine requests of one API request (its n choices): admitted in waves of a fair share."""
         await self.ready()  # a model that failed to load fails the request here, instead of a hang
         matcher = None
         if params is not None and params.structured_outputs is not None:  # compiled here, not in a step
@@ -117,7 +127,7 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         added = self._loop.create_future()
         self._streams[req_id] = stream
-        self._send(("add", (prompt, params, req_id, priority, slo, matcher), added))
+        self._send(("add", (prompt, params, req_id, priority, slo, matcher, group_id), added))
         try:
             await added
         except BaseException:

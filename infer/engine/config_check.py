@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infer.config import CacheConfig, EngineConfig, check_local_ranks
+from infer.config import EngineConfig, check_local_ranks
 from infer.core.slo import SloClasses
 
 
@@ -21,12 +21,7 @@ def check_engine_config(config: EngineConfig) -> None:
     check_model_files(config.model, config.load_format)  # a GGUF file's header and tensor table
     if config.slo_config is not None:
         SloClasses.from_file(config.slo_config)
-    CacheConfig(
-        num_blocks=config.num_kv_blocks or 1,
-        block_size=config.block_size,
-        enable_prefix_caching=config.enable_prefix_caching,
-        kv_cache_backend=config.kv_cache_backend,
-    )
+    config.cache_config(config.num_kv_blocks or 1)
 
 
 def gguf_config_json(path: Path) -> dict:

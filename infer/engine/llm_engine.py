@@ -26,22 +26,24 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from infer.config import CacheConfig, EngineConfig
+from infer.config import EngineConfig
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats
 from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
 from infer.core.slo import Objectives, SloClasses
 from infer.engine.detokenizer import IncrementalDetokenizer
+from infer.engine.draft_model import draft_proposer
 from infer.engine.tokenizer import load_tokenizer
 from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
 from infer.models.loader import load_engine_model, weight_bytes
-from infer.runner.grammar import GrammarCompiler
+from infer.runner.draft_proposer import DraftProposer, DraftWant
 from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
 from infer.runner.ngram_proposer import NgramProposer
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
 from infer.sampling_params import MAX_BAD_WORDS, SamplingParams, Unsatisfiable
+from infer.structured_outputs.compiler import GrammarCompiler
 
 logger = logging.getLogger("infer.engine")
 
@@ -96,19 +98,6 @@ def prompt_logprob_token_cost(model, model_config) -> float:
     return 1.0 + 2 * head / body
 
 
-def grammar_compiler(config: EngineConfig, tokenizer, vocab_size: int) -> GrammarCompiler:
-    """The compiler of structured-output grammars that the engine's flags configure (deploy's ingress
-    builds one too: it checks a request's grammar before routing it)."""
-    return GrammarCompiler.for_tokenizer(
-        tokenizer,
-        vocab_size,
-        cache_mb=config.grammar_cache_mb,
-        max_compiling=config.max_grammar_compilations,
-        max_queued=config.max_queued_grammars,
-        timeout_s=config.grammar_compile_timeout,
-    )
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -124,7 +113,7 @@ class LLMEngine:
         tp = ranks.tp if ranks else SINGLE
         model, self.model_config, path = load_engine_model(config, tp)
         self.tokenizer = load_tokenizer(path, config.tokenizer)
-        self.grammars = grammar_compiler(config, self.tokenizer, self.model_config.vocab_size)
+        self.grammars = GrammarCompiler.from_config(config, self.tokenizer, self.model_config.vocab_size)
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
         model_dtype = next(model.parameters()).dtype
         self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)
@@ -133,12 +122,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // (config.block_size * self.kv_bytes_per_token)
         )
-        self.cache_config = CacheConfig(
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            kv_cache_backend=config.kv_cache_backend,
-        )
+        self.cache_config = config.cache_config(num_blocks)
         self.scheduler_config = config.scheduler_config(self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.scheduler.prompt_logprob_token_cost = prompt_logprob_token_cost(model, self.model_config)
@@ -161,12 +145,7 @@ class LLMEngine:
         self.quantization = {**model.quantization, "weight_mib": round(weight_bytes(model) / 2**20, 1)}
         if model.gguf is not None:  # what the GGUF file held
             self.quantization["gguf"] = model.gguf
-        spec = config.speculative_config
-        self.proposer = (
-            NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            if spec is not None
-            else None
-        )
+        self.proposer = self._proposer(config, num_blocks)
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs: dict[str, dict[int, tuple]] = {}  # req_id -> prompt position -> entry
@@ -176,6 +155,14 @@ class LLMEngine:
         # the step trace (infer.engine.trace), None unless asked for: then one `is not None` per step
         budget = self.scheduler_config.max_num_batched_tokens
         self.trace = StepTrace(config.trace_steps, budget=budget) if config.trace_path else None
+
+    def _proposer(self, config: EngineConfig, num_blocks: int) -> NgramProposer | DraftProposer | None:
+        spec = config.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return draft_proposer(self, num_blocks)
 
     def close(self) -> None:
         """Write the trace file, if tracing (at shutdown; again whenever called). The engine stays usable."""
@@ -204,11 +191,14 @@ class LLMEngine:
         priority: int = 0,
         slo: Objectives | None = None,
         matcher=None,
+        group_id: str | None = None,
     ) -> Request:
         """Queue a request. ValueError (nothing queued) for bad token ids or one that can never fit.
         slo: its TTFT / TPOT objectives, which the "slo" scheduling policy serves; None: its class's in
         config.slo_config, if any. LateRequest (a ValueError) under slo_reject_late. matcher: its
-        structured outputs' matcher, compiled off this thread (AsyncEngine.add); None: compiled here."""
+        structured outputs' matcher, compiled off this thread (AsyncEngine.add); None: compiled here.
+        group_id: shared by the engine requests of one API request (its n choices), which the scheduler
+        then admits in waves of a fair share of the batch."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -255,6 +245,7 @@ class LLMEngine:
             priority=priority,
             eos_token_ids=self.tokenizer.eos_token_ids,
             slo=slo,
+            group_id=group_id,
         )
         self.scheduler.add_request(req)  # may refuse it (too long, late, an id in use): nothing kept yet
         if params.structured_outputs is not None:
@@ -296,6 +287,8 @@ class LLMEngine:
     def abort(self, req_ids: str | list[str]) -> list[StepOutput]:
         """End requests in any state; their blocks go back to the pool. Unknown ids are ignored."""
         ended = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.forget(o.req_id for o in ended)
         outputs = [self._output(o.req_id, "", [], "abort", None) for o in ended]
         if self.trace is not None:
             self.trace.record_ended(outputs)
@@ -348,17 +341,43 @@ class LLMEngine:
     def _propose(self) -> None:
         """Proposals for the next step's decodes, in a step where few enough requests run (a large batch
         is compute-bound: the proposals' extra tokens would cost what they save). None for a request
-        with a grammar or logprobs (their state and entries are kept one token per step)."""
+        that asks for logprobs (its entries are kept one token per step) or whose grammar starts after
+        grammar_after_ids (the start may fall among the proposals)."""
         running = self.scheduler.running
         speculate = len(running) <= self.config.speculative_config.disable_by_batch_size
+        wanted = []
         for req in running:
             p = req.sampling_params
             room = p.max_tokens - req.num_output_tokens - 1  # the sampled token comes on top
-            plain = p.structured_outputs is None and p.logprobs is None
-            if speculate and plain and room > 0 and not req.is_prefill:
+            plain = p.logprobs is None and not p.grammar_after_ids
+            wanted.append(room if speculate and plain and room > 0 and not req.is_prefill else 0)
+            req.spec_token_ids = []
+        if isinstance(self.proposer, DraftProposer):
+            self._propose_with_draft(running, wanted, speculate)
+            return
+        for req, room in zip(running, wanted, strict=True):
+            if room:
                 req.spec_token_ids = self.proposer.propose(req.token_ids, room)
-            else:
-                req.spec_token_ids = []
+
+    def _propose_with_draft(self, running: list[Request], wanted: list[int], speculate: bool) -> None:
+        """One batch of draft forwards: prompt chunks the target computed this step, then proposals. With
+        speculation off for the step, the draft waits (its cache stays right for what it holds)."""
+        self.proposer.retain(req.req_id for req in running)
+        if not speculate:
+            return
+        wants = [
+            DraftWant(
+                req.req_id,
+                req.token_ids,
+                req.num_computed_tokens if req.is_prefill else len(req.token_ids),
+                room,
+            )
+            for req, room in zip(running, wanted, strict=True)
+            if room or req.is_prefill
+        ]
+        proposals = self.proposer.propose(wants)
+        for req in running:
+            req.spec_token_ids = proposals.get(req.req_id, [])
 
     def _execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """The runner's output, and the requests whose part of the step raised (see the module docstring)."""

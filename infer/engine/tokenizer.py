@@ -185,7 +185,7 @@ class Tokenizer:
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text, added tokens included, without padding or truncation (what
-        llguidance reads to map its grammars onto tokens: infer.runner.grammar)."""
+        llguidance reads to map its grammars onto tokens: infer.structured_outputs)."""
         backend = copy.copy(self._backend)
         backend.no_padding()
         backend.no_truncation()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.runner.kv_cache import allocate_kv_cache
 
 BLOCK_SIZE = 16

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.runner.kv_cache import allocate_kv_cache
 
 BLOCK_SIZE = 16

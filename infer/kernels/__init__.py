@@ -2,9 +2,9 @@
 as the fallback.
 
 `paged_attention.cpp`: attention of decodes (and small chunks) straight over the paged KV cache,
-both cores working (see infer/layers/attention.py for where it is used and what it gained).
+both cores working (see infer/layers/attention_kernels.py for where it is used and what it gained).
 `prefill_attention.cpp`: flash attention of prompts and long chunks over the same cache, one call for
-all of a step's (attention.py again); AVX-512 BF16 CPUs only, SDPA elsewhere.
+all of a step's (attention_kernels.py again); AVX-512 BF16 CPUs only, SDPA elsewhere.
 `layer_ops.cpp`: RMSNorm (with the residual add), rotary in place, SiLU-and-multiply, one pass each
 (infer/layers/norms.py, rotary.py, activations.py; `layer_ops(x)` says whether they serve a tensor).
 `quant_linear.cpp`: int8 and int4 weights times bf16 activations, for quantized models

@@ -35,7 +35,34 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, blended, scaled)
+    if rope.rope_type == "yarn":
+        return _yarn(rope, inv_freq, head_dim)
     return inv_freq
+
+
+def _yarn(rope: RopeConfig, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters): frequencies that turn more than beta_fast times over
+    the original context are kept, fewer than beta_slow divided by `factor`, a linear ramp between
+    (over the frequency index, its ends rounded outwards)."""
+
+    def index(rotations: float) -> float:  # the frequency index that turns `rotations` times
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(rope.theta))
+
+    low = max(math.floor(index(rope.beta_fast)), 0)
+    high = min(math.ceil(index(rope.beta_slow)), head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    kept = 1 - ramp.double()  # 1: the frequency as it is, 0: divided by factor
+    return inv_freq / rope.factor * (1 - kept) + inv_freq * kept
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """What YaRN multiplies cos and sin by (1 otherwise)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    return 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
 
 
 class RotaryEmbedding(nn.Module):
@@ -51,8 +78,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inv_frequencies(self.rope, self.head_dim).float()
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
         # [max_positions, head_dim // 2] each, float32 whatever the model dtype
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        scale = attention_factor(self.rope)
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.layers.activations import get_activation
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.layers.linear import MergedLinear
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.models.config import ModelConfig

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.models.config import ModelConfig
 from infer.models.llama import CausalLM, LlamaModel

@@ -15,9 +15,9 @@ Unquantized tensors (F32, F16, BF16) load as `--dtype` says. Quantized matrices 
 token embedding keeps its codes too, its rows dequantized as they are looked up, and a head tied to it
 gets them as well): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K as the file holds them, Q6_K requantized
 to int8 in groups of 32 (infer.quant.gguf_kquants). Projections run as one layer (q/k/v, gate/up) whose
-parts differ (Q4_K q and k beside a Q6_K v, as in Q4_K_M files) run on the int8 path, the int4 parts'
-codes held as int8. Every other type (IQ-quants, ternary, Q2_K, Q3_K) is refused, naming the tensor and
-its type, before the model is allocated.
+parts differ (Q4_K q and k beside a Q6_K v, as in Q4_K_M files) run each type's parts as a layer of their
+own (infer.quant.split_linear), the int4 codes still two to a byte. Every other type (IQ-quants,
+ternary, Q2_K, Q3_K) is refused, naming the tensor and its type, before the model is allocated.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ SUPPORTED_VERSIONS = (2, 3)
 # general.architecture -> the config.json `architectures` entry of the same model. llama.cpp writes
 # Mistral (and its sliding-window variant) as llama.
 ARCHITECTURES = {
+    "gpt2": "GPT2LMHeadModel",
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
@@ -91,6 +92,24 @@ GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# GPT-2 (blk.N.<name> -> transformer.h.N.<name>): LayerNorms with biases, learned positions, and q/k/v
+# fused as in Hugging Face's c_attn, whose Conv1D weights llama.cpp's converter stored transposed
+GPT2_LAYER_TENSORS = {
+    "attn_norm": "ln_1",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_norm": "ln_2",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+GPT2_GLOBAL_TENSORS = {
+    "token_embd.weight": "transformer.wte.weight",
+    "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight",
+    "output_norm.bias": "transformer.ln_f.bias",
+    "output.weight": "lm_head.weight",
+}
+GPT2_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 
 
 def is_gguf(path: Path) -> bool:
@@ -316,6 +335,13 @@ def check_loadable(model: GGUFModel) -> None:
             "(llama.cpp's convert_hf_to_gguf.py), or serve its Hugging Face folder with --quantization "
             "int8 / int4"
         )
+    if arch == "gpt2" and model.quantized():
+        first = next(t for t in model.tensors.values() if t.type_name in QUANTIZED)
+        raise ValueError(
+            f"{model.name}: tensor {first.name!r} is {first.type_name}: infer runs GPT-2 GGUF files in F32, "
+            "F16 or BF16 only; convert the model with `--outtype f32|f16|bf16`, or serve its Hugging Face "
+            "folder with --quantization int8 / int4"
+        )
     for t in model.tensors.values():
         if t.type_name in QUANTIZED and len(t.shape) != 2:
             raise ValueError(
@@ -353,6 +379,8 @@ def hf_config(model: GGUFModel) -> dict[str, Any]:
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     tokenizer = model.metadata
+    if arch == "gpt2":
+        return _gpt2(model)
     cfg: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": model.tensors["token_embd.weight"].shape[0],
@@ -379,6 +407,28 @@ def hf_config(model: GGUFModel) -> dict[str, Any]:
     if arch == "gemma3":
         cfg.update(_gemma3(model, cfg))
     return cfg
+
+
+def _gpt2(model: GGUFModel) -> dict[str, Any]:
+    """GPT-2's config.json (its own key names: n_embd, n_layer, ...); as many positions as the file has
+    position embeddings."""
+    get = model.get
+    positions = model.tensors.get("position_embd.weight")
+    return {
+        "architectures": [ARCHITECTURES["gpt2"]],
+        "vocab_size": model.tensors["token_embd.weight"].shape[0],
+        "n_embd": int(get("embedding_length")),
+        "n_layer": int(get("block_count")),
+        "n_head": int(get("attention.head_count")),
+        "n_inner": int(get("feed_forward_length")),
+        "n_positions": int(positions.shape[0] if positions is not None else get("context_length", 1024)),
+        "layer_norm_epsilon": _f32(get("attention.layer_norm_epsilon", 1e-5)),
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": "output.weight" not in model.tensors,
+        "bos_token_id": model.metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(end_ids(model.metadata)),
+        "dtype": _dtype(model),
+    }
 
 
 def token_id(meta: dict[str, Any], key: str, tokens: list[str]) -> int | None:
@@ -416,7 +466,28 @@ def _rope_scaling(model: GGUFModel) -> dict[str, Any] | None:
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(model.get("rope.scaling.factor", 1.0))}
-    raise ValueError(f"{model.name}: rope scaling {kind!r} is not supported; supported: none, linear")
+    if kind == "yarn":
+        return _yarn(model)
+    raise ValueError(f"{model.name}: rope scaling {kind!r} is not supported; supported: none, linear, yarn")
+
+
+def _yarn(model: GGUFModel) -> dict[str, Any]:
+    """YaRN as transformers' rope_scaling holds it, from what llama.cpp's converter writes of it."""
+    get = model.get
+    if get("rope.scaling.original_context_length") is None:
+        raise ValueError(f"{model.name}: yarn rope scaling without rope.scaling.original_context_length")
+    if get("rope.scaling.yarn_ext_factor") not in (None, 1.0) or get("rope.scaling.yarn_log_multiplier"):
+        raise ValueError(f"{model.name}: yarn rope scaling with an extrapolation factor or log multiplier")
+    params = {
+        "rope_type": "yarn",
+        "factor": _f32(get("rope.scaling.factor", 1.0)),
+        "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+    }
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                      ("yarn_attn_factor", "attention_factor")):  # fmt: skip
+        if get(f"rope.scaling.{key}") is not None:
+            params[name] = _f32(get(f"rope.scaling.{key}"))
+    return params
 
 
 def _gemma3(model: GGUFModel, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -458,11 +529,10 @@ def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
     (LlamaModel.permute) for llama.cpp's rope; for Gemma 3, 1 was added to every norm weight.
     """
     arch = model.architecture
-    layer_names = GEMMA3_LAYER_TENSORS if arch == "gemma3" else LAYER_TENSORS
     for name, tensor in model.tensors.items():
         if name == "rope_freqs.weight":  # the rope's scaling, read into the config
             continue
-        hf_name = _hf_name(name, layer_names)
+        hf_name = _hf_name(name, arch)
         if hf_name is None:
             raise ValueError(f"{model.name}: unexpected tensor {name!r} for architecture {arch!r}")
         heads = num_heads if ".attn_q." in name else num_kv_heads
@@ -478,19 +548,21 @@ def hf_tensors(model: GGUFModel, num_heads: int, num_kv_heads: int):
         data = tensor.to_torch()
         if permuted:
             data = _unpermute(data, heads)
+        if arch == "gpt2" and hf_name.endswith(GPT2_CONV1D):  # back to Conv1D's [in, out]
+            data = data.t()
         if arch == "gemma3" and name.endswith("norm.weight"):
             data = data - 1.0
         yield hf_name, data
 
 
 def tensor_paths(
-    model: GGUFModel, layers: dict[str, dict[str, str]], dtype: torch.dtype, widened: dict[str, int]
+    model: GGUFModel, layers: dict[str, dict[str, str]], dtype: torch.dtype, split: dict[str, int]
 ) -> dict:
     """What became of each tensor type of a GGUF file, for the start-up log and /server_info, e.g.
     {"Q8_0": "int8 in groups of 32: 9 linear layers (infer kernel x9); token_embd.weight as int8 in groups
     of 32, rows dequantized to bfloat16 as looked up", "F32": "bfloat16 (--dtype)"}. `layers`: block type ->
-    {module path: backend} of the quantized linears made from it; `widened`: block type -> how many of its
-    int4 tensors share a fused layer with int8 parts (their codes held as int8)."""
+    {module path: backend} of the quantized linears made from it; `split`: block type -> how many of its
+    tensors share a fused layer with parts of another type (each type runs as a part of its own)."""
     dtype_name = str(dtype).removeprefix("torch.")
     embedding = model.tensors.get(EMBEDDING)
     paths = {}
@@ -504,8 +576,8 @@ def tensor_paths(
             runs = ", ".join(f"{BACKEND_NAMES[b]} x{n}" for b, n in backends.most_common())
             count = len(layers[kind])
             parts.append(f"{LOADS_AS[kind]}: {count} linear layer{'s' * (count != 1)} ({runs})")
-        if widened.get(kind):
-            parts.append(f"{widened[kind]} tensors as int8 codes, fused with int8 tensors in one layer")
+        if split.get(kind):
+            parts.append(f"{split[kind]} fused with another type, each type a kernel call of its own")
         if embedding is not None and embedding.type_name == kind:
             parts.append(f"{EMBEDDING} as {LOADS_AS[kind]}, rows dequantized to {dtype_name} as looked up")
         paths[kind] = "; ".join(parts)
@@ -514,10 +586,9 @@ def tensor_paths(
 
 def tensor_types(model: GGUFModel) -> dict[str, str]:
     """Hugging Face name -> block type of each quantized tensor (the tied head: the embedding's)."""
-    layer_names = GEMMA3_LAYER_TENSORS if model.architecture == "gemma3" else LAYER_TENSORS
     types = {}
     for name, tensor in model.tensors.items():
-        if tensor.type_name in QUANTIZED and (hf_name := _hf_name(name, layer_names)) is not None:
+        if tensor.type_name in QUANTIZED and (hf_name := _hf_name(name, model.architecture)) is not None:
             types[hf_name] = tensor.type_name
             if name == EMBEDDING and "output.weight" not in model.tensors:
                 types[GLOBAL_TENSORS["output.weight"]] = tensor.type_name
@@ -531,13 +602,17 @@ def _quantized(model: GGUFModel, tensor: GGUFTensor) -> QuantizedWeight:
         raise ValueError(f"{model.name}: tensor {tensor.name!r}: {e}") from e
 
 
-def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
-    if name in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[name]
+def _hf_name(name: str, arch: str) -> str | None:
+    """The Hugging Face name of llama.cpp's tensor `name` in a model of `arch`, None if it has none."""
+    gpt2 = arch == "gpt2"
+    global_names = GPT2_GLOBAL_TENSORS if gpt2 else GLOBAL_TENSORS
+    if name in global_names:
+        return global_names[name]
+    layer_names = GPT2_LAYER_TENSORS if gpt2 else GEMMA3_LAYER_TENSORS if arch == "gemma3" else LAYER_TENSORS
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if match is None or match[2] not in layer_names:
         return None
-    return f"model.layers.{match[1]}.{layer_names[match[2]]}.{match[3]}"
+    return f"{'transformer.h' if gpt2 else 'model.layers'}.{match[1]}.{layer_names[match[2]]}.{match[3]}"
 
 
 def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:

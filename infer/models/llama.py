@@ -1,7 +1,7 @@
 """Llama-family decoders: Llama 2/3/3.1/3.2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms).
 
 Inputs are flat: `input_ids[num_tokens]`, `positions[num_tokens]`, with the packing of sequences
-described by AttentionMetadata (see infer/layers/attention.py).
+described by AttentionMetadata (see infer/layers/attention_metadata.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from infer.layers.activations import gated_act, get_activation
-from infer.layers.attention import AttentionMetadata, attention
+from infer.layers.attention import attention
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.layers.linear import MergedLinear
 from infer.layers.norms import RMSNorm
 from infer.layers.parallel import COLUMN, ROW, SINGLE, VOCAB, TensorParallel, VocabParallelEmbedding

@@ -28,7 +28,7 @@ from infer.quant.embedding import QuantizedEmbedding
 from infer.quant.formats import CheckpointQuant, parse_quantization_config, quantized_linear_prefix
 from infer.quant.formats import unpack as unpack_checkpoint
 from infer.quant.linear import linear_target, quantize_model, summarize, swap_quantized
-from infer.quant.weights import QuantizedWeight, as_int8_with_mins
+from infer.quant.weights import QuantizedWeight
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EMBEDDED_MODEL = ASSETS / "embedded"
@@ -271,35 +271,30 @@ def load_gguf_weights(
     packed = _packed_shards(net)
     kinds = {name.removesuffix(".weight"): kind for name, kind in gguf.tensor_types(model).items()}
     targets = {prefix: linear_target(net, prefix, packed)[0] for prefix in quantized}
-    widened = _one_scheme_per_layer(quantized, targets, kinds)
+    split = _split_by_scheme(quantized, targets, kinds)
     unpack = {prefix: functools.partial(_shaped, model.name, prefix, w) for prefix, w in quantized.items()}
     swapped = swap_quantized(net, unpack, packed) if quantized else {}
     check_complete(net, loaded | {f"{prefix}.weight" for prefix in quantized}, model.name)
     layers: dict[str, dict[str, str]] = {}  # block type -> {module path: backend}
     for prefix, target in targets.items():
         layers.setdefault(kinds[prefix], {})[target] = swapped[target].backend
-    return swapped, gguf.tensor_paths(model, layers, dtype, widened)
+    return swapped, gguf.tensor_paths(model, layers, dtype, split)
 
 
-def _one_scheme_per_layer(
+def _split_by_scheme(
     quantized: dict[str, QuantizedWeight], targets: dict[str, str], kinds: dict[str, str]
 ) -> dict[str, int]:
-    """Fused projections (q/k/v, gate/up) whose parts differ in bits or mins (Q4_K q, k beside a Q6_K v)
-    become int8 with mins throughout, exactly (as_int8_with_mins), in place. Returns block type -> how many
-    int4 tensors took int8 codes."""
+    """Block type -> how many of its tensors share a fused projection (q/k/v, gate/up) with parts of
+    another quantization scheme (Q4_K q, k beside a Q6_K v): such a layer runs each scheme's parts as
+    a layer of their own (infer.quant.linear.fused_linear), the codes as compact as their type allows."""
     parts: dict[str, list[str]] = {}
     for prefix, target in targets.items():
         parts.setdefault(target, []).append(prefix)
-    widened: Counter[str] = Counter()
+    split: Counter[str] = Counter()
     for prefixes in parts.values():
-        schemes = {(quantized[p].bits, quantized[p].mins is None) for p in prefixes}
-        if len(schemes) == 1:
-            continue
-        for prefix in prefixes:
-            if quantized[prefix].bits == 4:
-                widened[kinds[prefix]] += 1
-            quantized[prefix] = as_int8_with_mins(quantized[prefix])
-    return dict(widened)
+        if len({(quantized[p].bits, quantized[p].mins is None) for p in prefixes}) > 1:
+            split.update(kinds[p] for p in prefixes)
+    return dict(split)
 
 
 def _swap_embedding(net: nn.Module, weight: QuantizedWeight, dtype: torch.dtype) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.models.config import ModelConfig
 from infer.models.gpt2 import _CONV1D, GPT2LMHeadModel
 from infer.models.loader import init_dummy_weights

@@ -27,6 +27,7 @@ from torch import nn
 from infer import kernels
 from infer.config import QUANTIZATION_METHODS
 from infer.layers.linear import MergedLinear, pack_pairs
+from infer.quant.split_linear import SplitQuantizedLinear
 from infer.quant.weights import QuantizedWeight, concat, quantize
 
 logger = logging.getLogger("infer.quant")
@@ -244,14 +245,37 @@ def swap_quantized(net: nn.Module, pending: dict[str, Callable[..., QuantizedWei
                 f"{target}: only {len(parts)} of its {len(sizes)} fused projections are quantized"
             )
         try:
-            weight = concat([parts[i] for i in range(len(parts))])
+            new = fused_linear([parts[i] for i in range(len(parts))], module.bias, module.weight.dtype, sizes)
         except ValueError as e:
             raise ValueError(f"{target}: {e}") from None
-        new = QuantizedLinear(weight, module.bias, module.weight.dtype, sizes)
         parent, _, child = target.rpartition(".")
         setattr(net.get_submodule(parent) if parent else net, child, new)
         swapped[target] = new
     return swapped
+
+
+def _scheme(weight: QuantizedWeight) -> tuple:
+    """What weights must share to be one QuantizedLinear (infer.quant.weights.concat)."""
+    return weight.bits, weight.group_size, weight.zeros is None, weight.mins is None
+
+
+def fused_linear(
+    parts: list[QuantizedWeight], bias: torch.Tensor | None, dtype: torch.dtype, output_sizes=None
+) -> QuantizedLinear | SplitQuantizedLinear:
+    """The layer of a projection's quantized parts in output order (q, k, v): one QuantizedLinear when
+    they share a scheme, else a SplitQuantizedLinear of one per run of parts that do (a GGUF file's Q4_K q
+    and k, int4, beside a Q6_K v, int8), each part's codes as compact as its own scheme allows."""
+    runs: list[list[QuantizedWeight]] = []
+    for part in parts:
+        if runs and _scheme(runs[-1][-1]) == _scheme(part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    if len(runs) == 1:
+        return QuantizedLinear(concat(parts), bias, dtype, output_sizes)
+    if bias is not None:
+        raise ValueError("fused projections of different quantization schemes cannot share a bias")
+    return SplitQuantizedLinear([QuantizedLinear(concat(run), None, dtype) for run in runs], output_sizes)
 
 
 def linear_target(net: nn.Module, prefix: str, packed: dict) -> tuple[str, int | None]:
@@ -275,11 +299,11 @@ def linear_target(net: nn.Module, prefix: str, packed: dict) -> tuple[str, int |
     return target, shard
 
 
-def summarize(method, swapped: dict[str, QuantizedLinear]) -> dict:
+def summarize(method, swapped: dict[str, QuantizedLinear | SplitQuantizedLinear]) -> dict:
     """What was quantized, for the start-up log and /server_info. `method`: ours (int8/int4), a
     checkpoint's CheckpointQuant, or None."""
     backends: dict[str, int] = {}
-    for layer in swapped.values():
+    for layer in swapped.values():  # a SplitQuantizedLinear counts once, by its slowest part's path
         backends[layer.backend] = backends.get(layer.backend, 0) + 1
     body = [layer for name, layer in swapped.items() if not name.endswith("lm_head")]
     head = next((layer for name, layer in swapped.items() if name.endswith("lm_head")), None)

@@ -101,15 +101,6 @@ def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
     )
 
 
-def as_int8_with_mins(weight: QuantizedWeight) -> QuantizedWeight:
-    """The same weights as int8 codes with a min per group (the same codes; int4 takes twice the bytes):
-    the one scheme that joins int4 and int8 parts (a GGUF file's Q4_K q / k beside a Q6_K v) in one
-    fused projection."""
-    offsets = weight.offsets()
-    mins = torch.zeros_like(weight.scales) if offsets is None else offsets
-    return QuantizedWeight(weight.q, weight.scales, None, 8, weight.group_size, mins)
-
-
 def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> QuantizedWeight:
     """Round-to-nearest weight-only quantization of a [out, in] matrix.
 

@@ -4,7 +4,7 @@ Their dtype is the model's, or with `--kv-cache-dtype fp8` (fp8_e4m3, or fp8_e5m
 byte per element, as vLLM's flag: no scale (vLLM's default without calibration, 1.0), each key and value
 rounded to the nearest fp8 value and saturated at the format's largest (448 for e4m3, 57344 for e5m2) as
 it is written. The attention kernels read the codes as bf16, exactly (infer/kernels/fp8.h); without them
-the Python path converts what it reads (infer/layers/attention.py). e4m3 keeps 3 mantissa bits (a
+the Python path converts what it reads (infer/layers/fp8_kv_cache.py). e4m3 keeps 3 mantissa bits (a
 relative error of at most 1/16), e5m2 2 bits with a wider range.
 """
 
@@ -16,7 +16,8 @@ import torch
 
 from infer import kernels
 from infer.kernels import hugepages
-from infer.layers import attention
+from infer.layers.attention_kernels import kernels_read_fp8
+from infer.layers.fp8_kv_cache import FP8_DTYPES
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.models.config import ModelConfig
 
@@ -34,7 +35,7 @@ def warn_unserved_fp8(cache_dtype: torch.dtype, model_dtype: torch.dtype, head_d
     """A log line where an fp8 cache will not be read by the kernels (they take bf16 queries and a
     head_dim of a multiple of 64, on an AVX-512 BF16 + VBMI build): it works, through the slower Python
     path."""
-    if cache_dtype in attention.FP8_DTYPES and not attention.kernels_read_fp8(model_dtype, head_dim):
+    if cache_dtype in FP8_DTYPES and not kernels_read_fp8(model_dtype, head_dim):
         ops = kernels.load()
         logger.warning(
             "fp8 KV cache with a %s model of head_dim %d: the attention kernels read fp8 with bfloat16 "

@@ -15,13 +15,13 @@ import torch
 
 from infer import kernels
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.runner.decode_graph import DecodeGraphs
-from infer.runner.grammar import GrammarCompiler
 from infer.runner.kv_cache import allocate_kv_cache
 from infer.runner.rejection_sampler import verify
 from infer.runner.sampler import Sampler
+from infer.structured_outputs.compiler import GrammarCompiler
 
 PROMPT_LOGPROBS_ROWS = 256  # [256, vocab] float32 logits at a time: 33 MB at 32,000 tokens
 

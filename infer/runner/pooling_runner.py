@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.layers.pooler import normalize, pool, truncate_dimensions
 
 

@@ -14,8 +14,12 @@ with d1..dj appended; then temperature, top-k, top-p, min-p), so that every feat
     samples from p with d's mass removed. Either way each emitted token is distributed as p given what
     precedes it: P(emit x) = p(d) [x = d] + (1 - p(d)) p(x) [x != d] / (1 - p(d)) = p(x).
 
-Requests with a grammar or that ask for logprobs are never given proposals (the engine's choice), so a
-grammar's state and logprobs' entries stay one per step.
+A grammar (structured outputs) bans at row j what it bans after d1..dj: its matcher consumes the
+proposals one at a time for the rows' masks, and is rolled back after. A proposal the grammar does not
+allow there (or one after the grammar stopped) ends the request's draft: the rows from there on are not
+verified, and the token after the kept proposals is drawn from the grammar's row, which is what a
+rejection of the banned proposal would draw (its probability there is 0). Requests that ask for
+logprobs are never given proposals (the engine's choice): their entries stay one per step.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from infer.core.outputs import ScheduledRequest
-from infer.runner.sampler import Sampler, adjusted, argmax
+from infer.runner.sampler import Sampler, adjusted, argmax, check_grammar
+from infer.structured_outputs.matcher import Grammar, banned
 
 
 def verify(
@@ -39,22 +44,61 @@ def verify(
             history = s.history + s.spec_token_ids[:j] if p.needs_history else None
             histories.append((history, s.num_prompt_tokens) if p.needs_history else None)
     _ban_early_stops(logits, reqs, eos_token_ids)
+    drafts, bans = _grammar_drafts(sampler, reqs, logits.shape[1])
     if any(p.adjusts_logits for p in params):
-        logits = adjusted(logits, params, histories)  # built per row from its history: no state kept
+        logits = adjusted(logits, params, histories, bans=bans)  # built per row from its history
     targets = argmax(logits).tolist() if any(p.greedy for p in params) else None
     probs = None
     if not all(p.greedy for p in params):
         probs = sampler._filtered_probs(logits.float(), params)
     out, row = [], 0
-    for s in reqs:
-        num_rows = len(s.spec_token_ids) + 1
+    for s, draft in zip(reqs, drafts, strict=True):
         if s.sampling_params.greedy:
-            out.append(accept_greedy(s.spec_token_ids, targets[row : row + num_rows]))
+            out.append(accept_greedy(draft, targets[row : row + len(draft) + 1]))
         else:
             gen = _generator(sampler, s)
-            out.append(accept_sampled(s.spec_token_ids, probs[row : row + num_rows], gen))
-        row += num_rows
+            out.append(accept_sampled(draft, probs[row : row + len(draft) + 1], gen))
+        row += len(s.spec_token_ids) + 1
     return out
+
+
+def _grammar_drafts(sampler: Sampler, reqs: list[ScheduledRequest], num_logits: int):
+    """Per request, the proposals to verify (a grammar's request: up to the first it does not allow),
+    and the grammar bans of its rows (rows, bool [rows, num_logits]) or None."""
+    drafts, rows, masks, row = [], [], [], 0
+    for s in reqs:
+        p = s.sampling_params
+        grammar = None
+        if p.structured_outputs is not None:
+            grammar = sampler.grammar(s.req_id, p, s.history, s.num_prompt_tokens)
+        if grammar is None or grammar.terminated:
+            drafts.append(s.spec_token_ids)
+        else:
+            draft, row_bans = _allowed_prefix(
+                grammar, s.spec_token_ids, sampler.compiler.vocab_size, num_logits
+            )
+            drafts.append(draft)
+            rows += range(row, row + len(row_bans))
+            masks += row_bans
+        row += len(s.spec_token_ids) + 1
+    return drafts, ((rows, torch.cat(masks)) if rows else None)
+
+
+def _allowed_prefix(grammar: Grammar, draft: list[int], vocab_size: int, num_logits: int):
+    """The proposals the grammar allows one after another, stopping at one it bans or once it stopped,
+    and the bans of rows 0..len(kept) (each bool [1, num_logits]); the matcher is left where it was."""
+    row_bans = [banned([grammar], vocab_size, num_logits)]
+    check_grammar(grammar)
+    kept = 0
+    for token_id in draft:
+        matcher = grammar.matcher
+        if matcher.is_stopped() or row_bans[-1][0, token_id] or not matcher.consume_token(token_id):
+            break
+        kept += 1
+        row_bans.append(banned([grammar], vocab_size, num_logits))
+    if kept:
+        grammar.matcher.rollback(kept)
+    return draft[:kept], row_bans
 
 
 def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:

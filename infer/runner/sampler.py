@@ -3,7 +3,7 @@
 Each row has its own temperature, top-k, top-p, min-p and optional seed. Filters run on the whole
 [num_reqs, vocab] tensor at once; the only per-request work is drawing the noise of seeded rows from their
 own generator, which is what makes a seeded request's tokens independent of its batch, a request's
-grammar (structured outputs: infer.runner.grammar) and its allowed ids, logit_bias and penalties
+grammar (structured outputs: infer.structured_outputs) and its allowed ids, logit_bias and penalties
 (`Adjustment`); both kept per request and applied to a float32 copy of the logits, only in a step that
 has such a request.
 
@@ -19,8 +19,9 @@ import torch
 
 from infer import kernels
 from infer.config import usable_cores
-from infer.runner.grammar import Grammar, GrammarCompiler, banned
 from infer.sampling_params import SamplingParams, Unsatisfiable
+from infer.structured_outputs.compiler import GrammarCompiler
+from infer.structured_outputs.matcher import Grammar, banned
 
 MAX_TEMPERATURE = 1e4
 # A repetition penalty near 0 divides a positive logit into float32's overflow; capped here, so that
@@ -95,16 +96,9 @@ class Sampler:
         for row, p in enumerate(params):
             if p.structured_outputs is None:
                 continue
-            req_id = req_ids[row]
-            history, num_prompt = histories[row]
-            start = self._grammar_start(req_id, p.grammar_after_ids, history, num_prompt)
-            if start is None:  # the output is free until the ids that start the grammar
+            grammar = self.grammar(req_ids[row], p, *histories[row])
+            if grammar is None:  # the output is free until the ids that start the grammar
                 continue
-            grammar = self.grammars.get(req_id)
-            if grammar is None:
-                matcher = self.compiler.take(req_id, p.structured_outputs)
-                grammar = self.grammars[req_id] = Grammar(matcher, p.ignore_eos)
-            grammar.advance(history[num_prompt + start :])
             rows.append(row)
             grammars.append(grammar)
         if not rows:
@@ -115,9 +109,21 @@ class Sampler:
             self._executor = llguidance.LLExecutor(num_threads=usable_cores())
         bans = banned(grammars, self.compiler.vocab_size, num_logits, self._executor)
         for grammar in grammars:
-            if grammar.error is not None:  # fails this request alone (the engine splits the step)
-                raise Unsatisfiable(f"structured_outputs: the grammar's parser failed: {grammar.error}")
+            check_grammar(grammar)
         return rows, bans
+
+    def grammar(self, req_id: str, p: SamplingParams, history: list[int], num_prompt: int) -> Grammar | None:
+        """The request's grammar, fed its output up to the end of history; None while a grammar that
+        starts after grammar_after_ids has not started."""
+        start = self._grammar_start(req_id, p.grammar_after_ids, history, num_prompt)
+        if start is None:
+            return None
+        grammar = self.grammars.get(req_id)
+        if grammar is None:
+            matcher = self.compiler.take(req_id, p.structured_outputs)
+            grammar = self.grammars[req_id] = Grammar(matcher, p.ignore_eos)
+        grammar.advance(history[num_prompt + start :])
+        return grammar
 
     def _grammar_start(self, req_id: str, after: tuple[int, ...], history: list[int], num_prompt: int):
         """Where in the output a request's grammar starts: 0, or just past the first appearance of
@@ -208,7 +214,8 @@ class Adjustment:
     def __init__(self, p: SamplingParams):
         self.params = p
         self.allowed = None if p.allowed_token_ids is None else torch.tensor(p.allowed_token_ids)
-        self.bias_ids = torch.tensor(list(p.logit_bias)) if p.logit_bias else None
+        # logit_bias as tensors, built once: adjusted() adds every row's in one index_add_ per step
+        self.bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.int64) if p.logit_bias else None
         self.bias = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32) if p.logit_bias else None
         self.seen: set[int] | None = set() if p.repetition_penalty != 1.0 else None
         self.seen_ids: torch.Tensor | None = None  # the same ids as a tensor
@@ -239,7 +246,13 @@ class Adjustment:
         over the output, frequency_penalty x (times generated) + presence_penalty subtracted. A banned
         token's -inf stays -inf; every other value stays within +-MAX_ADJUSTED_LOGIT, so no penalty can
         turn a row into NaN or leave it with nothing to sample."""
-        p = self.params
+        self.ban(x)
+        if self.bias is not None:
+            x.index_add_(0, self.bias_ids, self.bias)
+        self.penalize(x)
+
+    def ban(self, x: torch.Tensor) -> None:
+        """apply()'s first part, before logit_bias: allowed_token_ids and bad words."""
         if self.allowed is not None:
             kept = x.index_select(0, self.allowed)
             x.fill_(float("-inf")).index_copy_(0, self.allowed, kept)
@@ -248,8 +261,10 @@ class Adjustment:
             prefix = len(ids) - 1
             if prefix == 0 or (prefix <= len(recent) and recent[len(recent) - prefix :] == ids[:-1]):
                 x[ids[-1]] = float("-inf")
-        if self.bias is not None:
-            x.index_add_(0, self.bias_ids, self.bias)
+
+    def penalize(self, x: torch.Tensor) -> None:
+        """apply()'s last part, after logit_bias: the repetition, frequency and presence penalties."""
+        p = self.params
         if self.seen_ids is not None:
             penalty = min(p.repetition_penalty, FLOAT32_MAX)  # a float32 factor: 0 * it stays 0
             v = x.index_select(0, self.seen_ids)
@@ -260,6 +275,11 @@ class Adjustment:
         if self.counts:
             ids, counts = torch.tensor(list(self.counts)), torch.tensor(list(self.counts.values()))
             x.index_add_(0, ids, -(p.frequency_penalty * counts.float() + p.presence_penalty))
+
+
+def check_grammar(grammar: Grammar) -> None:
+    if grammar.error is not None:  # fails this request alone (the engine splits the step)
+        raise Unsatisfiable(f"structured_outputs: the grammar's parser failed: {grammar.error}")
 
 
 def adjusted(
@@ -274,20 +294,24 @@ def adjusted(
     histories). A grammar is never broken: where the other bans (allowed ids, bad words, min_tokens)
     leave a row nothing, it samples among the grammar's tokens alone; without a grammar, such a row is
     Unsatisfiable (the engine ends that request alone)."""
-    out = logits.float() if logits.dtype != torch.float32 else logits.clone()
+    out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # flat: _add_biases
     if bans is not None:
         rows, banned_ids = bans
         if len(rows) == len(params):  # every row (one pass, no gather and scatter)
             out.masked_fill_(banned_ids, float("-inf"))
         else:
             out[rows] = out[rows].masked_fill_(banned_ids, float("-inf"))
+    rows = {}
     for row, p in enumerate(params):
         if not p.has_adjustment:
             continue
-        state = states[row] if states is not None else Adjustment(p)
+        state = rows[row] = states[row] if states is not None else Adjustment(p)
         if p.needs_history:
             state.fold(*histories[row])
-        state.apply(out[row])
+        state.ban(out[row])
+    _add_biases(out, rows)
+    for row, state in rows.items():
+        state.penalize(out[row])
     grammar_rows = dict(zip(bans[0], range(len(bans[0])), strict=True)) if bans is not None else {}
     for row, p in enumerate(params):
         # only bans can empty a row (a logit_bias or a penalty stays finite)
@@ -303,6 +327,18 @@ def adjusted(
         if out[row].max() == float("-inf"):  # min_tokens banned them there too (EOS): equal odds
             out[row] = torch.zeros(out.shape[1]).masked_fill_(grammar_bans, float("-inf"))
     return out
+
+
+def _add_biases(out: torch.Tensor, states: dict[int, Adjustment]) -> None:
+    """Every row's logit_bias in one index_add_ over the flat [num_reqs * vocab] logits (Adjustment.apply
+    adds one row's alike): a step's cost does not grow with a Python call per biased row."""
+    biased = [(row, state) for row, state in states.items() if state.bias is not None]
+    if not biased:
+        return
+    vocab = out.shape[1]
+    index = torch.cat([state.bias_ids + row * vocab for row, state in biased])
+    values = torch.cat([state.bias for _, state in biased])
+    out.view(-1).index_add_(0, index, values)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ from infer.server.model_manager import ModelLeases, ModelManager
 from infer.server.model_manager import router as models_router
 from infer.server.protocol import ERROR_RESPONSES, APIError, bad_request
 from infer.server.request_body import RequestBody, is_json
-from infer.server.serving import ServerState, check_model
+from infer.server.server_state import ServerState, check_model
 
 logger = logging.getLogger("infer.server")
 

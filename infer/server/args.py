@@ -1,5 +1,5 @@
-"""Server flags: the seeds' names (vLLM's where they exist), an optional YAML file with the same keys, and
-their mapping onto `EngineConfig`.
+"""Server flags: vLLM's names where vLLM has the flag (with aliases beside some: `--max-batch-size` for
+`--max-num-seqs`), an optional YAML file with the same keys, and their mapping onto `EngineConfig`.
 
     python -m infer.server --model MODEL --max-batch-size 8 --num-gpu-blocks 2048 --prefix-caching
     infer serve MODEL --config serve.yaml --port 8001        # flags override the file
@@ -261,6 +261,8 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' proposes the tokens that followed an earlier '
         "occurrence of the text's last n tokens and verifies them in one forward; "
+        '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\' has a small model of the '
+        "same vocabulary propose them; "
         '"disable_by_batch_size" (default 4): speculate only while at most that many requests run',
     )
     parser.add_argument(

@@ -31,37 +31,30 @@ from fastapi import APIRouter, Request
 
 from infer.sampling_params import SamplingParams
 from infer.server import tools
+from infer.server.engine_errors import engine_error
+from infer.server.fanout import Fanout, Job, answer, choice_params
+from infer.server.json_encoding import SSE_DONE, sse
+from infer.server.logprobs_json import prompt_logprobs_json, prompt_logprobs_of, sampled_logprobs
 from infer.server.protocol import (
     GENERATE_RESPONSES,
     ChatCompletionRequest,
     TokenizeRequest,
     bad_request,
+    new_id,
     usage,
 )
 from infer.server.reasoning import REASONING_PARSERS, THINKING_END, split, thinking
-from infer.server.serving import (
-    SSE_DONE,
-    Fanout,
-    Job,
-    ServerState,
-    answer,
+from infer.server.request_params import (
     check_fields,
     check_grammar,
     check_priority,
     check_prompt_logprobs,
-    choice_params,
     continuous_usage,
-    engine_error,
-    model_state,
-    new_id,
     objectives,
-    prompt_logprobs_json,
-    prompt_logprobs_of,
-    sampled_logprobs,
     sampling_params,
-    sse,
     truncated,
 )
+from infer.server.server_state import ServerState, model_state
 from infer.server.tool_parsers import extract
 
 router = APIRouter()

@@ -16,32 +16,28 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
-from infer.server.protocol import GENERATE_RESPONSES, CompletionRequest, bad_request, usage
-from infer.server.serving import (
-    SSE_DONE,
-    Fanout,
-    Job,
-    ServerState,
-    answer,
+from infer.server.engine_errors import engine_error
+from infer.server.fanout import Fanout, Job, answer, choice_params
+from infer.server.json_encoding import SSE_DONE, sse
+from infer.server.logprobs_json import (
+    floor_logprob,
+    prompt_logprobs_json,
+    prompt_logprobs_of,
+    token_name,
+    token_text,
+)
+from infer.server.protocol import GENERATE_RESPONSES, CompletionRequest, bad_request, new_id, usage
+from infer.server.request_params import (
     check_fields,
     check_grammar,
     check_priority,
     check_prompt_logprobs,
-    choice_params,
     continuous_usage,
-    engine_error,
-    floor_logprob,
-    model_state,
-    new_id,
     objectives,
-    prompt_logprobs_json,
-    prompt_logprobs_of,
     sampling_params,
-    sse,
-    token_name,
-    token_text,
     truncated,
 )
+from infer.server.server_state import ServerState, model_state
 
 router = APIRouter()
 

@@ -23,8 +23,8 @@ from fastapi.responses import Response
 from infer.engine.pooling_inputs import embedding_inputs
 from infer.server.chat import render_chat
 from infer.server.pooling_protocol import EmbeddingRequest
-from infer.server.protocol import bad_request
-from infer.server.serving import model_state, new_id
+from infer.server.protocol import bad_request, new_id
+from infer.server.server_state import model_state
 
 router = APIRouter()
 

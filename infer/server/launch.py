@@ -24,7 +24,7 @@ from infer.server import tcmalloc
 from infer.server.app import create_app
 from infer.server.args import ServerArgs
 from infer.server.header_timeout import with_header_timeout
-from infer.server.serving import ServerState
+from infer.server.server_state import ServerState
 
 logger = logging.getLogger("infer.server")
 ABORT_GRACE_S = 2.0  # after aborting on drain timeout: time for the streams to send their last chunk

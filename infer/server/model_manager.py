@@ -46,7 +46,7 @@ from infer.server.args import ServerArgs
 from infer.server.metrics import Metrics
 from infer.server.model_specs import ModelSpec, estimated_bytes, parse_keep_alive
 from infer.server.protocol import APIError, bad_request
-from infer.server.serving import LEASES_KEY, RETRY_AFTER_S, ServerState
+from infer.server.server_state import LEASES_KEY, RETRY_AFTER_S, ServerState
 
 logger = logging.getLogger("infer.server")
 UNLOADED, LOADING, LOADED, UNLOADING = "unloaded", "loading", "loaded", "unloading"

@@ -5,14 +5,15 @@ ignore_eos, repetition_penalty, allowed_token_ids, bad_words, include_stop_str_i
 spaces_between_special_tokens, return_token_ids, return_tokens_as_token_ids, structured_outputs, priority,
 chat's continue_final_message and echo) and ours (ttft_slo_ms, tpot_slo_ms) that clients pass through
 `extra_body`. Unknown fields are ignored and logged, as vLLM does, but for those of vLLM's and OpenAI's that
-would change the output (serving.check_fields: a 400). Everything a request can carry is bounded here, at the
-edge, so that no value reaches the engine that could fail a step shared with other requests: ints fit int64,
-floats are finite, and every string is valid Unicode (JSON may carry lone UTF-16 surrogates, which no
+would change the output (request_params.check_fields: a 400). Everything a request can carry is bounded here,
+at the edge, so that no value reaches the engine that could fail a step shared with other requests: ints fit
+int64, floats are finite, and every string is valid Unicode (JSON may carry lone UTF-16 surrogates, which no
 tokenizer can encode). Responses are plain dicts built by the handlers: the shapes are documented here once,
 and the official `openai` client parses them in the tests."""
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
@@ -87,6 +88,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})  # hold no text: a 1,024-entry logit_bias costs ~0
+
+
 def _check_unicode(value: Any, where: str = "body") -> None:
     """Every string, key or value, nested anywhere, must encode as UTF-8 (no lone surrogates)."""
     if isinstance(value, str):
@@ -98,18 +102,21 @@ def _check_unicode(value: Any, where: str = "body") -> None:
             ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_unicode(key, where)
-            _check_unicode(item, f"{where}.{key}" if isinstance(key, str) and key.isascii() else where)
+            if isinstance(key, str):
+                _check_unicode(key, where)
+            if type(item) not in _SCALARS:
+                _check_unicode(item, f"{where}.{key}" if isinstance(key, str) and key.isascii() else where)
     elif isinstance(value, list | tuple):
         for i, item in enumerate(value):
-            _check_unicode(item, f"{where}[{i}]")
+            if type(item) not in _SCALARS:
+                _check_unicode(item, f"{where}[{i}]")
     elif isinstance(value, BaseModel):
         _check_unicode(value.__dict__, where)
         _check_unicode(value.__pydantic_extra__ or {}, where)
 
 
 class _Request(BaseModel):
-    # extras are kept (not validated) so that the handlers can name them: serving.check_fields
+    # extras are kept (not validated) so that the handlers can name them: request_params.check_fields
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="after")
@@ -404,3 +411,9 @@ def usage(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, An
         "total_tokens": num_prompt + num_completion,
         "prompt_tokens_details": {"cached_tokens": num_cached},
     }
+
+
+def new_id(prefix: str) -> str:
+    """An id a client sees: 128 random bits (as vLLM's random_uuid), so that no id tells another: an id
+    with a counter or a clock in it let one client count its way to another's stored response."""
+    return f"{prefix}-{secrets.token_hex(16)}"

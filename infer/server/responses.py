@@ -55,32 +55,29 @@ from infer.engine.llm_engine import StepOutput
 from infer.server import tools
 from infer.server.auth import request_owner, same_owner
 from infer.server.chat import chat_prompt_ids, with_reasoning
+from infer.server.engine_errors import engine_error
+from infer.server.fanout import Fanout, Job, answer
+from infer.server.json_encoding import sse
+from infer.server.logprobs_json import sampled_logprobs
 from infer.server.protocol import (
     GENERATE_RESPONSES,
     APIError,
     ChatCompletionRequest,
     ResponsesRequest,
     bad_request,
+    new_id,
 )
 from infer.server.reasoning import REASONING_PARSERS, split, thinking
-from infer.server.responses_input import input_messages
-from infer.server.responses_items import StreamedItems, call_item, plain_call, reasoning_item
-from infer.server.serving import (
-    Fanout,
-    Job,
-    ServerState,
-    answer,
+from infer.server.request_params import (
     check_fields,
     check_grammar,
     check_priority,
-    engine_error,
-    model_state,
-    new_id,
     objectives,
-    sampled_logprobs,
     sampling_params,
-    sse,
 )
+from infer.server.responses_input import input_messages
+from infer.server.responses_items import StreamedItems, call_item, plain_call, reasoning_item
+from infer.server.server_state import ServerState, model_state
 from infer.server.tool_parsers import extract
 
 router = APIRouter()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from infer.engine.llm_engine import StepOutput
 from infer.server import tools
-from infer.server.serving import new_id
+from infer.server.protocol import new_id
 
 
 class StreamedItems:

@@ -22,8 +22,8 @@ from fastapi.responses import Response
 from infer.engine.pooling_inputs import ScoreJob, pair_up
 from infer.server.embeddings import param_of
 from infer.server.pooling_protocol import RerankRequest, ScoreRequest
-from infer.server.protocol import bad_request
-from infer.server.serving import ServerState, model_state, new_id
+from infer.server.protocol import bad_request, new_id
+from infer.server.server_state import ServerState, model_state
 
 router = APIRouter()
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from infer.server.chat import render_chat
 from infer.server.protocol import DetokenizeRequest, TokenizeRequest, bad_request
-from infer.server.serving import ServerState, model_state
+from infer.server.server_state import ServerState, model_state
 
 router = APIRouter()
 

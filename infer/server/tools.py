@@ -1,14 +1,15 @@
 """Tool calls on chat completions, as vLLM makes them without a model's own parser.
 
 A `tool_choice` that names a function, or "required", constrains the output to JSON (structured outputs,
-the same grammar machinery as response_format): the named function's arguments (its `parameters`
-schema), or a list of calls `[{"name": ..., "parameters": {...}}, ...]` whose items are any of the
-tools (vLLM's schema; at most one with `parallel_tool_calls: false`). The response then carries that
-JSON as the message's `tool_calls`, `content` null (OpenAI's shape), and finish_reason "tool_calls" for
-"required" ("stop" for a named one, as OpenAI and vLLM). A call's `arguments` are the text generated
-for them (for "required", the `parameters` value as written). Streamed, each call is announced once its
-name is complete and its arguments follow as they are generated (infer.server.tool_call_parser), so the
-stream accumulates to the response that is not streamed; JSON that is no call's never becomes content.
+the same grammar machinery as response_format; the schema: infer.structured_outputs.tool_calls): the
+named function's arguments (its `parameters` schema), or a list of calls `[{"name": ..., "parameters":
+{...}}, ...]` whose items are any of the tools (vLLM's schema; at most one with `parallel_tool_calls:
+false`). The response then carries that JSON as the message's `tool_calls`, `content` null (OpenAI's
+shape), and finish_reason "tool_calls" for "required" ("stop" for a named one, as OpenAI and vLLM). A
+call's `arguments` are the text generated for them (for "required", the `parameters` value as written).
+Streamed, each call is announced once its name is complete and its arguments follow as they are
+generated (infer.server.tool_call_parser), so the stream accumulates to the response that is not
+streamed; JSON that is no call's never becomes content.
 
 "auto" (the default when tools are sent) leaves the output free: the tools reach the chat template, and
 with --enable-auto-tool-choice the server's --tool-call-parser reads the calls the model writes out of
@@ -22,6 +23,7 @@ import secrets
 
 from infer.server.tool_call_parser import CallDelta, CallListParser, NamedCallParser, parse_calls
 from infer.server.tool_parsers import ToolParser, tool_parser_class
+from infer.structured_outputs.tool_calls import forces_calls, named_function
 
 MAX_TOOLS = 128
 
@@ -65,18 +67,6 @@ def check_unique_names(names: list) -> None:
             )
 
 
-def named_function(body) -> str | None:
-    """The function a tool_choice names: chat's {"function": {"name"}}, the Responses API's {"name"}."""
-    choice = body.tool_choice
-    return function_of(choice)["name"] if isinstance(choice, dict) else None
-
-
-def function_of(tool: dict) -> dict:
-    """A tool's function (name, description, parameters): nested in chat's tools, the tool itself in the
-    Responses API's."""
-    return tool.get("function", tool)
-
-
 def as_chat_tools(tools: list[dict] | None) -> list[dict] | None:
     """Tools as chat's shape, which chat templates read: {"type": "function", "function": {...}}."""
     if tools is None:
@@ -94,40 +84,6 @@ def as_chat_tool_choice(choice):
     if isinstance(choice, dict) and "function" not in choice:
         return {"type": choice.get("type"), "function": {"name": choice.get("name")}}
     return choice
-
-
-def forces_calls(body) -> bool:
-    """The output is tool calls (a named function, or "required")."""
-    return body.tools is not None and (body.tool_choice == "required" or named_function(body) is not None)
-
-
-def _parameters(function: dict) -> dict:
-    return function.get("parameters") or {"type": "object", "properties": {}}
-
-
-def tool_schema(body) -> dict | None:
-    """The JSON schema the output must follow, or None when tool_choice does not force calls."""
-    if not forces_calls(body):
-        return None
-    functions = [function_of(tool) for tool in body.tools]
-    name = named_function(body)
-    if name is not None:
-        return _parameters(next(f for f in functions if f["name"] == name))
-    defs, calls = {}, []
-    for function in functions:
-        parameters = dict(_parameters(function))
-        for key, value in (parameters.pop("$defs", None) or {}).items():
-            if defs.setdefault(key, value) != value:  # vLLM's rule: $defs merge into one namespace
-                raise ValueError(f"tools: the definition {key!r} has two different schemas")
-        name_schema = {"type": "string", "enum": [function["name"]]}
-        properties = {"name": name_schema, "parameters": parameters}
-        calls.append({"properties": properties, "required": ["name", "parameters"]})
-    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
-    if body.parallel_tool_calls is False:
-        schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
-    return schema
 
 
 def call_id() -> str:

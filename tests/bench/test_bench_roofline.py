@@ -62,3 +62,48 @@ def test_quantized_weight_bytes_are_what_the_quantized_model_holds(method):
     embedding = net.input_embeddings().weight
     held += sum(p.nbytes for p in net.parameters() if id(p) not in quantized and p is not embedding)
     assert model_shape("llama-50m", "bfloat16", method)["weight_bytes"] == held
+
+
+def test_an_untied_embedding_is_not_counted_as_read():
+    """A decode step looks one row of an untied token embedding up: its bytes are not the step's."""
+    shape = model_shape("llama-50m", "bfloat16")
+    assert shape["weight_bytes"] == 2 * (shape["num_params"] - 32000 * 512)
+
+
+def _write_gguf(path, tied: bool):
+    """A one-layer Llama's metadata; token_embd and the head (unless tied) in Q8_0 (34 bytes a block of
+    32), attn_q in Q4_0 (18 bytes), two float32 norms of 64."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    writer = GGUFWriter(path, "llama")
+    for key, value in [("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 128),
+                       ("attention.head_count", 4), ("context_length", 256)]:  # fmt: skip
+        writer.add_uint32(f"llama.{key}", value)
+    q8 = np.zeros((96, 2 * 34), dtype=np.uint8)
+    writer.add_tensor("token_embd.weight", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    writer.add_tensor(
+        "blk.0.attn_q.weight", np.zeros((64, 2 * 18), np.uint8), raw_dtype=GGMLQuantizationType.Q4_0
+    )
+    if not tied:
+        writer.add_tensor("output.weight", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_gguf_files_weight_bytes_are_its_own(tmp_path, tied):
+    """Quantized blocks as the file stores them, the rest in --dtype; the token embedding only when the
+    head is tied to it (then read once, as the head)."""
+    path = _write_gguf(tmp_path / "m.gguf", tied)
+    head = 96 * 2 * 34  # the head, or the embedding it is tied to
+    shape = model_shape(str(path), "bfloat16")
+    assert shape["weight_bytes"] == head + 64 * 2 * 18 + 2 * 64 * 2
+    assert shape["num_params"] == 96 * 64 * (1 if tied else 2) + 64 * 64 + 2 * 64
+    assert shape["kv_bytes_per_token"] == 2 * 1 * 4 * 16 * 2
+    assert "Q8_0" in shape["dtype"] and "Q4_0" in shape["dtype"]

@@ -32,6 +32,26 @@ def run(engine: AsyncEngine, coro):
     return asyncio.run(main())
 
 
+def test_the_engine_thread_waits_for_the_gil_a_short_switch_interval_at_most(model_path):
+    # after each torch op the engine thread takes the GIL back from whichever thread runs Python, which
+    # drops it only every switch interval
+    import sys
+
+    from infer.engine.async_engine import GIL_SWITCH_INTERVAL_S
+
+    previous = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)  # Python's default
+        engine = AsyncEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=64))
+
+        async def interval():
+            return sys.getswitchinterval()
+
+        assert run(engine, interval) <= GIL_SWITCH_INTERVAL_S < 0.005
+    finally:
+        sys.setswitchinterval(previous)
+
+
 def test_concurrent_streams_match_offline_results(model_path):
     from infer.engine.llm import LLM
 
@@ -171,3 +191,34 @@ def test_a_burst_of_requests_to_an_idle_engine_starts_as_one_step(model_path, mo
     outs = run(engine, main)
     assert all(o[-1].finished for o in outs)
     assert steps[0] == (4, 12)  # all four prompts (3 tokens each) in the first step, each with its token
+
+
+def test_a_groups_sequences_run_in_waves_and_all_complete(model_path):
+    """The n choices of one request (one group_id) never hold every seat: a seat stays free for the next
+    arrival, and every choice completes."""
+    engine = AsyncEngine(EngineConfig(model=model_path, dtype="float32", num_kv_blocks=64, max_num_seqs=4))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    most = 0
+
+    async def collect(prompt, req_id, group_id):
+        outs = [o async for o in await engine.add(prompt, params, req_id, group_id=group_id)]
+        return outs[-1].finish_reason
+
+    async def main():
+        nonlocal most
+        await engine.ready()
+        scheduler = engine.engine.scheduler
+        schedule = scheduler.schedule
+
+        def watched():  # on the engine thread: the group's seats once each step is planned
+            nonlocal most
+            out = schedule()
+            most = max(most, sum(r.group_id == "g" for r in scheduler.running))
+            return out
+
+        scheduler.schedule = watched
+        choices = [collect([5, 9, 11], f"g-{i}", "g") for i in range(8)]
+        return await asyncio.gather(*choices, collect([7, 8], "other", None))
+
+    assert run(engine, main) == ["length"] * 9
+    assert 1 <= most <= 3

@@ -13,7 +13,7 @@ import transformers
 from infer import kernels
 from infer.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
-from infer.layers import attention, linear
+from infer.layers import attention_kernels, linear
 from infer.runner import decode_graph
 from infer.sampling_params import SamplingParams
 from tests.models.tiny_models import COMMON, save_byte_tokenizer
@@ -73,7 +73,7 @@ def test_replayed_steps_give_the_eager_tokens_and_logprobs(model_dir, config):
     replayed, engine = generate(model_dir, False, GREEDY, **config)
     assert replayed == eager
     graphs = engine.runner.graphs
-    if config.get("kv_cache_dtype") == "fp8" and not attention.kernels_read_fp8(torch.bfloat16, 64):
+    if config.get("kv_cache_dtype") == "fp8" and not attention_kernels.kernels_read_fp8(torch.bfloat16, 64):
         assert not graphs.enabled  # the Python attention path: nothing captured
         return
     assert graphs.enabled and graphs.captures >= 1 and graphs.replays > 20
@@ -235,3 +235,43 @@ def test_graphs_stay_within_their_bounds(model_dir, monkeypatch):
     monkeypatch.setattr(decode_graph, "TABLES_MAX_BYTES", (6 + 4) * per_row)  # [1, 2, 3] hold 6 rows
     engine.warm_up()
     assert sorted(graphs.graphs) == [1, 2, 3, 4] and graphs.enabled
+
+
+class _Clock:
+    """time.perf_counter for _check_pays: each eager forward and each replay (the untimed first one
+    too) advances it by its next duration."""
+
+    def __init__(self, eager: list[float], replay: list[float]):
+        self.now, self.eager, self.replay = 0.0, iter(eager), iter(replay)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def forward(self):
+        self.now += next(self.eager)
+
+    def module(self):
+        self.now += next(self.replay)
+
+
+@pytest.mark.parametrize(
+    ("eager", "replay", "pays"),
+    [
+        # the first replay (TorchScript profiles it: 50) is not timed, and one eager forward in a quiet
+        # moment (1 against the usual 10) does not turn graphs off
+        ([1.0] + [10.0] * 8, [50.0] + [7.0] * 9, True),
+        # nor a replay slowed by a burst of other work, now and then
+        ([10.0] * 9, [50.0, 7.0, 30.0, 7.0, 30.0, 7.0, 7.0, 30.0, 7.0, 7.0], True),
+        # nor replays mostly slowed, where the fastest of them shows the gain
+        ([10.0] * 9, [50.0, 5.0, 12.0, 12.0, 12.0, 12.0, 5.0, 12.0, 12.0, 12.0], True),
+        # a replay that saves nothing does
+        ([10.0] * 9, [50.0, 9.9, 9.7, 10.2, 9.8, 9.9, 10.1, 9.6, 9.9, 10.0], False),
+    ],
+)
+def test_whether_graphs_pay_is_decided_on_pairs_of_timings(monkeypatch, eager, replay, pays):
+    monkeypatch.setattr(decode_graph, "MIN_GAIN", 0.95)
+    clock = _Clock(eager, replay)
+    monkeypatch.setattr(decode_graph.time, "perf_counter", clock.perf_counter)
+    graphs = decode_graph.DecodeGraphs(None, [], 16, 1, torch.bfloat16)
+    assert graphs._check_pays(clock.forward, clock.module) is pays
+    assert graphs.enabled is pays

@@ -90,7 +90,7 @@ def test_one_token_prompts_and_requests_without_them():
 def test_nothing_is_kept_for_a_refused_request_nor_computed_twice(tiny):
     """A request the scheduler refuses leaves no prompt-logprob or grammar state; after a request's first
     output its prompt logprobs exist, so a recomputation after preemption does not compute them again."""
-    from infer.sampling_params import StructuredOutputs
+    from infer.structured_outputs.constraint import StructuredOutputs
 
     path, prompts, plain = tiny
     llm = LLM(path, dtype="float32", **{"num_kv_blocks": 256, **CONFIGS["preemption_uncached"]})

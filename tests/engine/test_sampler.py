@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from infer.runner.sampler import Sampler, adjusted
+from infer.runner.sampler import Adjustment, Sampler, adjusted
 from infer.sampling_params import SamplingParams
 
 
@@ -153,6 +153,51 @@ def test_logit_bias_steers_greedy_and_sampled_rows_but_not_logprobs():
     ref = torch.log_softmax(logits[0].float(), -1)
     assert math.isclose(sampled, ref.min().item(), rel_tol=1e-5)
     assert [t for t, _ in top] == [int(ref.argmax())]
+
+
+def test_the_batchs_biases_in_one_add_equal_each_token_added_in_order():
+    """adjusted() adds every row's logit_bias in one index_add_ over the batch: the same values as adding
+    each token's bias to its row between the bans and the penalties (the order vLLM applies them in)."""
+    vocab = 2048
+    logits = logits_rows(5, vocab=vocab, seed=3).bfloat16()
+    big = {t: (t % 7 - 3) * 10.0 for t in range(100, 1124)}  # 1,024 entries
+    params = [
+        SamplingParams(temperature=0, logit_bias=big),
+        SamplingParams(temperature=0),  # no adjustment: untouched
+        SamplingParams(temperature=0.5, logit_bias={5: 3.0, 7: -100.0}, repetition_penalty=1.5),
+        SamplingParams(temperature=0, logit_bias={9: 50.0, 11: 1.0}, allowed_token_ids=[9, 10, 11]),
+        SamplingParams(temperature=0, logit_bias=big, presence_penalty=1.0, frequency_penalty=0.5),
+    ]
+    histories = [None, None, ([5, 9, 7, 5], 2), None, ([100, 101, 101], 1)]
+    got = adjusted(logits, params, histories)
+
+    want = logits.float().clone()
+    for row, p in enumerate(params):
+        if not p.has_adjustment:
+            continue
+        state = Adjustment(p)
+        if p.needs_history:
+            state.fold(*histories[row])
+        state.ban(want[row])
+        for token_id, bias in p.logit_bias.items():  # one token at a time
+            want[row, token_id] += bias
+        state.penalize(want[row])
+    assert torch.equal(got, want)
+    reference = logits.float().clone()  # and Adjustment.apply, one row at a time, agrees
+    for row, p in enumerate(params):
+        if p.has_adjustment:
+            state = Adjustment(p)
+            if p.needs_history:
+                state.fold(*histories[row])
+            state.apply(reference[row])
+    assert torch.equal(got, reference)
+
+
+def test_biases_apply_to_a_strided_batch_of_logits():
+    logits = logits_rows(4, vocab=64)[:, ::2]  # not contiguous
+    params = [SamplingParams(temperature=0, logit_bias={3: 100.0})] * 4
+    got = adjusted(logits, params, [None] * 4)
+    assert got.argmax(-1).tolist() == [3] * 4 and torch.equal(got[:, :3], logits[:, :3])
 
 
 def test_a_tiny_repetition_penalty_stays_finite():

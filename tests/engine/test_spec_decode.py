@@ -11,7 +11,8 @@ from infer.config import SpeculativeConfig
 from infer.core.request import Request
 from infer.engine.llm import LLM
 from infer.models.loader import EMBEDDED_MODEL
-from infer.sampling_params import SamplingParams, StructuredOutputs
+from infer.sampling_params import SamplingParams
+from infer.structured_outputs.constraint import StructuredOutputs
 from tests.engine.test_engine import CONFIGS, MAX_TOKENS
 from tests.models.tiny_models import VARIANTS, save_tiny_model
 
@@ -110,17 +111,30 @@ def test_a_stop_string_among_accepted_proposals_ends_the_output_there(embedded, 
 
 
 @pytest.mark.slow
-def test_logprobs_and_grammar_requests_are_not_given_proposals(embedded):
+def test_logprobs_requests_are_not_given_proposals(embedded):
     scheduler = embedded[1].engine.scheduler
     drafted = scheduler.num_spec_draft_tokens
-    grammar = StructuredOutputs(regex=r"( [A-Za-z]{1,8}){3,12}\.")
-    for params in (
-        SamplingParams(temperature=0, max_tokens=20, logprobs=2),
-        SamplingParams(temperature=0, max_tokens=40, structured_outputs=grammar),
-    ):
-        without, with_spec = generate_both(embedded, params)
-        assert [r.token_ids for r in with_spec] == [r.token_ids for r in without]
-        assert scheduler.num_spec_draft_tokens == drafted
+    without, with_spec = generate_both(embedded, SamplingParams(temperature=0, max_tokens=20, logprobs=2))
+    assert [r.token_ids for r in with_spec] == [r.token_ids for r in without]
+    assert scheduler.num_spec_draft_tokens == drafted
+
+
+@pytest.mark.slow
+def test_a_grammar_rejects_the_proposals_it_does_not_allow(embedded):
+    """The verses repeat, and the proposals with them; lowercase words only: a proposal of a capitalised
+    word (" God", " LORD") is rejected, the rest are verified; the output is the grammar's greedy one."""
+    import re
+
+    scheduler = embedded[1].engine.scheduler
+    drafted, accepted = scheduler.num_spec_draft_tokens, scheduler.num_spec_accepted_tokens
+    regex = r"( [a-z]{1,8}[,:;]?){3,30}\."
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(regex=regex))
+    without, with_spec = generate_both(embedded, params)
+    assert [r.token_ids for r in with_spec] == [r.token_ids for r in without]
+    assert all(re.fullmatch(regex, r.text) for r in with_spec if r.finish_reason == "stop")
+    num_drafted = scheduler.num_spec_draft_tokens - drafted
+    num_accepted = scheduler.num_spec_accepted_tokens - accepted
+    assert num_drafted > 0 and num_accepted < num_drafted
 
 
 @pytest.mark.slow
@@ -167,7 +181,7 @@ def test_speculative_config_is_vllms():
     for bad, message in [
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
-        ({"method": "draft_model", "num_speculative_tokens": 2}, "not served yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, '"model"'),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),

@@ -16,8 +16,11 @@ from transformers import AutoModelForCausalLM, LogitsProcessor
 
 from infer.engine.llm import LLM
 from infer.models.loader import EMBEDDED_MODEL
-from infer.runner.grammar import Grammar, GrammarCompiler, _grammar, banned
-from infer.sampling_params import SamplingParams, StructuredOutputs
+from infer.sampling_params import SamplingParams
+from infer.structured_outputs.compiler import GrammarCompiler
+from infer.structured_outputs.constraint import StructuredOutputs
+from infer.structured_outputs.grammar_text import grammar_text
+from infer.structured_outputs.matcher import Grammar, banned
 from tests.engine.test_engine import CONFIGS
 from tests.grids import first_fast
 from tests.models.tiny_models import greedy_with
@@ -65,7 +68,7 @@ class GrammarProcessor(LogitsProcessor):
     """transformers' side: llguidance's matcher fed the generated tokens; its bitmask bans the rest."""
 
     def __init__(self, compiler: GrammarCompiler, spec: StructuredOutputs, prompt_len: int):
-        self.matcher = llguidance.LLMatcher(compiler.tokenizer, _grammar(spec))
+        self.matcher = llguidance.LLMatcher(compiler.tokenizer, grammar_text(spec))
         self.prompt_len, self.num_fed = prompt_len, 0
 
     def __call__(self, input_ids, scores):
@@ -211,7 +214,7 @@ def test_grammars_that_force_long_text_are_refused_before_compiling(spec):
 
 
 def test_the_forced_text_of_a_regex_or_lark_grammar():
-    from infer.runner.forced_text import lark_forced_chars, regex_forced_chars
+    from infer.structured_outputs.forced_text import lark_forced_chars, regex_forced_chars
 
     cases = {
         "((a{100}){100}){100}": 10**6, "(a{300000})?": 300000, "[a-z]{20000}": 20000, r"\d{3}-\d{4}": 8,
@@ -341,7 +344,7 @@ def test_under_ignore_eos_the_output_goes_on_free_after_the_grammar_ends():
 
 
 def test_disable_additional_properties_closes_schemas_not_data():
-    from infer.runner.grammar import _closed
+    from infer.structured_outputs.grammar_text import _closed
 
     schema = {
         "type": "object",
@@ -387,9 +390,9 @@ def test_a_schemas_literal_strings_are_bounded_as_a_choice(schema):
     length at every step: a 300 KB const took a plain request beside it from 2.2 ms to 80 ms a token.
     It is bounded as a choice is (1,024 characters)."""
     with pytest.raises(ValueError, match="const or enum string holds 1026 characters; at most 1024"):
-        _grammar(StructuredOutputs(json=schema))
+        grammar_text(StructuredOutputs(json=schema))
     fitting = json.loads(json.dumps(schema).replace("ab" * 513, "ab" * 512))
-    assert _grammar(StructuredOutputs(json=fitting))
+    assert grammar_text(StructuredOutputs(json=fitting))
 
 
 def test_other_tensor_parallel_ranks_get_neither_histories_nor_grammars():
@@ -430,7 +433,7 @@ def test_compiling_builds_what_the_lexer_left_for_the_first_mask():
         banned([Grammar(matcher)], compiler.vocab_size, compiler.vocab_size)
         return time.perf_counter() - start
 
-    cold = llguidance.LLMatcher(compiler.tokenizer, _grammar(spec), log_level=0)
+    cold = llguidance.LLMatcher(compiler.tokenizer, grammar_text(spec), log_level=0)
     assert first_mask(cold) > 10 * first_mask(compiler.matcher(spec))
 
 
@@ -454,7 +457,7 @@ def test_the_grammar_cache_is_bounded_by_an_estimate_of_bytes_checked_against_rs
     import gc
 
     from infer.engine.tokenizer import Tokenizer
-    from infer.runner.grammar import GRAMMAR_BASE_BYTES
+    from infer.structured_outputs.compiler import GRAMMAR_BASE_BYTES
 
     tokenizer = Tokenizer.from_pretrained(EMBEDDED_MODEL)
     compiler = GrammarCompiler.for_tokenizer(tokenizer, tokenizer.vocab_size, cache_mb=4)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from infer import kernels
-from infer.layers import attention as attention_module
-from infer.layers.attention import AttentionMetadata, attention
+from infer.layers import attention_kernels, attention_metadata, attention_reference
+from infer.layers.attention import attention
+from infer.layers.attention_metadata import AttentionMetadata
 from tests.grids import pairwise_grid
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 4
@@ -83,7 +84,7 @@ def use_path(path: str, monkeypatch) -> None:
     """kernel: every batched step through the C++ kernel, chunks too (where it could be built: else this
     is the Python path again); python: the matmuls, as with INFER_NO_KERNELS=1."""
     if path == "kernel":
-        monkeypatch.setattr(attention_module, "KERNEL_MAX_QUERY_LEN", 1 << 30)
+        monkeypatch.setattr(attention_kernels, "KERNEL_MAX_QUERY_LEN", 1 << 30)
     else:
         monkeypatch.setattr(kernels, "load", lambda: None)
 
@@ -104,9 +105,9 @@ PATH_TUNINGS = [("kernel", "as_is")] + [("python", tuning) for tuning in sorted(
 )
 def test_batched_attention_matches_reference(step, dtype, consecutive, window, tuning, path, monkeypatch):
     use_path(path, monkeypatch)
-    monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 1 << 30)  # chunks ride in the batch
+    monkeypatch.setattr(attention_metadata, "MAX_PADDED_SCORES", 1 << 30)  # chunks ride in the batch
     for name, value in TUNINGS[tuning].items():
-        monkeypatch.setattr(attention_module, name, value)
+        monkeypatch.setattr(attention_reference, name, value)
     q, k, v, meta, tables = make_step(*STEPS[step], dtype, consecutive)
     assert not meta.loop_seqs
     scale = HEAD_DIM**-0.5
@@ -124,7 +125,7 @@ def test_one_decode_batched_beside_a_chunk_on_its_own(dtype, consecutive, path, 
     """The batch is one stream (the in-place path where its blocks are consecutive) while a chunk goes
     through SDPA: the batched path picks its query rows out of the step's."""
     use_path(path, monkeypatch)
-    monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 0)
+    monkeypatch.setattr(attention_metadata, "MAX_PADDED_SCORES", 0)
     q, k, v, meta, tables = make_step([6, 1], [10, 9], dtype, consecutive)
     assert meta.batch_seqs == [1] and meta.loop_seqs == [0]
     assert (meta.decode_span is not None) == consecutive

@@ -18,7 +18,8 @@ from infer.config import EngineConfig
 from infer.engine.llm import LLM
 from infer.eval.perplexity import decode_nll, held_out_text, perplexity
 from infer.layers import attention as attention_module
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
+from infer.layers.fp8_kv_cache import to_cache_dtype
 from infer.runner.kv_cache import warn_unserved_fp8
 from infer.sampling_params import SamplingParams
 from tests.models.test_kernels import _ops, make_step, reference
@@ -92,7 +93,7 @@ def test_nan_stays_nan_and_infinities_saturate(fp8):
 
 @pytest.mark.parametrize("fp8", FORMATS, ids=IDS)
 def test_python_write_matches_the_kernel(fp8, monkeypatch):
-    """attention()'s write into an fp8 cache: the codes of `_to_cache` (torch's conversion, saturated)
+    """attention()'s write into an fp8 cache: the codes of `to_cache_dtype` (torch's conversion, saturated)
     through write_cache and through the Python path; keys from 1x to 1e5x, past either format's range."""
     _fp8_ops()
     written = {}
@@ -105,7 +106,7 @@ def test_python_write_matches_the_kernel(fp8, monkeypatch):
             attention_module.attention(q, k, v, meta, 0, 0.125)
         key_cache, value_cache = meta.kv_caches[0]
         rows = [c.view(-1, 2, 64)[meta.slot_mapping].view(torch.uint8) for c in (key_cache, value_cache)]
-        expected = [attention_module._to_cache(x, fp8).view(torch.uint8) for x in (k, v)]
+        expected = [to_cache_dtype(x, fp8).view(torch.uint8) for x in (k, v)]
         assert all(torch.equal(a, b) for a, b in zip(rows, expected, strict=True))
         written[path] = [c.view(torch.uint8).clone() for c in meta.kv_caches[0]]
     for a, b in zip(written["kernel"], written["python"], strict=True):
@@ -164,7 +165,7 @@ def test_attention_paths_attend_over_what_the_cache_holds(fp8, query_dtype, monk
             if path == "python":
                 m.setattr(kernels, "load", lambda: None)
             elif query_dtype == torch.bfloat16:  # no silent fallback
-                m.setattr(attention_module, "_matmul_batched", None)
+                m.setattr(attention_module, "matmul_batched", None)
             meta = AttentionMetadata(*meta_args, query_dtype=query_dtype)
             assert meta.loop_seqs == [2, 3]  # the chunk and the fresh prompt: prefill kernel or SDPA
             out[path] = attention_module.attention(q, k, v, meta, 0, 0.125)
@@ -234,7 +235,7 @@ def test_engine_holds_twice_the_tokens_at_little_perplexity(name, monkeypatch):
     a generation completes, and on held-out text the perplexity of prompts (prefill_attention) and the
     next token's log-likelihood at decode steps (paged_attention, never the Python path) move by under 2%
     (measured: prompts e4m3 +0.5%, e5m2 +0.4%)."""
-    monkeypatch.setattr(attention_module, "_matmul_batched", None)  # decodes must take the kernel
+    monkeypatch.setattr(attention_module, "matmul_batched", None)  # decodes must take the kernel
     with LLM(kv_cache_memory_gb=0.05) as auto, LLM(kv_cache_memory_gb=0.05, kv_cache_dtype=name) as fp8:
         assert fp8.engine.kv_cache_dtype == {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[name]
         assert fp8.engine.runner.kv_caches[0][0].dtype == fp8.engine.kv_cache_dtype

@@ -183,13 +183,16 @@ def files(tmp_path_factory) -> dict:
     """name -> (Hugging Face folder, GGUF file made from it by llama.cpp's converter)."""
     root = tmp_path_factory.mktemp("gguf")
     folders = {"embedded": EMBEDDED_MODEL}
-    for name in ("qwen2", "qwen3", "gemma3", "llama3_rope", "spm", "gemma3_spm"):
+    for name in ("qwen2", "qwen3", "gemma3", "llama3_rope", "spm", "gemma3_spm", "gpt2", "yarn"):
         folders[name] = root / name
         folders[name].mkdir()
     vocab = save_qwen_tokenizer(folders["qwen2"])
     save_random_model(folders["qwen2"], "Qwen2Config", vocab, torch.bfloat16, eos_token_id=vocab - 1)
     save_qwen_tokenizer(folders["qwen3"])
     save_random_model(folders["qwen3"], "Qwen3Config", vocab, head_dim=32, eos_token_id=vocab - 1)
+    save_qwen_tokenizer(folders["yarn"])
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0}
+    save_random_model(folders["yarn"], "Qwen2Config", vocab, rope_scaling=yarn, eos_token_id=vocab - 1)
     vocab = save_sentencepiece_tokenizer(folders["spm"])
     save_random_model(folders["spm"], "LlamaConfig", vocab, bos_token_id=1, eos_token_id=2)
     vocab = save_sentencepiece_tokenizer(folders["gemma3_spm"], gemma=True)
@@ -197,6 +200,10 @@ def files(tmp_path_factory) -> dict:
                       pad_token_id=0, head_dim=32, query_pre_attn_scalar=32, sliding_window=5)  # fmt: skip
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(EMBEDDED_MODEL / file, folders["gemma3"])
+        shutil.copy(EMBEDDED_MODEL / file, folders["gpt2"])
+    # GPT-2 under its own key names (n_embd, ...), with n_ctx, which llama.cpp's converter reads
+    gpt2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, n_ctx=256, tie_word_embeddings=True)
+    save_random_model(folders["gpt2"], "GPT2Config", 8192, **gpt2)
     save_llama3_tokenizer(folders["llama3_rope"])
     # 7 layers: llama.cpp's Gemma 3 has every 6th layer global, as transformers' default layer_types
     save_random_model(folders["gemma3"], "Gemma3TextConfig", 8192, num_hidden_layers=7, head_dim=32,
@@ -213,8 +220,10 @@ def files(tmp_path_factory) -> dict:
         ("llama3_rope", "f32"),
         ("spm", "f32"),
         ("gemma3_spm", "f32"),
+        ("gpt2", "f32"),
+        ("yarn", "f32"),
     ]
-    pre = {"qwen2": "qwen2", "qwen3": "qwen2", "llama3_rope": "llama-bpe"}
+    pre = {"qwen2": "qwen2", "qwen3": "qwen2", "yarn": "qwen2", "llama3_rope": "llama-bpe"}
     out = {f"{name}-{outtype}": (folders[name], root / f"{name}-{outtype}.gguf") for name, outtype in jobs}
     convert(
         [
@@ -231,7 +240,7 @@ def files(tmp_path_factory) -> dict:
 
 
 UNQUANTIZED = ["embedded-f32", "embedded-f16", "embedded-bf16", "qwen2-bf16", "qwen3-f32", "gemma3-f32",
-               "llama3_rope-f32", "spm-f32", "gemma3_spm-f32"]  # fmt: skip
+               "llama3_rope-f32", "spm-f32", "gemma3_spm-f32", "gpt2-f32", "yarn-f32"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", UNQUANTIZED)

@@ -91,8 +91,24 @@ def test_tensor_larger_than_its_data(tmp_path):
 def test_unknown_architecture(tmp_path):
     path = write_gguf(tmp_path / "a.gguf", arch="mamba")
     refused(
-        path, r"a.gguf: GGUF architecture 'mamba' is not supported; supported: gemma3, llama, qwen2, qwen3"
+        path,
+        r"a.gguf: GGUF architecture 'mamba' is not supported; supported: gemma3, gpt2, llama, qwen2, qwen3",
     )
+
+
+def test_a_quantized_gpt2_file_is_refused_naming_a_tensor(tmp_path):
+    writer = GGUFWriter(tmp_path / "g.gguf", "gpt2")
+    for key, value in [("block_count", 1), ("embedding_length", 64), ("feed_forward_length", 256),
+                       ("attention.head_count", 4), ("context_length", 256)]:  # fmt: skip
+        writer.add_uint32(f"gpt2.{key}", value)
+    writer.add_tensor("token_embd.weight", np.ones((16, 64), dtype=np.float32))
+    codes = np.zeros((256, 2 * 34), dtype=np.uint8)  # Q8_0: blocks of 32 in 34 bytes
+    writer.add_tensor("blk.0.ffn_up.weight", codes, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    refused(tmp_path / "g.gguf", r"tensor 'blk.0.ffn_up.weight' is Q8_0: infer runs GPT-2 GGUF files in F32")
 
 
 def test_missing_hyperparameter(tmp_path):

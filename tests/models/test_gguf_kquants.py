@@ -123,8 +123,17 @@ def test_q4_k_is_the_dequantized_model(files):
 def test_the_q4_k_m_mix_loads_each_type_onto_its_path(files):
     model, _, _ = load_model(str(files["mix"]), dtype="bfloat16")
     layers = model.model.layers
-    # layer 0: Q4_K q / k beside a Q6_K v run as one int8 layer with mins; layer 1's are int4
-    assert (layers[0].self_attn.qkv_proj.bits, layers[1].self_attn.qkv_proj.bits) == (8, 4)
+    # layer 0: Q4_K q / k (int4, two codes a byte) beside a Q6_K v (int8), each a layer; layer 1's: one
+    mixed, plain = layers[0].self_attn.qkv_proj, layers[1].self_attn.qkv_proj
+    assert [(p.bits, p.out_features) for p in mixed.parts] == [
+        (4, HIDDEN + 64 * KV_HEADS),
+        (8, 64 * KV_HEADS),
+    ]
+    assert plain.bits == 4 and not hasattr(plain, "parts")
+    summary = model.quantization  # a split layer is one layer, of its slowest part's path
+    assert summary["layers"] == LAYERS * 4 + 1 == sum(summary["backends"].values())
+    if mixed.parts[0].backend == "infer":
+        assert mixed.parts[0].qweight.nbytes == plain.qweight.nbytes * 3 // 4  # q, k of q, k, v
     assert (layers[0].mlp.down_proj.bits, layers[1].mlp.down_proj.bits) == (8, 8)
     assert model.lm_head.bits == 8 and model.input_embeddings().bits == 4
     assert model.gguf["tensor_types"] == {"Q4_K": 12, "F32": 5, "Q6_K": 3, "Q5_K": 1}
@@ -132,7 +141,7 @@ def test_the_q4_k_m_mix_loads_each_type_onto_its_path(files):
     assert paths["Q6_K"].startswith("int8 in groups of 32 (requantized from sub-blocks of 16): 3 linear")
     assert paths["Q5_K"].startswith("int8 in groups of 32 with mins (5-bit codes, exact): 1 linear layer")
     assert (
-        "; 2 tensors as int8 codes, fused with int8 tensors in one layer; token_embd.weight as int4"
+        "; 2 fused with another type, each type a kernel call of its own; token_embd.weight as int4"
         in (paths["Q4_K"])
     )
 

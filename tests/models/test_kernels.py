@@ -15,7 +15,9 @@ import torch
 
 from infer import kernels
 from infer.layers import attention as attention_module
-from infer.layers.attention import AttentionMetadata, attention
+from infer.layers import attention_kernels, attention_metadata
+from infer.layers.attention import attention
+from infer.layers.attention_metadata import AttentionMetadata
 from tests.grids import pairwise_grid
 
 BLOCK = 16
@@ -80,7 +82,7 @@ def reference(q, meta: AttentionMetadata, tables, scale, window):
     return torch.cat(out)
 
 
-def run_both(q, k, v, meta_args, scale, window, monkeypatch, fallback="_matmul_batched"):
+def run_both(q, k, v, meta_args, scale, window, monkeypatch, fallback="matmul_batched"):
     """The step through the kernels and through the Python path (the matmuls, SDPA), each on fresh
     metadata; `fallback`, the Python function the kernel path must not reach, is removed there."""
     out = {}
@@ -149,9 +151,9 @@ def test_one_long_stream_split_across_threads(threads):
 def test_chunks_with_decodes(dtype, window, monkeypatch):
     """Queries longer than one (chunks of a prompt) beside decodes: each query sees its causal context."""
     _ops()
-    monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 1 << 30)  # chunks ride in the batch
-    monkeypatch.setattr(attention_module, "KERNEL_MAX_QUERY_LEN", 1 << 30)  # and in the kernel
-    monkeypatch.setattr(attention_module, "PREFILL_KERNEL_MIN_QUERY_LEN", 1 << 30)  # not the prefill one
+    monkeypatch.setattr(attention_metadata, "MAX_PADDED_SCORES", 1 << 30)  # chunks ride in the batch
+    monkeypatch.setattr(attention_kernels, "KERNEL_MAX_QUERY_LEN", 1 << 30)  # and in the kernel
+    monkeypatch.setattr(attention_metadata, "PREFILL_KERNEL_MIN_QUERY_LEN", 1 << 30)  # not the prefill one
     query_lens, seq_lens = [1, 7, 1, 16, 3], [300, 700, 9, 16, 60]  # seq 3 is a fresh prompt
     q, k, v, meta, tables = make_step(8, 2, 64, query_lens, seq_lens, dtype)
     assert not meta.loop_seqs and meta.max_query_len == 16
@@ -169,9 +171,9 @@ def test_chunk_rows_that_see_no_key_of_an_odd_tile(dtype, monkeypatch):
     query 2's key only): their probabilities there are 0, also in the padding that bf16's pairs of keys
     read; a context split into parts beside them."""
     _ops()
-    monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 1 << 30)
-    monkeypatch.setattr(attention_module, "KERNEL_MAX_QUERY_LEN", 1 << 30)
-    monkeypatch.setattr(attention_module, "PREFILL_KERNEL_MIN_QUERY_LEN", 1 << 30)
+    monkeypatch.setattr(attention_metadata, "MAX_PADDED_SCORES", 1 << 30)
+    monkeypatch.setattr(attention_kernels, "KERNEL_MAX_QUERY_LEN", 1 << 30)
+    monkeypatch.setattr(attention_metadata, "PREFILL_KERNEL_MIN_QUERY_LEN", 1 << 30)
     q, k, v, meta, tables = make_step(8, 2, 64, [3, 7, 1], [65, 133, 1999], dtype)
     meta_args = (meta.query_lens, meta.seq_lens, meta.slot_mapping, meta.block_tables, meta.kv_caches)
     got, _ = run_both(q, k, v, meta_args, 0.125, None, monkeypatch)

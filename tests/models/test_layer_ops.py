@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from infer import kernels
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.layers.norms import RMSNorm
 from infer.layers.rotary import RotaryEmbedding, _rotate
 from infer.models.loader import load_model

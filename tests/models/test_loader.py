@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.layers.linear import PrepackedLinear, can_prepack
 from infer.models.config import ModelConfig
 from infer.models.loader import load_model, num_parameters, resolve_model_path

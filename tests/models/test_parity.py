@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from infer.eval.generate import generate
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.models.loader import load_model
 
 from .tiny_models import VARIANTS, save_tiny_model
@@ -91,10 +91,10 @@ def test_mixed_steps_of_decodes_and_chunks_match_full_forward(pair, batched, mon
     fresh prompt), so the batched attention pads queries of different lengths, over scattered blocks;
     with MAX_PADDED_SCORES = 0 the chunks go one sequence at a time instead. Either way, each row's
     logits equal the full forward's."""
-    from infer.layers import attention
+    from infer.layers import attention_metadata
     from infer.runner.kv_cache import allocate_kv_cache
 
-    monkeypatch.setattr(attention, "MAX_PADDED_SCORES", 1 << 30 if batched else 0)
+    monkeypatch.setattr(attention_metadata, "MAX_PADDED_SCORES", 1 << 30 if batched else 0)
     hf_model, ours = pair
     batch = prompts(ours.config.vocab_size)
     chunks = [3, 1, 5, 1]  # per sequence, tokens fed per step

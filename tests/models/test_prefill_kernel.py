@@ -12,7 +12,8 @@ import torch
 
 from infer import kernels
 from infer.layers import attention as attention_module
-from infer.layers.attention import AttentionMetadata
+from infer.layers import attention_metadata
+from infer.layers.attention_metadata import AttentionMetadata
 from tests.grids import pairwise_grid
 from tests.models.test_kernels import TOL, _ops, make_step, reference, run_both
 
@@ -180,12 +181,12 @@ STEPS = {
 @pytest.mark.parametrize("step", sorted(STEPS))
 def test_attention_serves_loop_seqs(step, dtype, window, monkeypatch):
     _prefill_ops()
-    monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 0)  # the long chunk goes on its own
+    monkeypatch.setattr(attention_metadata, "MAX_PADDED_SCORES", 0)  # the long chunk goes on its own
     query_lens, seq_lens = STEPS[step]
     q, k, v, meta, tables = make_step(8, 2, 64, query_lens, seq_lens, dtype)
     assert meta.loop_seqs
     meta_args = (meta.query_lens, meta.seq_lens, meta.slot_mapping, meta.block_tables, meta.kv_caches)
-    got, python = run_both(q, k, v, meta_args, 0.125, window, monkeypatch, fallback="_prefill")
+    got, python = run_both(q, k, v, meta_args, 0.125, window, monkeypatch, fallback="sdpa_prefill")
     expected = reference(q, meta, tables, 0.125, window)
     tol = TOL[dtype]
     torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
@@ -211,7 +212,7 @@ def test_prompts_and_long_chunks_take_one_kernel_call(dtype, decodes_first, monk
     batched decodes (SDPA only where the kernel does not serve); every row matches the reference. In the
     scheduler's order (decodes first) both parts' rows are runs, read and written as slices."""
     ops = _prefill_ops()
-    monkeypatch.setattr(attention_module, "MAX_PADDED_SCORES", 0)
+    monkeypatch.setattr(attention_metadata, "MAX_PADDED_SCORES", 0)
     query_lens, seq_lens = [1, 64, 20, 1, 300, 63], [30, 64, 120, 5, 900, 63]
     if decodes_first:
         order = [0, 3, 1, 2, 4, 5]
@@ -232,9 +233,9 @@ def test_prompts_and_long_chunks_take_one_kernel_call(dtype, decodes_first, monk
         sdpa_rows.append(q.shape[0])
         return prefill(q, *args)
 
-    prefill = attention_module._prefill
-    monkeypatch.setattr(attention_module, "_prefill_kernel", lambda q, cache: Counting())
-    monkeypatch.setattr(attention_module, "_prefill", counting_prefill)
+    prefill = attention_module.sdpa_prefill
+    monkeypatch.setattr(attention_module, "prefill_kernel", lambda q, cache: Counting())
+    monkeypatch.setattr(attention_module, "sdpa_prefill", counting_prefill)
     got = attention_module.attention(q, k, v, meta, 0, 0.125)
     expected = reference(q, meta, tables, 0.125, None)
     torch.testing.assert_close(got.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])

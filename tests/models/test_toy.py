@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from infer.layers.attention import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata
 from infer.models.loader import load_model, num_parameters
 from infer.models.toy import build_toy
 

@@ -36,6 +36,11 @@ VARIANTS = {
     "llama_bias": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, head_dim=32)),
     "mistral_window": ("MistralConfig", dict(sliding_window=7)),
     "qwen2": ("Qwen2Config", {}),
+    # YaRN over an original context of 64: max_position_embeddings (256) = factor x 64, as checkpoints hold it
+    "qwen2_yarn": (
+        "Qwen2Config",
+        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    ),
     "qwen3": ("Qwen3Config", dict(head_dim=32)),
     "gemma3": (
         "Gemma3TextConfig",

@@ -15,8 +15,8 @@ from infer.quant import linear as quant_linear
 from infer.quant.embedding import QuantizedEmbedding
 from infer.quant.gguf_blocks import unpack_blocks
 from infer.quant.gguf_kquants import scales_and_mins
-from infer.quant.linear import QuantizedLinear
-from infer.quant.weights import as_int8_with_mins
+from infer.quant.linear import QuantizedLinear, fused_linear
+from infer.quant.split_linear import SplitQuantizedLinear
 from tests.quant.kquant_blocks import encode, random_blocks
 
 EXACT = {"Q4_K": (4, 0, 15), "Q5_K": (8, 0, 31), "Q5_0": (8, -16, 15), "Q5_1": (8, 0, 31)}  # bits, codes
@@ -110,19 +110,31 @@ def test_quantized_embedding_rows_are_the_dequantized_rows(kind):
     assert torch.equal(QuantizedEmbedding(weight, torch.float32)(ids), weight.dequantize()[ids])
 
 
-def test_int4_as_int8_with_mins_is_the_same_weight():
-    """How Q4_K q / k join a Q6_K v in one fused layer: the same weights, int8 codes with mins."""
-    for kind in ("Q4_K", "Q6_K", "Q5_0"):
-        weight = unpack_blocks(kind, random_blocks(kind, 16, 256), (16, 256))
-        widened = as_int8_with_mins(weight)
-        assert widened.bits == 8 and widened.mins is not None
-        assert torch.equal(widened.dequantize(), weight.dequantize())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_layer_of_q4_k_beside_q6_k_keeps_each_types_codes(dtype):
+    """Q4_K_M files' q, k in Q4_K beside v in Q6_K: q and k stay int4 (two codes a byte), v int8, and the
+    layer's output is the dequantized fused weight's product, q, k, v in order."""
+    q, k, v = (
+        unpack_blocks(kind, random_blocks(kind, rows, 512, scale=1e-4, seed=rows), (rows, 512))
+        for kind, rows in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32))
+    )
+    layer = fused_linear([q, k, v], None, dtype, [64, 32, 32])
+    assert isinstance(layer, SplitQuantizedLinear) and layer.output_sizes == [64, 32, 32]
+    int4, int8 = layer.parts
+    assert (int4.bits, int4.out_features, int8.bits, int8.out_features) == (4, 96, 8, 32)
+    if int4.backend == "infer":  # bf16 on our kernel (float32 dequantizes the int8 part)
+        assert int4.qweight.nbytes == 96 * 512 // 2 and int8.qweight.nbytes == 32 * 512
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0)).to(dtype)
+    ref = x.float() @ torch.cat([w.dequantize() for w in (q, k, v)]).T
+    err = (layer(x).float() - ref).abs().max() / ref.abs().max()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-4)
+    assert type(fused_linear([q, k], None, dtype)) is QuantizedLinear  # one scheme: one layer
 
 
 @pytest.mark.parametrize("kind", ["Q5_K", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("int8_activations", [True, False])
 def test_linear_layers_compute_the_dequantized_product(kind, int8_activations, monkeypatch):
-    """int8 codes with mins (Q5_K, Q5_1, widened Q4_K) on every path, the kernel's offsets included."""
+    """int8 codes with mins (Q5_K, Q5_1) on every path, the kernel's offsets included."""
     monkeypatch.setattr(quant_linear, "INT8_ACTIVATIONS", int8_activations)
     weight = unpack_blocks(kind, random_blocks(kind, 48, 512, scale=1e-4), (48, 512))
     x = torch.randn(7, 512, generator=torch.Generator().manual_seed(0))

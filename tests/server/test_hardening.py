@@ -14,7 +14,7 @@ import pytest
 
 from infer.engine.async_engine import RequestFailed
 from infer.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
-from infer.server.serving import engine_error
+from infer.server.engine_errors import engine_error
 from tests.server.conftest import API_KEY, ServerProcess, metric
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

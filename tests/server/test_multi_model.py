@@ -296,7 +296,7 @@ def test_other_models_serve_while_one_loads(models_dir, monkeypatch):
     import asyncio
 
     from infer.server import model_manager
-    from infer.server.serving import ServerState
+    from infer.server.server_state import ServerState
 
     gate = threading.Event()
 

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from infer.engine.llm import LLM
-from infer.sampling_params import SamplingParams, StructuredOutputs
+from infer.sampling_params import SamplingParams
+from infer.structured_outputs.constraint import StructuredOutputs
 from tests.server.conftest import API_KEY, metric
 
 IGNORE_EOS = {"ignore_eos": True}

@@ -286,8 +286,9 @@ def test_forced_calls_without_thinking_are_the_whole_output():
 
 
 def test_with_reasoning_starts_a_forced_call_grammar_after_the_thinking():
-    from infer.sampling_params import SamplingParams, StructuredOutputs
+    from infer.sampling_params import SamplingParams
     from infer.server.chat import with_reasoning
+    from infer.structured_outputs.constraint import StructuredOutputs
 
     _, _, body = _chat(tool_call_parser=None, tool_choice="required")
     end_ids = (7, 8)

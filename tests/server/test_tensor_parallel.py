@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from infer.engine.llm import LLM
-from infer.sampling_params import SamplingParams, StructuredOutputs
+from infer.sampling_params import SamplingParams
+from infer.structured_outputs.constraint import StructuredOutputs
 from tests.server.conftest import REPO, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow  # servers of two ranks in their own processes

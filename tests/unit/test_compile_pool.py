@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from infer.runner.compile_pool import CompilePool, CompileQueueFull, CompileTimeout
+from infer.structured_outputs.compile_pool import CompilePool, CompileQueueFull, CompileTimeout
 
 
 class Gated:
@@ -109,3 +109,18 @@ def test_bad_bounds_are_refused():
     for kwargs in ({"max_compiling": 0}, {"max_queued": -1}, {"cache_bytes": -1}, {"timeout_s": 0}):
         with pytest.raises(ValueError, match="must be positive"):
             CompilePool(lambda arg: (arg, 1), **{"cache_bytes": 1, **kwargs})
+
+
+def test_compilations_run_below_the_engine_s_priority():
+    # the engine's parallel regions wait at their barriers for any thread of equal priority on a core
+    import os
+    import sys
+
+    from infer.structured_outputs.compile_pool import COMPILE_NICENESS
+
+    if sys.platform != "linux":
+        pytest.skip("a thread's own niceness is Linux's")
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    pool = CompilePool(lambda arg: (os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), 1), 1 << 20)
+    assert pool.get("k", None) == min(19, mine + COMPILE_NICENESS)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's is unchanged

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from infer.config import CacheConfig, SchedulerConfig
-from infer.core.prefill_pacer import MIN_PREFILL_TOKENS, PrefillPacer
+from infer.core.prefill_pacer import INITIAL_PREFILL_TOKENS, MIN_PREFILL_TOKENS, PrefillPacer
 from infer.core.scheduler import Scheduler
 from infer.sampling_params import SamplingParams
 from tests.unit.core_fakes import FakeRunner, make_request, step
@@ -87,6 +87,69 @@ def test_pacing_keeps_the_stream_within_its_bound_and_the_long_prompt_progresses
     assert long_time <= 1.5 * long_unpaced
 
 
+@pytest.mark.parametrize("long_prompt", [2000, 8000, 16000])
+def test_no_step_beside_a_decode_takes_much_over_the_bound(long_prompt):
+    """Each gap of a stream, not only their mean: once the pacer has seen a few paced steps, a step that
+    carries decodes and prefill takes at most about max_decode_slowdown times a decode-only one."""
+    s = scheduler(slowdown=2)
+    runner = FakeRunner(s)
+    s.add_request(make_request("b", 16, max_tokens=400, ignore_eos=True))
+    decode_only, paced = [], []
+    for k in range(100_000):
+        if k == 3:
+            s.add_request(make_request("long", long_prompt, max_tokens=1, ignore_eos=True))
+        if not s.has_unfinished():
+            break
+        out, _ = step(s, runner)
+        seconds = step_seconds(out)
+        s.observe_step(out.num_batched_tokens, seconds)
+        num_decode, num_prefill = out.stats.num_decode_tokens, out.stats.num_prefill_tokens
+        if num_decode:
+            (paced if num_prefill else decode_only).append(seconds)
+    assert len(paced) > 10
+    assert max(paced[4:]) <= 2.2 * max(decode_only)
+
+
+def test_stalls_of_a_busy_machine_do_not_shrink_the_chunks():
+    """A step that a stall of the machine made slow says little of what a prefill token costs: the
+    allowance follows the median of recent steps, and a stall costs two decode-only steps at most."""
+    pacer = PrefillPacer(max_decode_slowdown=2, max_tokens=2048)
+    pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
+    for _ in range(20):  # 0.1 ms a token: 100 tokens fill the 10 ms a paced step may add
+        limit = pacer.prefill_limit(num_decodes=1)
+        pacer.observe(num_decodes=1, num_prefill=limit, seconds=(0.010 + 0.0001 * limit) if limit else 0.010)
+    assert pacer.allowed == 100
+    allowed, num_paced, decode_only = [], 0, 0
+    for _ in range(60):  # every fourth paced step stalls for 50 ms
+        limit = pacer.prefill_limit(num_decodes=1)
+        stall = 0.050 if limit and num_paced % 4 == 0 else 0.0
+        pacer.observe(num_decodes=1, num_prefill=limit, seconds=0.010 + 0.0001 * limit + stall)
+        allowed.append(pacer.allowed)
+        num_paced += limit > 0
+        decode_only += limit == 0
+    assert min(allowed) == 100
+    assert decode_only <= 2 * num_paced / 4  # two for each stall at most
+
+
+def test_below_a_cpus_compute_knee_small_chunks_do_not_grow_the_allowance_past_it():
+    """A step reads the weights once: up to the knee a prefill token costs ~nothing, past it each costs
+    its compute. Small chunks' near-zero costs must not send the allowance past the bound."""
+    pacer = PrefillPacer(max_decode_slowdown=2, max_tokens=2048)
+
+    def seconds(num_prefill: int) -> float:
+        return max(0.025, 0.0002 * (1 + num_prefill)) + 0.0025
+
+    pacer.observe(num_decodes=1, num_prefill=0, seconds=seconds(0))
+    paced = []
+    for _ in range(80):
+        limit = pacer.prefill_limit(num_decodes=1)
+        pacer.observe(num_decodes=1, num_prefill=limit, seconds=seconds(limit))
+        if limit:
+            paced.append(seconds(limit))
+    assert max(paced[6:]) <= 2.2 * seconds(0)
+    assert pacer.allowed >= 200  # and the chunks grew to about what the bound holds (262 tokens)
+
+
 def test_a_prompt_alone_is_not_paced():
     s = scheduler(slowdown=2)
     s.add_request(make_request("long", 5000, max_tokens=1))
@@ -99,16 +162,19 @@ def test_the_pacer_probes_decode_only_steps_and_backs_off_slow_steps():
     assert pacer.prefill_limit(num_decodes=0) is None
     assert pacer.prefill_limit(num_decodes=1) == 0  # nothing known of a decode alone: learn it first
     pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
-    assert pacer.prefill_limit(num_decodes=1) == 64  # a small start, learned up
-    pacer.observe(num_decodes=1, num_prefill=64, seconds=0.012)  # well within 2x a decode
-    assert pacer.allowed == 128  # doubled at most per step
-    pacer.observe(num_decodes=1, num_prefill=128, seconds=0.200)  # 20x a decode: over the step's target
-    assert pacer.allowed == 64  # halved at most per step
-    assert pacer.debt == pytest.approx(0.180)  # over 2x: what decode-only steps pay back, 0.010 each
+    start = INITIAL_PREFILL_TOKENS
+    assert pacer.prefill_limit(num_decodes=1) == start  # a small start, learned up
+    pacer.observe(num_decodes=1, num_prefill=start, seconds=0.012)  # well within 2x a decode
+    assert pacer.allowed == 2 * start  # doubled at most per step
+    pacer.observe(num_decodes=1, num_prefill=2 * start, seconds=0.200)  # 20x a decode: over the bound
+    assert pacer.allowed == start  # halved at most per step
+    # over 2x: what decode-only steps pay back, 0.010 each; two of them at most for one step (a stall of
+    # the machine is not the prefill's doing)
+    assert pacer.debt == pytest.approx(2 * 0.010)
     assert [pacer.prefill_limit(num_decodes=1) for _ in range(1)] == [0]
-    for _ in range(18):
+    for _ in range(2):
         pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
-    assert pacer.debt < 1e-6 and pacer.prefill_limit(num_decodes=1) == 64
+    assert pacer.debt < 1e-6 and pacer.prefill_limit(num_decodes=1) == start
 
 
 def test_an_outlier_decode_step_does_not_set_the_target():

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from infer.config import CacheConfig, SchedulerConfig
+from infer.config import CacheConfig, EngineConfig, SchedulerConfig
 from infer.core.request import FINISH_REASONS, Request, RequestStatus
 from infer.sampling_params import SamplingParams
 
@@ -73,6 +73,17 @@ def test_cache_config():
     ]:
         with pytest.raises(ValueError, match=match):
             CacheConfig(**kwargs)
+
+
+def test_engine_config_builds_the_cache_config():
+    """The KV pool's settings are the engine's; only the block count is known later, at load."""
+    engine = EngineConfig(block_size=32, enable_prefix_caching=False, kv_cache_backend="contiguous")
+    c = engine.cache_config(7)
+    fields = (c.num_blocks, c.block_size, c.enable_prefix_caching, c.kv_cache_backend)
+    assert fields == (7, 32, False, "contiguous")
+    assert EngineConfig().cache_config(5).prefix_caching
+    with pytest.raises(ValueError, match="num_blocks"):
+        engine.cache_config(0)
 
 
 def test_scheduler_config():

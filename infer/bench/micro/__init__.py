@@ -5,7 +5,8 @@ The reference is a minimal NanoGPT server (one request at a time, its KV cache g
 cases, knobs and table layout these benchmarks reproduce; its figure for each case is printed beside
 ours as `reference`. Results: docs/engine.md.
 
-    python -m infer.bench.micro {kv-cache,continuous-batching,chunked-prefill,scheduling,prefix-caching,all}
+    python -m infer.bench.micro {kv-cache,continuous-batching,chunked-prefill,scheduling,prefix-caching,
+                                 speculative-decoding,all}
         [--model toy|embedded|FOLDER|PRESET] [--load-format dummy] [--dtype auto] [--json FILE]
         [--scale small] [--repeats N]
 
@@ -25,14 +26,28 @@ import sys
 from pathlib import Path
 
 # the benchmark modules (and torch) are imported when a benchmark runs: `infer --help` stays fast
-BENCHMARKS = ("kv-cache", "continuous-batching", "chunked-prefill", "scheduling", "prefix-caching")
+BENCHMARKS = (
+    "kv-cache",
+    "continuous-batching",
+    "chunked-prefill",
+    "scheduling",
+    "prefix-caching",
+    "speculative-decoding",
+)
 TOY = "toy"  # --model for the reference's NanoGPT
 
 
 def benchmark_modules() -> dict:
-    from infer.bench.micro import chunked_prefill, continuous_batching, kv_cache, prefix_caching, scheduling
+    from infer.bench.micro import (
+        chunked_prefill,
+        continuous_batching,
+        kv_cache,
+        prefix_caching,
+        scheduling,
+        speculative_decoding,
+    )
 
-    found = (kv_cache, continuous_batching, chunked_prefill, scheduling, prefix_caching)
+    found = (kv_cache, continuous_batching, chunked_prefill, scheduling, prefix_caching, speculative_decoding)
     modules = {m.NAME: m for m in found}
     assert tuple(modules) == BENCHMARKS
     return modules

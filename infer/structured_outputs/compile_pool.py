@@ -12,6 +12,9 @@ else's turn. So:
                        400) while its worker keeps waiting, so slow ones never run more than
                        max_compiling at once
     the cache          LRU by the bytes compile() reports for each result, at most cache_bytes
+    the CPU            the worker threads (and the compile threads they start) run COMPILE_NICENESS
+                       below the process's priority, so the engine's threads keep the cores while
+                       they are busy, and a compilation takes what is left
 
 A waiter on an event loop holds no thread, nor does a queued compilation. A Future is done or shared,
 never cancelled (it is running from the start), so a client that goes away leaves the compilation to the
@@ -21,7 +24,10 @@ others waiting for it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import os
 import queue
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -33,6 +39,10 @@ from collections.abc import Callable, Hashable
 # once touched, and unmapped when the thread ends.
 COMPILE_STACK_BYTES = 2 << 30
 _stack_size_lock = threading.Lock()
+# A decode step's torch ops are parallel regions over every core, each ending at a barrier: a thread of
+# equal priority burning a core (a compilation) makes each region wait for a time slice, and the step
+# takes several times as long; at niceness 10 the kernel gives it the core only when the engine leaves one.
+COMPILE_NICENESS = 10
 
 
 class CompileQueueFull(Exception):
@@ -109,6 +119,7 @@ class CompilePool:
         return self.future(key, arg).result()
 
     def _work(self) -> None:
+        lower_priority()
         while True:
             self._run(*self._queue.get())
 
@@ -152,6 +163,16 @@ class CompilePool:
         with self._lock:
             self._cache.clear()
             self.cached_bytes = 0
+
+
+def lower_priority() -> None:
+    """The calling thread COMPILE_NICENESS lower (Linux, where a thread has a niceness of its own, which
+    the threads and processes it starts inherit; elsewhere nothing), or as it was if not permitted."""
+    if sys.platform != "linux":
+        return
+    who = threading.get_native_id()
+    with contextlib.suppress(OSError, AttributeError):  # not permitted, or no setpriority (Windows)
+        os.setpriority(os.PRIO_PROCESS, who, min(19, os.getpriority(os.PRIO_PROCESS, who) + COMPILE_NICENESS))
 
 
 def _on_compile_stack(fn, *args):

@@ -1,0 +1,102 @@
+"""Where the C++ attention kernels of infer/kernels serve a layer's attention; infer.layers.attention calls
+them there, and infer.layers.attention_reference elsewhere.
+
+The batched call is the C++ kernel of infer/kernels (`paged_attention.cpp`, what vLLM's CPU backend has
+as cpu_attention_with_kv_cache) wherever it serves the step (KERNEL_MAX_QUERY_LEN, KERNEL_DTYPES, a
+head_dim that is a multiple of 16): every query over its context read in place through the block table
+(no gathered copy, no padding, no mask), GQA (a kv head's group of query heads reads each key once),
+sliding windows, an online float32 softmax, sequences spread over torch's OpenMP threads. It won at
+every size measured (2-5x one layer's matmul path), so nothing dispatches by size.
+
+Prefill: the prefill kernel (infer/kernels/prefill_attention.cpp: flash attention's forward over the
+paged cache, tiles of 64 keys packed once per call, no tile past the diagonal; with AMX its two products
+on the tiles) serves `loop_seqs` wherever it was built with AVX-512 BF16 (`isa()` has "+bf16"), in
+PREFILL_KERNEL_DTYPES, for a head_dim that is a multiple of 16.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from infer import kernels
+from infer.layers.fp8_kv_cache import FP8_DTYPES
+
+if TYPE_CHECKING:
+    from infer.layers.attention_metadata import AttentionMetadata
+
+# The C++ kernel (infer/kernels) serves the batched call when its longest query is at most this long, in
+# these dtypes; the matmuls otherwise (and wherever the kernel is off or could not be built). It won at
+# every point measured, chunks of up to 128 tokens riding with decodes included; longer ones, rare in a
+# batched call (attention_metadata.MAX_PADDED_SCORES), were not measured.
+KERNEL_MAX_QUERY_LEN = 128
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# The prefill kernel (infer/kernels/prefill_attention.cpp) serves the sequences the batched call leaves
+# out (loop_seqs: prompts, longer chunks), all of them in one call per layer, in these dtypes, wherever
+# it was built with AVX-512 BF16; SDPA one sequence at a time otherwise (see the module docstring). It
+# won at every point measured, in each dtype.
+PREFILL_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def prefill_kernel(q, cache):
+    """The kernels' ops where the prefill kernel serves this layer's loop sequences, else None: SDPA."""
+    if cache is None or q.stride(-1) != 1:
+        return None
+    return prefill_kernel_for(cache[0], q.dtype)
+
+
+def _reads(ops, q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the kernels take queries of q_dtype over a cache of cache_dtype: of its own dtype, or over
+    an fp8 cache bf16 queries with a head_dim of a multiple of 64 on a "+fp8" build."""
+    if cache_dtype not in FP8_DTYPES:
+        return q_dtype == cache_dtype
+    return q_dtype == torch.bfloat16 and head_dim % 64 == 0 and has_fp8(ops)
+
+
+def kernels_read_fp8(q_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether this build's kernels read an fp8 cache under queries of q_dtype and this head_dim (else the
+    Python path converts what it reads)."""
+    ops = kernels.load()
+    return ops is not None and _reads(ops, q_dtype, FP8_DTYPES[0], head_dim)
+
+
+def prefill_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = None):
+    """The kernels' ops where the prefill kernel serves queries of q_dtype (None: what the cache takes, bf16
+    over fp8) over this cache (PREFILL_KERNEL_DTYPES or fp8, a head_dim that is a multiple of 16, an
+    AVX-512 BF16 build, `_reads`), else None."""
+    fp8 = key_cache.dtype in FP8_DTYPES
+    if (
+        (key_cache.dtype not in PREFILL_KERNEL_DTYPES and not fp8)
+        or key_cache.device.type != "cpu"
+        or key_cache.shape[-1] % 16
+    ):
+        return None
+    ops = kernels.load()
+    if ops is None or not _avx512_bf16(ops):
+        return None
+    q_dtype = q_dtype or (torch.bfloat16 if fp8 else key_cache.dtype)
+    return ops if _reads(ops, q_dtype, key_cache.dtype, key_cache.shape[-1]) else None
+
+
+@functools.cache
+def _avx512_bf16(ops) -> bool:
+    return "+bf16" in ops.isa()
+
+
+@functools.cache
+def has_fp8(ops) -> bool:
+    return "+fp8" in ops.isa()
+
+
+def kernel_serves(ops, meta: AttentionMetadata, q, key_cache) -> bool:
+    return (
+        meta.max_query_len <= KERNEL_MAX_QUERY_LEN
+        and q.dtype in KERNEL_DTYPES
+        and _reads(ops, q.dtype, key_cache.dtype, key_cache.shape[-1])
+        and q.device.type == "cpu"
+        and q.shape[-1] % 16 == 0
+        and q.stride(-1) == 1
+    )

@@ -1,0 +1,38 @@
+"""Every string of a request body, nested anywhere, must be valid Unicode; the walk skips the numbers (a
+1,024-entry logit_bias is numbers only) but no string, whatever holds it."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from infer.server.protocol import ChatCompletionRequest, CompletionRequest
+
+LONE = "a\ud800b"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": LONE},
+        {"prompt": ["ok", LONE]},
+        {"prompt": "hi", "stop": ["x", LONE]},
+        {"prompt": "hi", "bad_words": [LONE]},
+        {"prompt": "hi", "logit_bias": {"1": 2.0}, "stop": [LONE]},
+    ],
+)
+def test_a_lone_surrogate_anywhere_is_refused(body):
+    with pytest.raises(pydantic.ValidationError, match="Unicode"):
+        CompletionRequest.model_validate(body)
+
+
+def test_a_tool_argument_deep_in_a_chat_is_checked_too():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"enum": [1, LONE]}}}]
+    with pytest.raises(pydantic.ValidationError, match="Unicode"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools})
+
+
+def test_a_large_logit_bias_is_accepted():
+    bias = {str(t): 1.0 for t in range(100, 1124)}
+    req = CompletionRequest.model_validate({"prompt": "hi", "logit_bias": bias})
+    assert len(req.logit_bias) == 1024 and req.logit_bias[100] == 1.0
