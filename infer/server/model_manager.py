@@ -388,8 +388,9 @@ class _MergedCollector:
 
 
 class ModelLeases:
-    """ASGI middleware: what `acquire` leased for a request is released once its response is sent whole,
-    however it ended (a finished stream, a disconnect, an error)."""
+    """ASGI middleware: what `acquire` leased for a request is released as its response's last bytes are
+    handed over (before them: a client that has read a stream's end may ask for another model at once and
+    must find this one idle), or when the app returns however it ended (a disconnect, an error)."""
 
     def __init__(self, app):
         self.app = app
@@ -399,12 +400,21 @@ class ModelLeases:
             await self.app(scope, receive, send)
             return
         releases = scope.setdefault(LEASES_KEY, [])
-        try:
-            await self.app(scope, receive, send)
-        finally:
+
+        def release_all() -> None:
             for release in releases:
                 release()
             releases.clear()
+
+        async def send_releasing(message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                release_all()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_releasing)
+        finally:
+            release_all()
 
 
 class ModelRequest(BaseModel):
