@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -50,26 +48,6 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
-
-# The converter's main() once per job; an unknown pre-tokenizer hash is declared as the job's "pre".
-DRIVER = """
-import json, runpy, sys
-root, jobs = sys.argv[1], json.loads(sys.argv[2])
-sys.path.insert(0, root)
-sys.argv = ["convert_hf_to_gguf.py"]
-main = runpy.run_path(root + "/convert_hf_to_gguf.py")["main"]
-import conversion.base as base
-recognised = base.TextModel.get_vocab_base_pre
-for job in jobs:
-    def pre(self, tokenizer, name=job["pre"]):
-        try:
-            return recognised(self, tokenizer)
-        except NotImplementedError:
-            return name
-    base.TextModel.get_vocab_base_pre = pre
-    sys.argv = ["convert_hf_to_gguf.py", job["model"], "--outfile", job["out"], "--outtype", "bf16"]
-    main()
-"""
 
 
 def corpus_lines() -> list[str]:
@@ -248,12 +226,10 @@ def check_tokenizer(out: Path, first: str, last: str) -> None:
 
 
 def convert_to_gguf(jobs: list[dict]) -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from fetch_llama_cpp import fetch
+    sys.path.insert(0, str(ROOT))
+    from tests.models.gguf_files import convert  # the tests' driver of llama.cpp's converter
 
-    root = fetch()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-c", DRIVER, str(root), json.dumps(jobs)], check=True, env=env)
+    convert([{**job, "outtype": "bf16"} for job in jobs])
 
 
 # name: (build(out, seed), the first and last tokens of an encoded text, llama.cpp's pre-tokenizer)
