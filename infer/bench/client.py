@@ -100,7 +100,28 @@ def check_server(base_url: str, model: str, api_key: str | None = None, timeout:
 STALE_RETRIES = 4  # sends of one request on kept-alive connections the server had closed
 
 
-class StreamingClient:
+class ClientSession:
+    """One aiohttp session for a benchmark's requests, no cap on connections (the arrivals decide
+    concurrency; idle ones kept for reuse), and a clock from its creation. Use as `async with`."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._http: aiohttp.ClientSession | None = None
+        self.t0 = time.perf_counter()
+
+    async def __aenter__(self):
+        timeout = aiohttp.ClientTimeout(total=None, connect=10.0)
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._http.close()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+class StreamingClient(ClientSession):
     """Sends streaming completions and records what it saw. Use as `async with StreamingClient(...)`."""
 
     def __init__(
@@ -112,26 +133,12 @@ class StreamingClient:
         ignore_eos: bool = True,
         temperature: float = 0.0,
     ):
+        super().__init__(timeout)
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model = model
         self.headers = _headers(api_key)
-        self.timeout = timeout
         self.ignore_eos = ignore_eos  # fixed output lengths; vLLM and ours honour it, others ignore it
         self.temperature = temperature
-        self._http: aiohttp.ClientSession | None = None
-        self.t0 = time.perf_counter()
-
-    async def __aenter__(self) -> StreamingClient:
-        # no cap on connections (the arrivals decide concurrency); idle ones kept for reuse
-        timeout = aiohttp.ClientTimeout(total=None, connect=10.0)
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self._http.close()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
 
     def body(self, spec: RequestSpec) -> dict:
         body = {

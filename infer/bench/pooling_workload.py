@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import aiohttp
 import orjson
 
-from infer.bench.client import JSON, STALE_RETRIES, _error_message, _headers
+from infer.bench.client import JSON, STALE_RETRIES, ClientSession, _error_message, _headers
 from infer.bench.metrics import distribution
 from infer.bench.report import progress_bar
 
@@ -78,30 +78,17 @@ class PoolingRecord:
         return asdict(self)
 
 
-class PoolingClient:
+class PoolingClient(ClientSession):
     """Sends embeddings or rerank requests and records what it saw. Use as `async with`."""
 
     def __init__(self, base_url: str, model: str, workload: str, api_key: str | None = None,
                  timeout: float = 600.0, query: str = ""):  # fmt: skip
         if workload not in WORKLOADS:
             raise ValueError(f"unknown pooling workload {workload!r}; expected one of {', '.join(WORKLOADS)}")
+        super().__init__(timeout)
         self.url = base_url.rstrip("/") + PATHS[workload]
         self.model, self.workload, self.query = model, workload, query
         self.headers = _headers(api_key) | JSON
-        self.timeout = timeout
-        self._http: aiohttp.ClientSession | None = None
-        self.t0 = time.perf_counter()
-
-    async def __aenter__(self) -> PoolingClient:
-        timeout = aiohttp.ClientTimeout(total=None, connect=10.0)
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self._http.close()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
 
     def body(self, texts: Sequence[str]) -> dict:
         if self.workload == "embeddings":
