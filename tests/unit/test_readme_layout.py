@@ -1,0 +1,28 @@
+"""The README's Layout section names every module, script and benchmark that exists (a file under a
+folder the layout names, such as tool_parsers/ or micro/, is named by its folder)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = {".py", ".cpp", ".h", ".sh"}
+
+
+def layout_block() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = text.index("## Layout\n")
+    start = text.index("```\n", start) + 4
+    return text[start : text.index("```", start)]
+
+
+def test_the_layout_names_every_file():
+    block = layout_block()
+    unnamed = []
+    for folder in ("infer", "scripts", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in SOURCES or path.name == "__init__.py" or "reports" in path.parts:
+                continue
+            if path.name not in block and f"{path.parent.name}/" not in block:
+                unnamed.append(str(path.relative_to(ROOT)))
+    assert not unnamed, f"README's Layout does not name: {', '.join(unnamed)}"
