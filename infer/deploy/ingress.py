@@ -113,10 +113,14 @@ class RemoteEngine:
         req_id: str | None = None,
         priority: int = 0,
         slo: Objectives | None = None,
+        group_id: str | None = None,
     ) -> AsyncIterator[StepOutput]:
-        """Raises ValueError (refused), or RequestFailed (no replica answered); see AsyncEngine.add."""
+        """Raises ValueError (refused), or RequestFailed (no replica answered); see AsyncEngine.add. A
+        group's choices share the seats of whichever replica each is routed to."""
         arrival = self.metrics.arrivals.get(req_id, time.monotonic())
-        stream = self.handle.generate.remote(list(prompt), params or SamplingParams(), req_id, priority, slo)
+        stream = self.handle.generate.remote(
+            list(prompt), params or SamplingParams(), req_id, priority, slo, group_id
+        )
         try:
             kind, payload, _ = await stream.__anext__()
         except Exception as exc:

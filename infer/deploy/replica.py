@@ -57,9 +57,10 @@ class EngineReplica:
         req_id: str,
         priority: int = 0,
         slo: Objectives | None = None,
+        group_id: str | None = None,
     ):
         try:
-            outputs = await self.engine.add(prompt_ids, params, req_id, priority, slo)
+            outputs = await self.engine.add(prompt_ids, params, req_id, priority, slo, group_id)
         except (ValueError, CompileQueueFull) as exc:  # refused (the kind tells the ingress which)
             yield ("refused", (type(exc).__name__, str(exc)), None)
             return
