@@ -259,6 +259,18 @@ def pooling_spec(results: list[dict]) -> tuple[list[str], list, str]:
     return headers, rows, "== pooling workloads: B texts of exactly T tokens per request, one at a time"
 
 
+def serving_record(args: argparse.Namespace, argv: list[str] | None, started, **fields) -> dict:
+    """The one record of `bench serve`: its command line, its flags as config, `fields` as they are."""
+    argv = sys.argv[1:] if argv is None else argv
+    return new_record(
+        "serving",
+        shlex.join([Path(sys.argv[0]).name, *argv]),
+        {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("func", "argv")},
+        started=started.isoformat(),
+        **fields,
+    )
+
+
 def run_pooling(args: argparse.Namespace, names: list[str], argv: list[str] | None, out) -> dict:
     """The embeddings / rerank workloads (infer.bench.pooling_workload) against the server, one request
     at a time, at each --input-tokens x --batch-sizes."""
@@ -299,12 +311,10 @@ def run_pooling(args: argparse.Namespace, names: list[str], argv: list[str] | No
     ]  # fmt: skip
     for line in notes:
         print("note: " + line, file=out)
-    argv = sys.argv[1:] if argv is None else argv
-    report = new_record(
-        "serving",
-        shlex.join([Path(sys.argv[0]).name, *argv]),
-        {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("func", "argv")},
-        started=started.isoformat(),
+    report = serving_record(
+        args,
+        argv,
+        started,
         server=server_info(args.server, card, args.server_flags, args.api_key),
         tables=[table(*spec)],
         notes=notes,
@@ -366,12 +376,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
             + ", ".join(f"{r['name']} {r['summary']['fraction_of_decode_ceiling']:.2f}" for r in results)
         )
         print("\n" + ceiling_note, file=out)
-    argv = sys.argv[1:] if argv is None else argv
-    report = new_record(
-        "serving",
-        shlex.join([Path(sys.argv[0]).name, *argv]),
-        {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("func", "argv")},
-        started=started.isoformat(),
+    report = serving_record(
+        args,
+        argv,
+        started,
         server=server,
         tables=[table(*comparison_spec(results)), *(table(*detail_spec(r)) for r in results)],
         notes=[ceiling_note] if ceiling else [],
