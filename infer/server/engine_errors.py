@@ -10,8 +10,7 @@ import logging
 from infer.core.slo import LateRequest
 from infer.engine.async_engine import RequestFailed
 from infer.sampling_params import Unsatisfiable
-from infer.server.protocol import APIError, bad_request
-from infer.server.server_state import RETRY_AFTER_S
+from infer.server.protocol import APIError, bad_request, overloaded
 from infer.structured_outputs.compile_pool import CompileQueueFull
 
 logger = logging.getLogger("infer.server")
@@ -43,10 +42,4 @@ def engine_error(exc: Exception, param: str) -> APIError:
 
 
 def grammars_busy(exc: CompileQueueFull) -> APIError:
-    return APIError(
-        429,
-        f"server overloaded: {exc}; retry after {RETRY_AFTER_S}s",
-        "rate_limit_error",
-        code="rate_limit_exceeded",
-        headers={"Retry-After": str(RETRY_AFTER_S)},
-    )
+    return overloaded(f"server overloaded: {exc}")

@@ -45,8 +45,8 @@ from pydantic import BaseModel, ConfigDict
 from infer.server.args import ServerArgs
 from infer.server.metrics import Metrics
 from infer.server.model_specs import ModelSpec, estimated_bytes, parse_keep_alive
-from infer.server.protocol import APIError, bad_request
-from infer.server.server_state import LEASES_KEY, RETRY_AFTER_S, ServerState
+from infer.server.protocol import APIError, bad_request, overloaded
+from infer.server.server_state import LEASES_KEY, ServerState
 
 logger = logging.getLogger("infer.server")
 UNLOADED, LOADING, LOADED, UNLOADING = "unloaded", "loading", "loaded", "unloading"
@@ -254,13 +254,7 @@ class ModelManager:
         bound = f"--models-memory-gb {self.max_bytes / 2**30:.3g}" + (
             f", --models-max {self.max_loaded}" if self.max_loaded is not None else ""
         )
-        return APIError(
-            503,
-            f"cannot load `{entry.name}` within {bound}: {why}; retry after {RETRY_AFTER_S}s",
-            "service_unavailable",
-            code="model_capacity_exceeded",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
+        return overloaded(f"cannot load `{entry.name}` within {bound}: {why}", 503, "model_capacity_exceeded")
 
     async def _load(self, entry: ModelEntry) -> None:
         try:

@@ -56,6 +56,17 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+RETRY_AFTER_S = 1  # what a refused client is told to wait (the Retry-After header)
+
+
+def overloaded(why: str, status: int = 429, code: str = "rate_limit_exceeded") -> APIError:
+    """A refusal the client should retry: 429 (this server is busy) or 503 (it cannot serve now), with
+    Retry-After, as OpenAI's API and vLLM answer."""
+    kind = "rate_limit_error" if status == 429 else "service_unavailable"
+    headers = {"Retry-After": str(RETRY_AFTER_S)}
+    return APIError(status, f"{why}; retry after {RETRY_AFTER_S}s", kind, code=code, headers=headers)
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

@@ -20,12 +20,11 @@ from infer.engine.async_pooling import AsyncPoolingEngine
 from infer.engine.pooling import PoolingEngine, model_task
 from infer.server.args import ServerArgs
 from infer.server.metrics import MeteredEngine, Metrics
-from infer.server.protocol import APIError, bad_request
+from infer.server.protocol import APIError, bad_request, overloaded
 
 if TYPE_CHECKING:
     from infer.server.fanout import Fanout
 
-RETRY_AFTER_S = 1
 LEASES_KEY = "infer.model_leases"  # in the ASGI scope: the models a request holds until its response is sent
 
 
@@ -147,14 +146,9 @@ class ServerState:
         max_num_seqs, max_queued = self.llm.scheduler_config.max_num_seqs, self.args.max_queued_requests
         num_waiting = self.num_in_flight + num_requests - max_num_seqs
         if num_waiting > max_queued and fits:
-            raise APIError(
-                429,
+            raise overloaded(
                 f"server overloaded: {self.num_in_flight} requests in flight and this one would make "
-                f"{num_waiting} wait, beyond --max-queued-requests {max_queued}; "
-                f"retry after {RETRY_AFTER_S}s",
-                "rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+                f"{num_waiting} wait, beyond --max-queued-requests {max_queued}"
             )
         self.num_in_flight += num_requests
 
@@ -166,13 +160,9 @@ class ServerState:
         bound = self.args.engine.max_num_seqs + self.args.max_queued_requests
         waiting = self.pooling.num_waiting
         if waiting and waiting + num_inputs > bound:
-            raise APIError(
-                429,
+            raise overloaded(
                 f"server overloaded: {waiting} inputs are waiting to be embedded or scored and this request "
-                f"would make {waiting + num_inputs}, beyond {bound}; retry after {RETRY_AFTER_S}s",
-                "rate_limit_error",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+                f"would make {waiting + num_inputs}, beyond {bound}"
             )
         self.num_in_flight += 1
         try:
