@@ -98,6 +98,9 @@ def check_server(base_url: str, model: str, api_key: str | None = None, timeout:
 
 
 STALE_RETRIES = 4  # sends of one request on kept-alive connections the server had closed
+# idle connections are dropped before a server's own keep-alive timeout closes them under a request
+# (llama-server's is 5 s: between two concurrency levels a pool of 32 idle ones had all gone stale)
+KEEPALIVE_S = 2.0
 
 
 class ClientSession:
@@ -111,7 +114,8 @@ class ClientSession:
 
     async def __aenter__(self):
         timeout = aiohttp.ClientTimeout(total=None, connect=10.0)
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        self._http = aiohttp.ClientSession(connector=connector, timeout=timeout)
         return self
 
     async def __aexit__(self, *exc) -> None:
