@@ -21,6 +21,13 @@ from infer.models.loader import load_engine_model, read_config, resolve_model_pa
 from infer.models.pooler_config import CLASSIFY, EMBED, read_pooler_config
 from infer.runner.pooling_runner import PoolingInput, PoolingRunner
 
+# decoders with a score head (infer.models.decoder_classifier): Qwen3-Reranker, as converted or with
+# vLLM's --hf-overrides
+DECODER_CLASSIFIERS = (
+    "Qwen3ForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "LlamaForSequenceClassification",
+)
 # architectures that are pooling models whatever --runner says (encoders, cross-encoders, decoder bodies)
 POOLING_ARCHITECTURES = {
     "BertModel": EMBED,
@@ -29,6 +36,7 @@ POOLING_ARCHITECTURES = {
     "LlamaModel": EMBED,
     "BertForSequenceClassification": CLASSIFY,
     "XLMRobertaForSequenceClassification": CLASSIFY,
+    **dict.fromkeys(DECODER_CLASSIFIERS, CLASSIFY),
 }
 DECODER_ARCHITECTURES = (
     "Qwen3Model",
@@ -36,6 +44,7 @@ DECODER_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *DECODER_CLASSIFIERS,
 )
 
 
@@ -60,7 +69,7 @@ def model_task(config: EngineConfig) -> str | None:
     path = resolve_model_path(config.model, config.load_format)
     if not (path / "config.json").is_file():
         return pooling_task("", config.runner) if config.runner == "pooling" else None
-    architectures = read_config(path).get("architectures") or [""]
+    architectures = read_config(path, config.hf_overrides).get("architectures") or [""]
     return pooling_task(architectures[0], config.runner)
 
 
@@ -92,9 +101,11 @@ class PoolingEngine:
         model, self.model_config, path = load_engine_model(config, pooling=True)
         self.path = Path(path)
         self.tokenizer = load_tokenizer(self.path, config.tokenizer)
-        hf_config = read_config(self.path)
+        hf_config = read_config(self.path, config.hf_overrides)
         decoder = self.model_config.architecture in DECODER_ARCHITECTURES
-        self.pooler = read_pooler_config(self.path, hf_config, self.task, decoder, config.pooler_config)
+        self.pooler = read_pooler_config(
+            self.path, hf_config, self.task, decoder, config.pooler_config, self.model_config.num_labels
+        )
         if self.task == CLASSIFY and not hasattr(model, "classify"):
             raise ValueError(f"{self.model_config.architecture} has no classifier to score with")
         self.runner = PoolingRunner(

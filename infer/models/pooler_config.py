@@ -62,15 +62,21 @@ class PoolerConfig:
 
 
 def read_pooler_config(
-    path: Path, hf_config: dict[str, Any], task: str, decoder: bool, override: str | None = None
+    path: Path,
+    hf_config: dict[str, Any],
+    task: str,
+    decoder: bool,
+    override: str | None = None,
+    num_labels: int | None = None,
 ) -> PoolerConfig:
     """The pooler of the model in folder `path` (see the module docstring). ValueError for a
-    sentence-transformers pipeline or an override that cannot be served."""
+    sentence-transformers pipeline or an override that cannot be served. `num_labels`: a classifier's,
+    where config.json does not say it (a score head built from an LM head's rows)."""
     fields: dict[str, Any] = {"task": task, "pooling_type": "LAST" if decoder else "CLS", "normalize": True}
     if task == EMBED:
         fields |= _sentence_transformers(path)
     else:
-        fields["use_activation"] = _cross_encoder_activation(hf_config)
+        fields["use_activation"] = _cross_encoder_activation(hf_config, num_labels)
     dims = hf_config.get("matryoshka_dimensions")
     fields["is_matryoshka"] = bool(hf_config.get("is_matryoshka") or dims)
     fields["matryoshka_dimensions"] = tuple(int(d) for d in dims) if dims else None
@@ -117,12 +123,15 @@ def _st_pooling_type(folder: Path) -> str:
     return ST_MODES[mode]
 
 
-def _cross_encoder_activation(hf_config: dict[str, Any]) -> bool:
+def _cross_encoder_activation(hf_config: dict[str, Any], num_labels: int | None = None) -> bool:
     """sentence-transformers' CrossEncoder: a sigmoid with one label unless its config names another."""
     saved = (hf_config.get("sentence_transformers") or {}).get("activation_fn")
     if saved is not None:
         return not saved.endswith("Identity")
-    num_labels = len(hf_config["id2label"]) if hf_config.get("id2label") else hf_config.get("num_labels", 2)
+    if num_labels is None:
+        num_labels = (
+            len(hf_config["id2label"]) if hf_config.get("id2label") else hf_config.get("num_labels", 2)
+        )
     return num_labels == 1
 
 

@@ -45,7 +45,8 @@ class PoolingRunner:
             types = torch.tensor([t for x in inputs for t in (x.token_type_ids or [0] * len(x.token_ids))])
         hidden = self.model(input_ids, positions, AttentionMetadata.prefill_only(seq_lens), types)
         if self.classify:
-            return self._scores(pool(hidden, seq_lens, "CLS"), inputs)
+            # a cross-encoder's first token ([CLS]), a decoder classifier's last (the pooler's type)
+            return self._scores(pool(hidden, seq_lens, self.pooling_type), inputs)
         pooled = pool(hidden, seq_lens, self.pooling_type)  # [num_seqs, hidden_size] float32
         if self.normalize:
             pooled = normalize(pooled)

@@ -162,3 +162,75 @@ def build_cross_encoder(folder: Path, arch: str, num_labels: int = 1, seed: int 
     _perturb(model, seed)
     model.save_pretrained(folder)
     return folder
+
+
+# Qwen3's pre-tokenizer split (its tokenizer.json's), and Qwen3-Reranker's tokenizer_config.json fields
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_THINK = ["<think>", "</think>"]  # added tokens, not special (Qwen3's)
+QWEN3_RERANKER_CONFIG = {
+    "tokenizer_class": "Qwen2Tokenizer",
+    "bos_token": None,
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+    "padding_side": "left",
+    "model_max_length": 131072,
+    "add_prefix_space": False,
+    "errors": "replace",
+    "split_special_tokens": False,
+    "clean_up_tokenization_spaces": False,
+}
+
+
+def qwen3_reranker_tokenizer(folder: Path) -> int:
+    """A tokenizer in Qwen3-Reranker's shape (byte-level BPE after Qwen2's split, no special tokens added
+    around a text or a pair, "yes" and "no" single tokens, <|im_start|> / <|im_end|> / <think>); the
+    embedded model's merges. Returns its size (with the added tokens)."""
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+
+    data = json.loads((EMBEDDED_MODEL / "tokenizer.json").read_text())
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    for word, merge in (("no", ["n", "o"]), ("yes", ["y", "es"])):  # "es" is a token already
+        vocab[word] = len(vocab)
+        merges.append(merge)
+    data["added_tokens"] = []
+    data["post_processor"] = None
+    tok = Tokenizer.from_str(json.dumps(data))
+    split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_THINK])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(QWEN3_RERANKER_CONFIG))
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def build_qwen3_reranker(folder: Path, tie_word_embeddings: bool = True, seed: int = 0) -> Path:
+    """Qwen3-Reranker's checkpoint shape: a Qwen3ForCausalLM (the 0.6B ties its LM head to the
+    embedding, the 8B does not), scored by its "yes" and "no" logits."""
+    import transformers
+
+    vocab_size = qwen3_reranker_tokenizer(folder)
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(
+        **(ENCODER | {"vocab_size": vocab_size}),
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=vocab_size - 3,  # <|im_end|>
+        pad_token_id=vocab_size - 5,  # <|endoftext|>
+    )
+    model = transformers.Qwen3ForCausalLM(config)
+    _perturb(model, seed)
+    if tie_word_embeddings:
+        model.tie_weights()
+    model.save_pretrained(folder)
+    return folder
