@@ -19,6 +19,7 @@ from infer.config import EngineConfig
 from infer.engine.tokenizer import load_tokenizer
 from infer.models.loader import load_engine_model, read_config, resolve_model_path
 from infer.models.pooler_config import CLASSIFY, EMBED, read_pooler_config
+from infer.models.st_dense import DenseStack
 from infer.runner.pooling_runner import PoolingInput, PoolingRunner
 
 # decoders with a score head (infer.models.decoder_classifier): Qwen3-Reranker, as converted or with
@@ -114,11 +115,18 @@ class PoolingEngine:
             self.pooler.normalize,
             self.task == CLASSIFY,
             self.pooler.use_activation,
+            DenseStack(self.path, self.pooler.dense_folders) if self.pooler.dense_folders else None,
         )
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_position_embeddings)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
+
+    @property
+    def embedding_size(self) -> int:
+        """The size of the vectors it returns: a Dense module's output, else the hidden state's."""
+        project = self.runner.project
+        return project.out_features if project is not None else self.model_config.hidden_size
 
     @property
     def num_labels(self) -> int:

@@ -5,7 +5,8 @@ In the order of precedence:
   - vLLM's `--pooler-config` JSON (`{"pooling_type": "MEAN", "normalize": false}`): an override.
   - sentence-transformers' files: `modules.json` lists the modules after the transformer; its Pooling
     module's `config.json` (`1_Pooling/config.json`) names the mode (`"pooling_mode": "cls"`, or the older
-    `"pooling_mode_cls_token": true` flags), a Normalize module means unit-length vectors. A cross-encoder's
+    `"pooling_mode_cls_token": true` flags), Dense modules map the pooled vector (`2_Dense`:
+    infer.models.st_dense), a Normalize module means unit-length vectors. A cross-encoder's
     `config.json` may name its activation (`sentence_transformers.activation_fn`).
   - The model's kind: BERT-family embedders pool CLS, decoders LAST (vLLM's defaults); normalised.
 A cross-encoder's score is its classifier's logit through a sigmoid when it has one label, as
@@ -42,6 +43,8 @@ class PoolerConfig:
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
     use_activation: bool = True  # a cross-encoder's sigmoid (with one label)
+    # sentence-transformers' Dense modules after the pooler (infer.models.st_dense), their folders in order
+    dense_folders: tuple[str, ...] = ()
 
     def check_dimensions(self, dimensions: int | None, hidden_size: int) -> None:
         """ValueError (a 400) for a `dimensions` this model cannot return."""
@@ -91,18 +94,23 @@ def _sentence_transformers(path: Path) -> dict[str, Any]:
         return {}
     modules = json.loads(modules_file.read_text())
     found: dict[str, Any] = {"normalize": False}
+    dense: list[str] = []
     for module in modules:
         kind = module.get("type", "").rsplit(".", 1)[-1]
         if kind == "Pooling":
             found["pooling_type"] = _st_pooling_type(path / module.get("path", ""))
+        elif kind == "Dense":
+            if found["normalize"]:  # the vector is normalised last (layers.pooler): Dense must come first
+                raise ValueError(f"{path.name}: a Dense module after Normalize is not supported")
+            dense.append(module.get("path", ""))
         elif kind == "Normalize":
             found["normalize"] = True
         elif kind not in ("Transformer", "Router"):
             raise ValueError(
                 f"{path.name}: the sentence-transformers module {module.get('type')!r} is not supported "
-                "(Transformer, Pooling and Normalize are)"
+                "(Transformer, Pooling, Dense and Normalize are)"
             )
-    return found
+    return found | ({"dense_folders": tuple(dense)} if dense else {})
 
 
 def _st_pooling_type(folder: Path) -> str:

@@ -69,7 +69,11 @@ def _perturb(model, seed: int) -> None:
             p.copy_(1.0 + 0.1 * noise if is_norm else noise * (0.1 if p.ndim > 1 else 0.05))
 
 
-def _sentence_transformers(folder: Path, pooling: str | None, normalize: bool) -> None:
+def _sentence_transformers(
+    folder: Path, pooling: str | None, normalize: bool, dense: list[dict] | None = None, seed: int = 0
+) -> None:
+    """dense: sentence-transformers Dense modules after the pooler, each its constructor's arguments
+    (in_features, out_features, bias, activation_function, use_residual), saved by sentence-transformers."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
     if pooling is not None:
         modules.append(
@@ -81,11 +85,22 @@ def _sentence_transformers(folder: Path, pooling: str | None, normalize: bool) -
         }
         config = {"word_embedding_dimension": 64, **flags}
         (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    for args in dense or []:
+        from sentence_transformers.sentence_transformer.modules import Dense
+
+        torch.manual_seed(seed + len(modules))
+        layer = Dense(**args)
+        _perturb(layer, seed + len(modules))
+        name = f"{len(modules)}_Dense"
+        (folder / name).mkdir(exist_ok=True)
+        layer.save(str(folder / name))
+        modules.append({"idx": len(modules), "name": str(len(modules)), "path": name,
+                        "type": "sentence_transformers.models.Dense"})  # fmt: skip
     if normalize:
-        modules.append(
-            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
-        )
-        (folder / "2_Normalize").mkdir(exist_ok=True)
+        name = f"{len(modules)}_Normalize"
+        modules.append({"idx": len(modules), "name": str(len(modules)), "path": name,
+                        "type": "sentence_transformers.models.Normalize"})  # fmt: skip
+        (folder / name).mkdir(exist_ok=True)
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "sentence_bert_config.json").write_text(
         json.dumps({"max_seq_length": 128, "do_lower_case": False})
@@ -100,8 +115,10 @@ def build_embedder(
     normalize: bool = True,
     seed: int = 0,
     extra_config: dict | None = None,
+    dense: list[dict] | None = None,
 ) -> Path:
-    """arch: "bert", "xlm-roberta" or "qwen3"; a sentence-transformers embedding model in `folder`."""
+    """arch: "bert", "xlm-roberta" or "qwen3"; a sentence-transformers embedding model in `folder`
+    (with `dense`, Dense modules after its pooler: _sentence_transformers)."""
     import transformers
 
     kind = {"bert": "bert", "xlm-roberta": "roberta", "qwen3": "decoder"}[arch]
@@ -135,7 +152,7 @@ def build_embedder(
         setattr(model.config, key, value)
     _perturb(model, seed)
     model.save_pretrained(folder)
-    _sentence_transformers(folder, pooling, normalize)
+    _sentence_transformers(folder, pooling, normalize, dense, seed)
     return folder
 
 
