@@ -16,7 +16,9 @@ import torch
 from infer.config import EngineConfig
 from infer.engine.llm import LLM
 from infer.engine.pooling import PoolingEngine
+from infer.engine.pooling_inputs import ScoreJob
 from infer.models.config import ModelConfig
+from infer.runner.pooling_runner import PoolingInput
 from tests.models.pooling_models import build_qwen3_reranker
 
 transformers = pytest.importorskip("transformers")
@@ -91,8 +93,6 @@ def test_hf_overrides_as_json_text_batches_pairs_packed(reranker):
     )
     engine = PoolingEngine(config)
     assert engine.task == "classify" and engine.pooler.pooling_type == "LAST" and engine.num_labels == 1
-    from infer.engine.pooling_inputs import ScoreJob
-
     job = ScoreJob.build(engine, PAIRS * 2)
     np.testing.assert_allclose(job.scores(engine.encode(job.inputs)), np.tile(expected, 2), atol=1e-4)
     raw = ScoreJob.build(engine, PAIRS, use_activation=False)  # the logit: yes - no
@@ -199,3 +199,21 @@ def test_the_engine_takes_every_decoder_classifier_for_a_pooling_model():
     from infer.models import config
 
     assert set(pooling.DECODER_CLASSIFIERS) == set(config.DECODER_CLASSIFIERS)
+
+
+@pytest.mark.slow
+def test_no_post_processing_keeps_each_tokens_logit(reranker):
+    """vLLM's other method: one label per token, its LM head row as it is (the logits themselves, no
+    sigmoid with two labels)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(reranker))
+    model = transformers.Qwen3ForCausalLM.from_pretrained(str(reranker), dtype=torch.float32).eval()
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ("no", "yes")]
+    with torch.no_grad():
+        expected = [
+            model(input_ids=torch.tensor([tokenizer(a, b)["input_ids"]])).logits[0, -1, ids] for a, b in PAIRS
+        ]
+    overrides = HF_OVERRIDES | {"is_original_qwen3_reranker": False, "method": "no_post_processing"}
+    engine = PoolingEngine(EngineConfig(model=str(reranker), dtype="float32", hf_overrides=overrides))
+    assert engine.num_labels == 2 and not engine.pooler.use_activation
+    got = engine.encode([PoolingInput(engine.tokenizer.encode_pair(a, b)[0]) for a, b in PAIRS])
+    np.testing.assert_allclose(np.array(got), torch.stack(expected).numpy(), atol=1e-4)
