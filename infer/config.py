@@ -5,6 +5,7 @@ The model's own configuration (from config.json) lives in `infer.models.config`.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -289,6 +290,19 @@ class SpeculativeConfig:
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
+def _json_object(name: str, value: dict | str | None) -> dict | None:
+    """A JSON object given as text (a flag's value) or as a dict; None stays None."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{name} must be a JSON object, e.g. '{{\"architectures\": [...]}}'")
+    return parsed
+
+
 def _one_of(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
@@ -335,6 +349,8 @@ class EngineConfig:
         pooling for an encoder, a cross-encoder or a decoder's body saved without its LM head.
     pooler_config: vLLM's `--pooler-config` JSON, overriding what the model's folder says of its pooler
         (infer.models.pooler_config).
+    hf_overrides: vLLM's `--hf-overrides`: keys laid over the model's config.json (a dict, or its JSON
+        text), e.g. Qwen3-Reranker served as the classifier it is (infer.models.decoder_classifier).
     speculative_config: speculative decoding (SpeculativeConfig, or its fields as a dict or JSON text, as
         vLLM's `--speculative-config`); None = off.
     """
@@ -377,10 +393,12 @@ class EngineConfig:
     grammar_compile_timeout: float = 10.0
     runner: str = "auto"
     pooler_config: str | None = None
+    hf_overrides: dict | str | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         _one_of("runner", self.runner, RUNNERS)
+        object.__setattr__(self, "hf_overrides", _json_object("hf_overrides", self.hf_overrides))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config is not served under tensor parallelism; leave one out")

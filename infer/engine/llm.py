@@ -107,8 +107,9 @@ class LLM:
         text_2: str | list[str],
         truncate_prompt_tokens: int | None = None,
     ) -> list[PoolingRequestOutput]:
-        """A score per pair (one text_1 against each text_2, or text_1[i] with text_2[i]): a
-        cross-encoder's, or the cosine similarity of an embedding model's two vectors."""
+        """A score per pair (one text_1 against each text_2, or text_1[i] with text_2[i]): a reranker's
+        (a cross-encoder, or a decoder classifier such as Qwen3-Reranker, loaded with `hf_overrides`),
+        or the cosine similarity of an embedding model's two vectors."""
         engine = self._pooling_engine("score")
         job = ScoreJob.build(engine, pair_up(text_1, text_2), truncate_prompt_tokens)
         scores = job.scores(engine.encode(job.inputs))

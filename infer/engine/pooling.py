@@ -19,8 +19,16 @@ from infer.config import EngineConfig
 from infer.engine.tokenizer import load_tokenizer
 from infer.models.loader import load_engine_model, read_config, resolve_model_path
 from infer.models.pooler_config import CLASSIFY, EMBED, read_pooler_config
+from infer.models.st_dense import DenseStack
 from infer.runner.pooling_runner import PoolingInput, PoolingRunner
 
+# decoders with a score head (infer.models.decoder_classifier): Qwen3-Reranker, as converted or with
+# vLLM's --hf-overrides
+DECODER_CLASSIFIERS = (
+    "Qwen3ForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "LlamaForSequenceClassification",
+)
 # architectures that are pooling models whatever --runner says (encoders, cross-encoders, decoder bodies)
 POOLING_ARCHITECTURES = {
     "BertModel": EMBED,
@@ -29,6 +37,7 @@ POOLING_ARCHITECTURES = {
     "LlamaModel": EMBED,
     "BertForSequenceClassification": CLASSIFY,
     "XLMRobertaForSequenceClassification": CLASSIFY,
+    **dict.fromkeys(DECODER_CLASSIFIERS, CLASSIFY),
 }
 DECODER_ARCHITECTURES = (
     "Qwen3Model",
@@ -36,6 +45,7 @@ DECODER_ARCHITECTURES = (
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *DECODER_CLASSIFIERS,
 )
 
 
@@ -60,7 +70,7 @@ def model_task(config: EngineConfig) -> str | None:
     path = resolve_model_path(config.model, config.load_format)
     if not (path / "config.json").is_file():
         return pooling_task("", config.runner) if config.runner == "pooling" else None
-    architectures = read_config(path).get("architectures") or [""]
+    architectures = read_config(path, config.hf_overrides).get("architectures") or [""]
     return pooling_task(architectures[0], config.runner)
 
 
@@ -92,9 +102,11 @@ class PoolingEngine:
         model, self.model_config, path = load_engine_model(config, pooling=True)
         self.path = Path(path)
         self.tokenizer = load_tokenizer(self.path, config.tokenizer)
-        hf_config = read_config(self.path)
+        hf_config = read_config(self.path, config.hf_overrides)
         decoder = self.model_config.architecture in DECODER_ARCHITECTURES
-        self.pooler = read_pooler_config(self.path, hf_config, self.task, decoder, config.pooler_config)
+        self.pooler = read_pooler_config(
+            self.path, hf_config, self.task, decoder, config.pooler_config, self.model_config.num_labels
+        )
         if self.task == CLASSIFY and not hasattr(model, "classify"):
             raise ValueError(f"{self.model_config.architecture} has no classifier to score with")
         self.runner = PoolingRunner(
@@ -103,11 +115,18 @@ class PoolingEngine:
             self.pooler.normalize,
             self.task == CLASSIFY,
             self.pooler.use_activation,
+            DenseStack(self.path, self.pooler.dense_folders) if self.pooler.dense_folders else None,
         )
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = min(config.max_model_len or math.inf, self.model_config.max_position_embeddings)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
+
+    @property
+    def embedding_size(self) -> int:
+        """The size of the vectors it returns: a Dense module's output, else the hidden state's."""
+        project = self.runner.project
+        return project.out_features if project is not None else self.model_config.hidden_size
 
     @property
     def num_labels(self) -> int:

@@ -34,7 +34,7 @@ def embedding_inputs(
     keeps a text's first N tokens, its special tokens included (transformers' truncation), and token
     ids' last N (as vLLM). ValueError for what the model cannot take."""
     limit = engine.truncation(truncate_prompt_tokens)
-    engine.pooler.check_dimensions(dimensions, engine.model_config.hidden_size)
+    engine.pooler.check_dimensions(dimensions, engine.embedding_size)
     inputs = []
     for prompt in prompts:
         if isinstance(prompt, str):

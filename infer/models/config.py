@@ -7,7 +7,7 @@ bases). `ModelConfig.from_hf` absorbs all of that here so model files read plain
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from infer.layers.rope_config import RopeConfig
@@ -49,6 +49,11 @@ class ModelConfig:
     type_vocab_size: int = 0  # rows of the token-type (segment) embedding; 0: none (decoders)
     position_offset: int = 0  # XLM-RoBERTa numbers positions from pad_token_id + 1
     num_labels: int = 0  # a sequence-classification head's outputs; 0: no head
+    # a decoder served as a classifier built from its LM head's rows (vLLM's `classifier_from_token`:
+    # Qwen3-Reranker's ["no", "yes"]); infer.models.decoder_classifier
+    classifier_from_token: tuple[str, ...] = ()
+    classifier_method: str | None = None  # CLASSIFIER_METHODS; None: the checkpoint holds `score.weight`
+    classifier_token_ids: tuple[int, ...] = ()  # those tokens' ids, found by the loader in the tokenizer
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -78,6 +83,9 @@ class ModelConfig:
             return _from_encoder(arch, cfg)
         if arch in DECODER_BODIES:  # a decoder saved without its LM head (Qwen3-Embedding): same config
             arch = DECODER_BODIES[arch]
+        if arch in DECODER_CLASSIFIERS:  # the causal LM's body with a score head
+            body = _from_llama_like(DECODER_CLASSIFIERS[arch], cfg)
+            return replace(body, architecture=arch, **_classifier_fields(cfg))
         return _from_llama_like(arch, cfg)
 
 
@@ -90,6 +98,49 @@ ENCODERS = (
 )
 # a decoder's body saved alone (sentence-transformers saves AutoModel's) -> the causal LM it is the body of
 DECODER_BODIES = {"Qwen3Model": "Qwen3ForCausalLM", "LlamaModel": "LlamaForCausalLM"}
+
+
+# a decoder with a sequence-classification head (its last token's state -> num_labels logits), as vLLM's
+# as_seq_cls_model serves it -> the causal LM whose body it has
+DECODER_CLASSIFIERS = {
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+}
+# vLLM's ways of building the score head from the LM head's rows of `classifier_from_token`:
+#   from_2_way_softmax   two tokens [false, true]: one row, true - false (sigmoid of it = the softmax of
+#                        the two logits' "true" share: Qwen3-Reranker, mxbai-rerank-v2)
+#   no_post_processing   one label per token, its row as it is
+CLASSIFIER_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def _classifier_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    tokens = tuple(cfg.get("classifier_from_token") or ())
+    method = cfg.get("method")
+    if cfg.get("is_original_qwen3_reranker"):  # vLLM's spelling for Qwen3-Reranker's causal LM checkpoint
+        method = "from_2_way_softmax"
+    if method is None:
+        if tokens:
+            raise ValueError(
+                'classifier_from_token needs a method: add "is_original_qwen3_reranker": true '
+                f'(Qwen3-Reranker) or "method": one of {", ".join(CLASSIFIER_METHODS)}'
+            )
+        num_labels = len(cfg["id2label"]) if cfg.get("id2label") else cfg.get("num_labels", 2)
+        return {"num_labels": num_labels}
+    if method not in CLASSIFIER_METHODS:
+        raise ValueError(f"method {method!r} is not supported; supported: {', '.join(CLASSIFIER_METHODS)}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(
+            f"{method} needs classifier_from_token with two tokens (the false one, then the true one: "
+            f'["no", "yes"] for Qwen3-Reranker), got {list(tokens)}'
+        )
+    if not tokens:
+        raise ValueError(f"{method} needs classifier_from_token: the tokens whose LM head rows score")
+    return {
+        "num_labels": 1 if method == "from_2_way_softmax" else len(tokens),
+        "classifier_from_token": tokens,
+        "classifier_method": method,
+    }
 
 
 def _from_encoder(arch: str, cfg: dict[str, Any]) -> ModelConfig:

@@ -22,6 +22,7 @@ from infer.layers.linear import MergedLinear, can_prepack, prepack_linears
 from infer.layers.parallel import COLUMN, ROW, SINGLE, TensorParallel, shard_range
 from infer.models import gguf
 from infer.models.config import ModelConfig
+from infer.models.decoder_classifier import with_classifier_token_ids
 from infer.models.dtypes import to_torch_dtype
 from infer.models.registry import model_class
 from infer.quant.embedding import QuantizedEmbedding
@@ -82,9 +83,10 @@ def tokenizer_folder(path: Path) -> Path:
     return path if (path / "tokenizer.json").is_file() else EMBEDDED_MODEL
 
 
-def read_config(path: Path) -> dict:
+def read_config(path: Path, overrides: dict | None = None) -> dict:
+    """config.json, with `overrides` (vLLM's --hf-overrides) laid over it."""
     with open(path / "config.json") as f:
-        return json.load(f)
+        return json.load(f) | (overrides or {})
 
 
 def pick_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
@@ -118,6 +120,7 @@ def load_model(
     quantization: str = "none",
     tp: TensorParallel = SINGLE,
     pooling: bool = False,
+    hf_overrides: dict | None = None,
 ) -> tuple[nn.Module, ModelConfig, Path]:
     """Returns (model in eval mode on CPU, its config, its folder or GGUF file). `quantization` int8 or
     int4 swaps the linear layers for quantized ones (infer.quant; `model.quantization` summarises what was
@@ -125,7 +128,8 @@ def load_model(
     `prepack`, the remaining bf16 linear layers get their weights reordered once for oneDNN where the CPU
     supports it (infer.layers.linear). `tp`: this rank's shard of the model (infer.layers.parallel); random
     weights (load_format dummy) are then drawn per shard, so they differ from the unsharded model's.
-    `pooling`: the class the pooling runner serves (a decoder without its LM head; infer.models.registry)."""
+    `pooling`: the class the pooling runner serves (a decoder without its LM head; infer.models.registry).
+    `hf_overrides`: keys laid over config.json (or a GGUF file's metadata read as one)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose one of {', '.join(LOAD_FORMATS)}")
     path = resolve_model_path(model, load_format)
@@ -133,11 +137,13 @@ def load_model(
     if (gguf_model is not None) != (load_format == "gguf") and load_format not in ("auto", "dummy"):
         raise ValueError(f"--load-format {load_format} does not read {path.name}")
     if gguf_model is not None:
-        hf_config = gguf.hf_config(gguf_model)  # refuses quantized tensors before anything is allocated
+        hf_config = gguf.hf_config(gguf_model) | (hf_overrides or {})  # refuses quantized tensors first
         cfg = gguf.model_config(gguf_model, hf_config)
     else:
-        hf_config = read_config(path)
+        hf_config = read_config(path, hf_overrides)
         cfg = ModelConfig.from_hf(hf_config)
+    if cfg.classifier_from_token and load_format != "dummy":  # random weights need no LM head rows
+        cfg = with_classifier_token_ids(cfg, tokenizer_folder(path))
     torch_dtype = pick_dtype(cfg, dtype)
     with torch.device("meta"):
         net = model_class(cfg.architecture, pooling)(cfg, tp)
@@ -204,6 +210,7 @@ def load_engine_model(
         config.quantization,
         tp,
         pooling,
+        config.hf_overrides,
     )
 
 
@@ -328,26 +335,26 @@ def copy_weights(net: nn.Module, tensors, source: str, tp: TensorParallel = SING
     packed = _packed_shards(net)
     loaded: set[str] = set()
     for ckpt_name, lazy in tensors:
-        remapped = net.remap_weight(ckpt_name, lazy)
-        if remapped is None:
-            continue
-        name, tensor = remapped
-        if name == "lm_head.weight" and net.config.tie_word_embeddings:
-            continue  # some checkpoints store the tied copy too
-        module_path, _, leaf = name.rpartition(".")
-        parent, _, child = module_path.rpartition(".")
-        if child in packed:
-            fused, shard = packed[child]
-            module = net.get_submodule(f"{parent}.{fused}" if parent else fused)
-            shape = (module.output_sizes[shard], *getattr(module, leaf).shape[1:])
-            module.load_shard(leaf, _rank_part(tensor, net.tp_plan.get(fused), leaf, shape, tp), shard)
-            loaded.add(name)
-        elif name in params:
-            module = net.get_submodule(module_path)
-            _load_param(name, module, leaf, tensor, net.tp_plan.get(child), tp)
-            loaded.add(name)
-        else:
-            raise ValueError(f"unexpected weight {ckpt_name!r} in {source}")
+        remapped = net.remap_weight(ckpt_name, lazy)  # None, (name, tensor), or a list of those
+        for name, tensor in (
+            [] if remapped is None else remapped if isinstance(remapped, list) else [remapped]
+        ):
+            if name == "lm_head.weight" and net.config.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy too
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, child = module_path.rpartition(".")
+            if child in packed:
+                fused, shard = packed[child]
+                module = net.get_submodule(f"{parent}.{fused}" if parent else fused)
+                shape = (module.output_sizes[shard], *getattr(module, leaf).shape[1:])
+                module.load_shard(leaf, _rank_part(tensor, net.tp_plan.get(fused), leaf, shape, tp), shard)
+                loaded.add(name)
+            elif name in params:
+                module = net.get_submodule(module_path)
+                _load_param(name, module, leaf, tensor, net.tp_plan.get(child), tp)
+                loaded.add(name)
+            else:
+                raise ValueError(f"unexpected weight {ckpt_name!r} in {source}")
     return loaded
 
 

@@ -5,7 +5,8 @@ In the order of precedence:
   - vLLM's `--pooler-config` JSON (`{"pooling_type": "MEAN", "normalize": false}`): an override.
   - sentence-transformers' files: `modules.json` lists the modules after the transformer; its Pooling
     module's `config.json` (`1_Pooling/config.json`) names the mode (`"pooling_mode": "cls"`, or the older
-    `"pooling_mode_cls_token": true` flags), a Normalize module means unit-length vectors. A cross-encoder's
+    `"pooling_mode_cls_token": true` flags), Dense modules map the pooled vector (`2_Dense`:
+    infer.models.st_dense), a Normalize module means unit-length vectors. A cross-encoder's
     `config.json` may name its activation (`sentence_transformers.activation_fn`).
   - The model's kind: BERT-family embedders pool CLS, decoders LAST (vLLM's defaults); normalised.
 A cross-encoder's score is its classifier's logit through a sigmoid when it has one label, as
@@ -42,6 +43,8 @@ class PoolerConfig:
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
     use_activation: bool = True  # a cross-encoder's sigmoid (with one label)
+    # sentence-transformers' Dense modules after the pooler (infer.models.st_dense), their folders in order
+    dense_folders: tuple[str, ...] = ()
 
     def check_dimensions(self, dimensions: int | None, hidden_size: int) -> None:
         """ValueError (a 400) for a `dimensions` this model cannot return."""
@@ -62,15 +65,21 @@ class PoolerConfig:
 
 
 def read_pooler_config(
-    path: Path, hf_config: dict[str, Any], task: str, decoder: bool, override: str | None = None
+    path: Path,
+    hf_config: dict[str, Any],
+    task: str,
+    decoder: bool,
+    override: str | None = None,
+    num_labels: int | None = None,
 ) -> PoolerConfig:
     """The pooler of the model in folder `path` (see the module docstring). ValueError for a
-    sentence-transformers pipeline or an override that cannot be served."""
+    sentence-transformers pipeline or an override that cannot be served. `num_labels`: a classifier's,
+    where config.json does not say it (a score head built from an LM head's rows)."""
     fields: dict[str, Any] = {"task": task, "pooling_type": "LAST" if decoder else "CLS", "normalize": True}
     if task == EMBED:
         fields |= _sentence_transformers(path)
     else:
-        fields["use_activation"] = _cross_encoder_activation(hf_config)
+        fields["use_activation"] = _cross_encoder_activation(hf_config, num_labels)
     dims = hf_config.get("matryoshka_dimensions")
     fields["is_matryoshka"] = bool(hf_config.get("is_matryoshka") or dims)
     fields["matryoshka_dimensions"] = tuple(int(d) for d in dims) if dims else None
@@ -85,18 +94,23 @@ def _sentence_transformers(path: Path) -> dict[str, Any]:
         return {}
     modules = json.loads(modules_file.read_text())
     found: dict[str, Any] = {"normalize": False}
+    dense: list[str] = []
     for module in modules:
         kind = module.get("type", "").rsplit(".", 1)[-1]
         if kind == "Pooling":
             found["pooling_type"] = _st_pooling_type(path / module.get("path", ""))
+        elif kind == "Dense":
+            if found["normalize"]:  # the vector is normalised last (layers.pooler): Dense must come first
+                raise ValueError(f"{path.name}: a Dense module after Normalize is not supported")
+            dense.append(module.get("path", ""))
         elif kind == "Normalize":
             found["normalize"] = True
         elif kind not in ("Transformer", "Router"):
             raise ValueError(
                 f"{path.name}: the sentence-transformers module {module.get('type')!r} is not supported "
-                "(Transformer, Pooling and Normalize are)"
+                "(Transformer, Pooling, Dense and Normalize are)"
             )
-    return found
+    return found | ({"dense_folders": tuple(dense)} if dense else {})
 
 
 def _st_pooling_type(folder: Path) -> str:
@@ -117,12 +131,15 @@ def _st_pooling_type(folder: Path) -> str:
     return ST_MODES[mode]
 
 
-def _cross_encoder_activation(hf_config: dict[str, Any]) -> bool:
+def _cross_encoder_activation(hf_config: dict[str, Any], num_labels: int | None = None) -> bool:
     """sentence-transformers' CrossEncoder: a sigmoid with one label unless its config names another."""
     saved = (hf_config.get("sentence_transformers") or {}).get("activation_fn")
     if saved is not None:
         return not saved.endswith("Identity")
-    num_labels = len(hf_config["id2label"]) if hf_config.get("id2label") else hf_config.get("num_labels", 2)
+    if num_labels is None:
+        num_labels = (
+            len(hf_config["id2label"]) if hf_config.get("id2label") else hf_config.get("num_labels", 2)
+        )
     return num_labels == 1
 
 

@@ -16,6 +16,9 @@ MODELS = {
     "XLMRobertaModel": "infer.models.bert:BertModel",
     "BertForSequenceClassification": "infer.models.bert:BertForSequenceClassification",
     "XLMRobertaForSequenceClassification": "infer.models.bert:XLMRobertaForSequenceClassification",
+    "Qwen3ForSequenceClassification": "infer.models.decoder_classifier:DecoderClassifier",
+    "Qwen2ForSequenceClassification": "infer.models.decoder_classifier:DecoderClassifier",
+    "LlamaForSequenceClassification": "infer.models.decoder_classifier:DecoderClassifier",
 }
 # decoders served by the pooling runner (`--runner pooling`): the body without its LM head
 POOLING_MODELS = {

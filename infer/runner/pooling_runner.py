@@ -10,6 +10,7 @@ infer/models/bert.py, causal for decoder embedders).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,12 +28,22 @@ class PoolingInput:
 
 
 class PoolingRunner:
-    def __init__(self, model, pooling_type: str, normalize: bool, classify: bool, use_activation: bool):
+    def __init__(
+        self,
+        model,
+        pooling_type: str,
+        normalize: bool,
+        classify: bool,
+        use_activation: bool,
+        project: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         """classify: the model has a classifier (`model.classify`), whose logits are returned instead of
-        a pooled vector; use_activation: whether its scores take a sigmoid, unless a request says not."""
+        a pooled vector; use_activation: whether its scores take a sigmoid, unless a request says not;
+        project: what maps a pooled float32 vector before normalisation (sentence-transformers' Dense)."""
         self.model = model
         self.pooling_type, self.normalize = pooling_type, normalize
         self.classify, self.use_activation = classify, use_activation
+        self.project = project
 
     @torch.inference_mode()
     def run(self, inputs: list[PoolingInput]) -> list[list[float]]:
@@ -45,8 +56,11 @@ class PoolingRunner:
             types = torch.tensor([t for x in inputs for t in (x.token_type_ids or [0] * len(x.token_ids))])
         hidden = self.model(input_ids, positions, AttentionMetadata.prefill_only(seq_lens), types)
         if self.classify:
-            return self._scores(pool(hidden, seq_lens, "CLS"), inputs)
+            # a cross-encoder's first token ([CLS]), a decoder classifier's last (the pooler's type)
+            return self._scores(pool(hidden, seq_lens, self.pooling_type), inputs)
         pooled = pool(hidden, seq_lens, self.pooling_type)  # [num_seqs, hidden_size] float32
+        if self.project is not None:
+            pooled = self.project(pooled)  # [num_seqs, embedding size]
         if self.normalize:
             pooled = normalize(pooled)
         out = []

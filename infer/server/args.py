@@ -231,6 +231,13 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         '\'{"pooling_type": "CLS"|"MEAN"|"LAST", "normalize": true|false, "use_activation": true|false}\'',
     )
     parser.add_argument(
+        "--hf-overrides",
+        default=d["hf_overrides"],
+        help="JSON laid over the model's config.json, as vLLM's; Qwen3-Reranker as a reranker: "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+        '"is_original_qwen3_reranker": true}\'',
+    )
+    parser.add_argument(
         "--quantization",
         "-q",
         default=d["quantization"],

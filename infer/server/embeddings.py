@@ -46,8 +46,7 @@ async def create_embeddings(body: EmbeddingRequest, request: Request) -> Respons
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=param_of(str(exc), "input")) from exc
-    with state.pooling_admission(len(inputs)):
-        outputs = await state.pooling.encode(inputs)
+    outputs = await state.encode(inputs)
     num_tokens = sum(len(x.token_ids) for x in inputs)
     data = [
         {"object": "embedding", "index": i, "embedding": _encoded(out, body.encoding_format)}

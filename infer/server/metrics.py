@@ -7,12 +7,15 @@ Where each number comes from:
     histograms (observed on the engine thread when a request finishes, from its timestamps)
       time_to_first_token_seconds    first token - arrival
       inter_token_latency_seconds    gaps between consecutive output tokens
-      e2e_request_latency_seconds    finished - arrival
+      e2e_request_latency_seconds    finished - arrival (a pooling input: its HTTP request's admission
+                                     to its outputs)
       request_queue_time_seconds     first scheduled - arrival (time spent WAITING)
     counters
-      prompt_tokens_total            prompt tokens of requests that produced their first token
+      prompt_tokens_total            prompt tokens of requests that produced their first token, and of
+                                     pooling inputs (an embedded text, a scored pair) once computed
       generation_tokens_total        output tokens produced
-      request_success_total{finished_reason}   finished requests, by "stop" | "length" | "abort"
+      request_success_total{finished_reason}   finished requests, by "stop" | "length" | "abort"; each
+                                     pooling input is one, "stop" (vLLM's engine request per input)
       num_preemptions_total, prefix_cache_queries_total, prefix_cache_hits_total
                                      read from the scheduler at scrape time (tokens, as vLLM counts them)
     gauges (read at scrape time)
@@ -109,6 +112,14 @@ class Metrics:
                 self.prompt_tokens.inc(out.num_prompt_tokens)
             if out.finished and (req := requests.get(out.req_id)) is not None:
                 self._observe_finished(req, out.finish_reason)
+
+    def observe_pooling(self, num_prompt_tokens: list[int], latency: float) -> None:
+        """A pooling request's inputs, done `latency` seconds after it was admitted: each one a finished
+        request ("stop") whose prompt was processed, as vLLM's engine counts its pooling requests."""
+        self.prompt_tokens.inc(sum(num_prompt_tokens))
+        self.finished["stop"].inc(len(num_prompt_tokens))
+        for _ in num_prompt_tokens:
+            self.e2e.observe(latency)
 
     def _observe_finished(self, req, reason: str | None) -> None:
         if reason in self.finished:

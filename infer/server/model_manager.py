@@ -42,6 +42,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from pydantic import BaseModel, ConfigDict
 
+from infer.engine.pooling import model_task
 from infer.server.args import ServerArgs
 from infer.server.metrics import Metrics
 from infer.server.model_specs import ModelSpec, estimated_bytes, parse_keep_alive
@@ -71,6 +72,18 @@ class ModelEntry:
     @property
     def name(self) -> str:
         return self.spec.name
+
+
+def _task(spec: ModelSpec) -> str | None:
+    """What a model not loaded is for, from its config.json; None for a hub id not fetched yet (its load
+    would fetch it), or a model that cannot load (its load says why)."""
+    model = spec.engine.model
+    if model not in (None, "", "embedded") and not Path(model).expanduser().exists():
+        return None
+    try:
+        return model_task(spec.engine) or "generate"
+    except ValueError:
+        return None
 
 
 class ModelManager:
@@ -147,6 +160,9 @@ class ModelManager:
                 "memory_bytes": entry.num_bytes if entry.status == LOADED else entry.estimate}  # fmt: skip
         if entry.status == LOADED:
             card["max_model_len"] = entry.state.llm.max_model_len
+        task = entry.state.task if entry.status == LOADED else _task(entry.spec)
+        if task is not None:
+            card["task"] = task  # generate, embed (an embedding model) or classify (a cross-encoder)
         return card
 
     def entry(self, name: str | None) -> ModelEntry:

@@ -37,8 +37,7 @@ async def _score(state: ServerState, body, pairs_of) -> tuple[list[float], Score
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=param_of(str(exc), "text_1")) from exc
-    with state.pooling_admission(len(job.inputs)):
-        outputs = await state.pooling.encode(job.inputs)
+    outputs = await state.encode(job.inputs)
     return job.scores(outputs), job
 
 

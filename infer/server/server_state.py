@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -151,6 +152,15 @@ class ServerState:
                 f"{num_waiting} wait, beyond --max-queued-requests {max_queued}"
             )
         self.num_in_flight += num_requests
+
+    async def encode(self, inputs: list) -> list[list[float]]:
+        """A pooling request's inputs (PoolingInputs) through the pooling engine: admitted
+        (`pooling_admission`), then counted in /metrics as vLLM counts its pooling requests."""
+        start = time.monotonic()
+        with self.pooling_admission(len(inputs)):
+            outputs = await self.pooling.encode(inputs)
+        self.metrics.observe_pooling([len(x.token_ids) for x in inputs], time.monotonic() - start)
+        return outputs
 
     @contextlib.contextmanager
     def pooling_admission(self, num_inputs: int):

@@ -69,7 +69,11 @@ def _perturb(model, seed: int) -> None:
             p.copy_(1.0 + 0.1 * noise if is_norm else noise * (0.1 if p.ndim > 1 else 0.05))
 
 
-def _sentence_transformers(folder: Path, pooling: str | None, normalize: bool) -> None:
+def _sentence_transformers(
+    folder: Path, pooling: str | None, normalize: bool, dense: list[dict] | None = None, seed: int = 0
+) -> None:
+    """dense: sentence-transformers Dense modules after the pooler, each its constructor's arguments
+    (in_features, out_features, bias, activation_function, use_residual), saved by sentence-transformers."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
     if pooling is not None:
         modules.append(
@@ -81,11 +85,22 @@ def _sentence_transformers(folder: Path, pooling: str | None, normalize: bool) -
         }
         config = {"word_embedding_dimension": 64, **flags}
         (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    for args in dense or []:
+        from sentence_transformers.sentence_transformer.modules import Dense
+
+        torch.manual_seed(seed + len(modules))
+        layer = Dense(**args)
+        _perturb(layer, seed + len(modules))
+        name = f"{len(modules)}_Dense"
+        (folder / name).mkdir(exist_ok=True)
+        layer.save(str(folder / name))
+        modules.append({"idx": len(modules), "name": str(len(modules)), "path": name,
+                        "type": "sentence_transformers.models.Dense"})  # fmt: skip
     if normalize:
-        modules.append(
-            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
-        )
-        (folder / "2_Normalize").mkdir(exist_ok=True)
+        name = f"{len(modules)}_Normalize"
+        modules.append({"idx": len(modules), "name": str(len(modules)), "path": name,
+                        "type": "sentence_transformers.models.Normalize"})  # fmt: skip
+        (folder / name).mkdir(exist_ok=True)
     (folder / "modules.json").write_text(json.dumps(modules))
     (folder / "sentence_bert_config.json").write_text(
         json.dumps({"max_seq_length": 128, "do_lower_case": False})
@@ -100,8 +115,10 @@ def build_embedder(
     normalize: bool = True,
     seed: int = 0,
     extra_config: dict | None = None,
+    dense: list[dict] | None = None,
 ) -> Path:
-    """arch: "bert", "xlm-roberta" or "qwen3"; a sentence-transformers embedding model in `folder`."""
+    """arch: "bert", "xlm-roberta" or "qwen3"; a sentence-transformers embedding model in `folder`
+    (with `dense`, Dense modules after its pooler: _sentence_transformers)."""
     import transformers
 
     kind = {"bert": "bert", "xlm-roberta": "roberta", "qwen3": "decoder"}[arch]
@@ -135,7 +152,7 @@ def build_embedder(
         setattr(model.config, key, value)
     _perturb(model, seed)
     model.save_pretrained(folder)
-    _sentence_transformers(folder, pooling, normalize)
+    _sentence_transformers(folder, pooling, normalize, dense, seed)
     return folder
 
 
@@ -160,5 +177,77 @@ def build_cross_encoder(folder: Path, arch: str, num_labels: int = 1, seed: int 
         )
         model = transformers.XLMRobertaForSequenceClassification(config)
     _perturb(model, seed)
+    model.save_pretrained(folder)
+    return folder
+
+
+# Qwen3's pre-tokenizer split (its tokenizer.json's), and Qwen3-Reranker's tokenizer_config.json fields
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_THINK = ["<think>", "</think>"]  # added tokens, not special (Qwen3's)
+QWEN3_RERANKER_CONFIG = {
+    "tokenizer_class": "Qwen2Tokenizer",
+    "bos_token": None,
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+    "padding_side": "left",
+    "model_max_length": 131072,
+    "add_prefix_space": False,
+    "errors": "replace",
+    "split_special_tokens": False,
+    "clean_up_tokenization_spaces": False,
+}
+
+
+def qwen3_reranker_tokenizer(folder: Path) -> int:
+    """A tokenizer in Qwen3-Reranker's shape (byte-level BPE after Qwen2's split, no special tokens added
+    around a text or a pair, "yes" and "no" single tokens, <|im_start|> / <|im_end|> / <think>); the
+    embedded model's merges. Returns its size (with the added tokens)."""
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+
+    data = json.loads((EMBEDDED_MODEL / "tokenizer.json").read_text())
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    for word, merge in (("no", ["n", "o"]), ("yes", ["y", "es"])):  # "es" is a token already
+        vocab[word] = len(vocab)
+        merges.append(merge)
+    data["added_tokens"] = []
+    data["post_processor"] = None
+    tok = Tokenizer.from_str(json.dumps(data))
+    split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_THINK])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(QWEN3_RERANKER_CONFIG))
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def build_qwen3_reranker(folder: Path, tie_word_embeddings: bool = True, seed: int = 0) -> Path:
+    """Qwen3-Reranker's checkpoint shape: a Qwen3ForCausalLM (the 0.6B ties its LM head to the
+    embedding, the 8B does not), scored by its "yes" and "no" logits."""
+    import transformers
+
+    vocab_size = qwen3_reranker_tokenizer(folder)
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(
+        **(ENCODER | {"vocab_size": vocab_size}),
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=vocab_size - 3,  # <|im_end|>
+        pad_token_id=vocab_size - 5,  # <|endoftext|>
+    )
+    model = transformers.Qwen3ForCausalLM(config)
+    _perturb(model, seed)
+    if tie_word_embeddings:
+        model.tie_weights()
     model.save_pretrained(folder)
     return folder

@@ -13,6 +13,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from infer.config import EngineConfig
 from infer.engine.pooling import PoolingEngine, pooling_task, token_batches
@@ -146,8 +147,17 @@ def test_pooler_config_from_sentence_transformers_files(tmp_path):
             read_pooler_config(tmp_path / "none", {}, "embed", decoder=False, override=bad)
     (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode": "mean"}')
     modules.append({"path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    modules.append({"path": "3_Normalize", "type": "sentence_transformers.models.Normalize"})
     (tmp_path / "modules.json").write_text(json.dumps(modules))
-    with pytest.raises(ValueError, match="Dense"):
+    config = read_pooler_config(tmp_path, {}, "embed", decoder=False)
+    assert (config.pooling_type, config.dense_folders, config.normalize) == ("MEAN", ("2_Dense",), True)
+    modules[2:] = modules[:1:-1]  # Normalize, then Dense: the vector would be normalised before it
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match="Dense module after Normalize"):
+        read_pooler_config(tmp_path, {}, "embed", decoder=False)
+    modules.append({"path": "4_LayerNorm", "type": "sentence_transformers.models.LayerNorm"})
+    (tmp_path / "modules.json").write_text(json.dumps(modules[:3] + modules[4:]))
+    with pytest.raises(ValueError, match="LayerNorm"):
         read_pooler_config(tmp_path, {}, "embed", decoder=False)
 
 
@@ -213,3 +223,56 @@ def test_the_default_dtype_stays_close_to_float32(tmp_path, arch):
     exact = _embed(_engine(folder), TEXTS)
     auto = _embed(PoolingEngine(EngineConfig(model=str(folder))), TEXTS)
     assert _cosines(auto, exact).min() >= 0.999
+
+
+DENSE = {
+    "tanh": [{"in_features": 64, "out_features": 32}],  # sentence-transformers' default activation
+    "identity-no-bias": [{"in_features": 64, "out_features": 96, "bias": False, "activation_function": None}],
+    "two": [
+        {"in_features": 64, "out_features": 48},
+        {"in_features": 48, "out_features": 16, "activation_function": None},
+    ],
+    "residual": [
+        {"in_features": 64, "out_features": 64, "use_residual": True},
+        {"in_features": 64, "out_features": 24, "use_residual": True},
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dense", list(DENSE))
+@pytest.mark.parametrize(
+    ("arch", "pooling", "normalize"), [("bert", "mean_tokens", True), ("qwen3", "lasttoken", False)]
+)
+def test_dense_modules_after_the_pooler_match_sentence_transformers(
+    tmp_path, dense, arch, pooling, normalize
+):
+    folder = build_embedder(tmp_path / "m", arch, pooling, normalize, dense=DENSE[dense])
+    expected = st.SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    engine = _engine(folder)
+    got = _embed(engine, TEXTS)
+    assert got.shape == expected.shape == (len(TEXTS), DENSE[dense][-1]["out_features"])
+    assert _cosines(got, expected).min() >= 0.9999
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-4)
+    assert engine.embedding_size == expected.shape[1]
+
+
+def test_dense_modules_it_cannot_compute_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from infer.models.st_dense import load_dense
+
+    save_file(
+        {"linear.weight": torch.zeros(4, 8), "linear.bias": torch.zeros(4)}, tmp_path / "model.safetensors"
+    )
+    config = {"in_features": 8, "out_features": 4, "bias": True}
+    for extra, message in [
+        ({"activation_function": "torch.nn.modules.activation.Softplus"}, "Softplus"),
+        ({"module_input_name": "token_embeddings"}, "token_embeddings"),
+        ({"out_features": 5}, r"linear.weight is \[4, 8\]"),
+    ]:
+        (tmp_path / "config.json").write_text(json.dumps(config | extra))
+        with pytest.raises(ValueError, match=message):
+            load_dense(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config))  # no activation named: Tanh, the default
+    assert load_dense(tmp_path).activation is torch.tanh

@@ -131,3 +131,19 @@ def test_spec_decode_counters_with_a_speculative_config():
             s.labels["position"]: s.value for s in found["spec_decode_num_accepted_tokens_per_pos"].samples
         }
         assert per_pos == {"0": 4, "1": 3, "2": 0}
+
+
+def test_pooling_inputs_count_as_finished_requests_with_their_prompt_tokens():
+    """vLLM's engine runs each input of a pooling request (an embedded text, a scored pair) as a request
+    that stops after its prefill: success{stop} and prompt tokens per input, one e2e latency each."""
+    metrics = Metrics("m")
+    metrics.observe_pooling([5, 7, 9], latency=0.25)
+    metrics.observe_pooling([4], latency=2.0)
+    found = families(metrics.render(None)[0].decode())
+    assert value(found["prompt_tokens_total"]) == 25
+    assert value(found["request_success_total"], finished_reason="stop") == 4
+    assert value(found["request_success_total"], finished_reason="length") == 0
+    assert value(found["generation_tokens_total"]) == 0
+    e2e = found["e2e_request_latency_seconds"]
+    assert value(e2e, "_count") == 4 and value(e2e, "_sum") == 0.25 * 3 + 2.0
+    assert value(e2e, "_bucket", le="0.3") == 3

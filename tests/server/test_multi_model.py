@@ -186,6 +186,7 @@ def test_unknown_model_is_a_404_listing_the_served_ones(models_dir):
         models = server.client.models.list().data
         assert [m.id for m in models] == list(NAMES)
         assert all(m.status == {"value": "unloaded"} for m in models)  # nothing loads before it is asked
+        assert all(m.task == "generate" for m in models)  # what each is for, read without loading it
         assert server.manager.num_loads == 0
 
 

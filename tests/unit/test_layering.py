@@ -47,6 +47,7 @@ ALLOWED: dict[str, set[str]] = {
         "models.loader",
         "models.gguf",
         "models.pooler_config",
+        "models.st_dense",
         "layers.parallel",
         "config",
         "sampling_params",
