@@ -123,6 +123,10 @@ class _Request(BaseModel):
     def _valid_unicode(self):
         for name, value in self.__dict__.items():
             _check_unicode(value, name)
+        # the extras too: they are kept, and a handler may read or log them (chat_template_kwargs reaches
+        # a template); pydantic refuses a lone surrogate in a key of the body itself
+        for name, value in (self.__pydantic_extra__ or {}).items():
+            _check_unicode(value, name if name.isascii() else "body")
         return self
 
 

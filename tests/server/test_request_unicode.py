@@ -6,6 +6,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
+from infer.server.app import validation_error
 from infer.server.protocol import ChatCompletionRequest, CompletionRequest
 
 LONE = "a\ud800b"
@@ -24,6 +25,22 @@ LONE = "a\ud800b"
 def test_a_lone_surrogate_anywhere_is_refused(body):
     with pytest.raises(pydantic.ValidationError, match="Unicode"):
         CompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": "hi", "chat_template_kwargs": {"name": LONE}}, "chat_template_kwargs"),
+        ({"prompt": "hi", "chat_template_kwargs": {LONE: True}}, "chat_template_kwargs"),
+        ({"prompt": "hi", "some_extension": [LONE]}, "some_extension"),
+    ],
+)
+def test_fields_kept_unvalidated_are_checked_and_named(body, field):
+    with pytest.raises(pydantic.ValidationError, match="Unicode") as caught:
+        CompletionRequest.model_validate(body)
+    error = validation_error(caught.value.errors())
+    assert error.status == 400 and error.message.startswith(field)
+    assert error.param == field
 
 
 def test_a_tool_argument_deep_in_a_chat_is_checked_too():
