@@ -30,7 +30,7 @@ Four phases, each ending with a verdict:
             --fairness-bound (2x) of alone, 1.5x beside the compilations (infer/bench/stress_fairness.py).
             A model whose decode step is more than overhead, and room for n = 128:
 
-    infer bench stress /tmp/models/smollm2-135m --phases fairness --infer-flags="--max-num-seqs 136"
+    infer bench stress /path/to/SmolLM2-135M --phases fairness --infer-flags="--max-num-seqs 136"
 
 A table on stdout, a JSON record (benchmarks/reports/stress-*.json, or --out) and its HTML page beside it
 (unless --no-report); exit status 1 when a verdict fails. Short forms run in the tests
