@@ -151,21 +151,26 @@ class Sampler:
         greedy_rows = torch.tensor([p.greedy for p in params])
         top_k = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params])
         top_k = torch.where(greedy_rows, 1, top_k)  # greedy rows: keep only the argmax
-        if bool((top_k > 0).any()):
-            k = torch.where(top_k > 0, top_k, logits.shape[1]).clamp(max=logits.shape[1])
-            sorted_desc = logits.sort(dim=-1, descending=True).values
-            kth = sorted_desc.gather(1, (k - 1).unsqueeze(1))  # [num_reqs, 1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
+        # Each filter reads only the rows that ask for it, and top-k only as wide as their largest k: a
+        # greedy stream beside 128 sampled rows once sorted all of them every step (49,152 tokens: ~1 s
+        # on one loaded core, where the greedy row's max takes 0.2 ms).
+        rows = (top_k > 0).nonzero().squeeze(1)
+        if rows.numel():
+            some, k = logits[rows], top_k[rows].clamp(max=logits.shape[1])
+            kth = some.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))  # [len(rows), 1]
+            logits = logits.index_copy(0, rows, some.masked_fill(some < kth, float("-inf")))
         probs = torch.softmax(logits, dim=-1)
         top_p = torch.tensor([p.top_p for p in params])
-        if bool((top_p < 1.0).any()):
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rows = (top_p < 1.0).nonzero().squeeze(1)
+        if rows.numel():
+            some = probs[rows]
+            sorted_probs, order = some.sort(dim=-1, descending=True)
             # drop a token when the mass strictly before it already reaches top_p; the most likely token
             # always stays, also for a top_p that rounds to 0 in float32 (1e-300)
-            drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p.unsqueeze(1)
+            drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[rows].unsqueeze(1)
             drop_sorted[:, 0] = False
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-            probs = probs.masked_fill(drop, 0.0)
+            probs = probs.index_copy(0, rows, some.masked_fill(drop, 0.0))
         min_p = torch.tensor([p.min_p for p in params])
         if bool((min_p > 0).any()):
             threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)

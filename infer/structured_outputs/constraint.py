@@ -93,8 +93,9 @@ class StructuredOutputs:
     @cached_property
     def text(self) -> str:
         """The constraint as one string (a compiled grammar's cache key, with the options): serialized once,
-        as a schema of 128 tools takes milliseconds."""
+        as a schema of 128 tools takes milliseconds. A schema's keys stay in the order given: its
+        properties' order is the order of the output's keys."""
         value = getattr(self, self.kind)
         if self.kind == "json" and isinstance(value, dict) or self.kind == "choice":
-            return _json.dumps(list(value) if self.kind == "choice" else value, sort_keys=True)
+            return _json.dumps(list(value) if self.kind == "choice" else value)
         return str(value)

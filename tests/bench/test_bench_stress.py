@@ -187,3 +187,14 @@ def test_fairness_requests_are_what_the_server_allows():
         route, body = heavy_request(kind, "m", 3, max_model_len=2048, max_n=8)
         schema = ChatCompletionRequest if route.endswith("chat/completions") else CompletionRequest
         schema.model_validate(body)  # within the API's bounds: a heavy request, not a refused one
+
+
+def test_the_compilation_flood_is_100_distinct_schemas_none_compiled_by_the_grammars_kind():
+    from infer.bench.stress_fairness import FLOODS, heavy_request
+
+    schemas = {
+        json.dumps(heavy_request(kind, "m", i, max_model_len=2048)[1]["structured_outputs"])
+        for kind in ("grammars", "compilations")
+        for i in range(100)
+    }
+    assert len(schemas) == 200 and FLOODS["compilations"][0] == 100

@@ -45,6 +45,50 @@ def test_greedy_rows_stay_greedy_in_a_mixed_batch():
         assert [out.token_ids[i] for i in (1, 3, 5)] == logits.argmax(-1)[[1, 3, 5]].tolist()
 
 
+class _SortedRows(torch.overrides.TorchFunctionMode):
+    """The rows of every sort and topk the sampler runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("sort", "topk"):
+            self.rows.append(args[0].shape[0])
+        return func(*args, **kwargs or {})
+
+
+def test_a_greedy_row_beside_sampled_ones_sorts_none_of_them():
+    """A greedy stream in a batch of 128 sampled rows (n = 128) is the max of its own row: sorting every
+    row's logits for it took longer than the model's step."""
+    logits = logits_rows(129, vocab=4096)
+    params = [SamplingParams(temperature=0), *[SamplingParams(temperature=1.0)] * 128]
+    with _SortedRows() as mode:
+        out = Sampler(0)(logits, [str(i) for i in range(129)], params)
+    assert out.token_ids[0] == int(logits[0].argmax()) and mode.rows == [1]
+    params = [SamplingParams(temperature=1.0, top_p=0.5), *params[1:]]  # top_p: its row alone too
+    with _SortedRows() as mode:
+        Sampler(0)(logits, [str(i) for i in range(129)], params)
+    assert mode.rows == [1]
+
+
+def test_filters_on_some_rows_equal_each_row_filtered_alone():
+    logits = logits_rows(8, vocab=300)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.3),
+        SamplingParams(temperature=1.2, top_k=40, top_p=0.8, min_p=0.01),
+        SamplingParams(temperature=1.0, top_k=1000),
+        SamplingParams(temperature=0, top_p=0.5),
+        SamplingParams(temperature=1.0, min_p=0.2),
+    ]
+    together = Sampler(0)._filtered_probs(logits, params)
+    for row, p in enumerate(params):
+        assert torch.equal(together[row], Sampler(0)._filtered_probs(logits[row : row + 1], [p])[0]), p
+
+
 def test_seeded_request_ignores_its_batch():
     target = logits_rows(1, seed=7)
     params = SamplingParams(temperature=1.0, seed=1234)

@@ -244,11 +244,26 @@ def test_compiled_grammars_are_cached_and_each_request_gets_its_own_matcher():
     llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
     compiler = llm.engine.grammars
     spec = StructuredOutputs(json=SCHEMA)
-    same = StructuredOutputs(json=json.dumps(SCHEMA, sort_keys=True))  # the same schema as text
+    same = StructuredOutputs(json=json.dumps(SCHEMA))  # the same schema as text
     first, second = compiler.matcher(spec), compiler.matcher(same)
     assert len(compiler._pool) == 1 and first is not second
     assert first.consume_token(compiler.tokenizer.tokenize_str("{")[0])
     assert second.validate_tokens(compiler.tokenizer.tokenize_str('"')) == 0  # untouched by the first
+
+
+def test_schemas_differing_only_in_key_order_are_two_grammars_each_in_its_own_order():
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32")
+    compiler = llm.engine.grammars
+    props = {"alpha": {"type": "integer"}, "beta": {"type": "integer"}}
+    forward = {"type": "object", "properties": props, "required": ["alpha", "beta"]}
+    backward = {**forward, "properties": dict(reversed(props.items()))}
+    first, second = (
+        compiler.matcher(StructuredOutputs(json=s, disable_any_whitespace=True)) for s in (forward, backward)
+    )
+    assert len(compiler._pool) == 2
+    for matcher, start in ((first, '{"alpha":'), (second, '{"beta":')):  # llguidance keeps the given order
+        tokens = compiler.tokenizer.tokenize_str(start)
+        assert matcher.validate_tokens(tokens) == len(tokens)
 
 
 def test_the_grammar_tokenizer_is_written_at_the_first_grammar_not_at_load(monkeypatch):
