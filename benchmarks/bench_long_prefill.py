@@ -40,7 +40,8 @@ def stream_times(url: str, body: dict) -> list[float]:
     comes with each token, even where random weights' bytes are not yet text)."""
     start, times = time.perf_counter(), []
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=3600) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.read().decode()[:500]}")
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 times.append(time.perf_counter() - start)

@@ -113,7 +113,6 @@ class PrefillPacer:
         threshold, a prompt's last chunk)."""
         if not self.enabled or not decodes:
             return None
-        self.steps_since_decode_only += 1
         decode = self.decode_seconds(len(decodes))
         if decode is None or self.steps_since_decode_only > PROBE_EVERY:
             self.steps_since_decode_only = 0
@@ -123,6 +122,7 @@ class PrefillPacer:
         wanted = max(1, wanted)
         # a margin for what the price misses: attention grows with the context a chunk reaches
         affordable = int(SPEND_SHARE * min(credits) / self.seconds_per_unit(wanted, len(decodes)))
+        self.steps_since_decode_only += 1
         if affordable >= wanted:
             return wanted
         cap = (self.slowdown - 1) * decode * CREDIT_TOKENS
@@ -130,7 +130,8 @@ class PrefillPacer:
             return max(affordable, MIN_PREFILL_TOKENS)  # the cap buys less than a chunk: progress anyway
         if poorest.pace_credited_tokens >= poorest.sampling_params.max_tokens and affordable >= wanted / 4:
             return affordable  # all its credit is earned: what it buys, or the prompt waits for its end
-        return 0  # a decode-only step: earns
+        self.steps_since_decode_only = 0
+        return 0  # a decode-only step: earns, and measures what the decodes cost alone
 
     def observe(self, decodes: Sequence[Request], prefill_units: int, seconds: float) -> None:
         """The last step, with these decodes and prefill_units of prefill, took seconds."""

@@ -324,8 +324,10 @@ class Scheduler:
             return
         decodes = list(plan.num_new_tokens)  # the decodes granted so far
         if decodes:
-            plan.paced = self.pacer.prefill_limit(decodes, self._unpaced_prefill_units(plan))
-            plan.paced_admissions = True
+            wanted = self._unpaced_prefill_units(plan)
+            if wanted:  # else a decode-only step anyway (a stream's credit is earned when asked for)
+                plan.paced = self.pacer.prefill_limit(decodes, wanted)
+                plan.paced_admissions = True
         elif self.waiting and len(self.running) < self.config.max_num_seqs:
             # a short newcomer's prefill first, alone, so that its first token does not wait for a
             # long prompt's whole chunk (it is paced like any stream once it decodes); a long one shares
