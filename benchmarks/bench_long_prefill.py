@@ -21,6 +21,7 @@ docs/engine.md, "Long prompts beside running streams", has the figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import shlex
@@ -33,6 +34,7 @@ import httpx
 from infer.bench.launch import LaunchedServer
 
 WORDS = "The quick brown fox jumps over the lazy dog. "
+MEASUREMENTS = itertools.count()
 
 
 def stream_times(url: str, body: dict) -> list[float]:
@@ -72,6 +74,13 @@ def measure(
     stream_times(url, {**bystander, "max_tokens": 4})  # warm
     alone = stream_times(url, bystander)
     found: dict = {}
+    # a prompt no earlier measurement on this server has cached: its first token differs
+    n = next(MEASUREMENTS)
+    prompt = (
+        f"[{n}] {prompt}"
+        if isinstance(prompt, str)
+        else prompt[n % len(prompt) :] + prompt[: n % len(prompt)]
+    )
     long_body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
     if prompt_logprobs:
         long_body["prompt_logprobs"] = prompt_logprobs
