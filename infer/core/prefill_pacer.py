@@ -4,7 +4,7 @@ neither stalls everyone's stream nor crawls.
 What a client judges is a stream's whole time, against its time alone, and a prompt's time to first
 token. On a CPU a prefill chunk's cost per token falls steeply with its size (a 512-token chunk costs
 ~1.7x per token what a 2,048-token one does on a 135M model), so pacing every gap with small chunks makes
-the prompt pay 2.5-3x its time to first token. Instead each stream holds a slowdown budget, its credit:
+the prompt pay 2.4-2.9x its time to first token. Instead each stream holds a slowdown budget, its credit:
 
   - earned: (max_decode_slowdown - 1) x its decode pace (a decode-only step of this many decodes) for
     every token it has made and for up to CREDIT_TOKENS tokens it may still make (at most its
@@ -14,27 +14,32 @@ the prompt pay 2.5-3x its time to first token. Instead each stream holds a slowd
     (the step's over a decode-only one), at most STALL_FACTOR x its price at the median cost per token
     of the latest chunks of about that size (a stall of a busy machine is not the prefill's doing);
   - a step beside decodes carries a whole planned chunk (the budget, or --long-prefill-token-threshold
-    for a long prompt: large chunks are the efficient ones) when the poorest decode's credit pays for it,
-    a smaller one only when its credit cannot grow any more (its lookahead is all earned), else none: a
-    decode-only step, which earns.
+    for a long prompt: large chunks are the efficient ones) when SPEND_SHARE of the poorest decode's
+    credit pays for it (a margin for what the price misses: attention grows with the context); a
+    smaller one, a quarter of it at least, only when that credit cannot grow any more (all its
+    max_tokens are earned, or it holds the cap); else none: a decode-only step, which earns.
 
 So a stream's time beside prefills is at most about max_decode_slowdown x its time alone (plus the
 lookahead's worth when it stops early, on EOS or a stop string), and a prompt's prefill pays only the
 decode-only steps that run while its streams' credit is spent. Paper bounds, for a prompt of prefill
 time T beside a stream of remaining time alone A (the whole budget to the prompt takes T, as
-`--max-decode-slowdown 0`): at most max_decode_slowdown - 1 = 1, both the stream within 2x and the prompt
+`--max-decode-slowdown 0`): at max_decode_slowdown 2, both the stream within 2x and the prompt
 within 1.5x hold when T <= A (the whole prefill is spent from the credit) or T >= 2A (the stream's
 decodes, A, are at most half of T); for A < T < 2A no schedule holds both (the one that finishes first
 pays the other's whole time), and the pacer keeps the stream's bound. A decode in a step that also
 carries a chunk costs the prompt little on a CPU (the weights are read once for both), which narrows
 that gap.
 
-Before any chunk was measured, a prefill token is priced at PRIOR_TOKENS_PER_DECODE tokens a decode
-step: conservative on a CPU (a 2,048-token chunk costs ~30-80 decode steps there, not 256), so the first
-chunks do not overshoot; a decode-only step comes first when no decode step was measured yet, and one
+Before a chunk of about the wanted size was measured, a prefill token is priced at a decode step /
+PRIOR_TOKENS_PER_DECODE, or at the largest smaller chunk's cost per token if lower: both on the safe side
+on a CPU (a 2,048-token chunk costs ~30-100 decode steps there, not 256), so the first chunks do not
+overshoot, and while the price is such a guess, the smaller chunk the credit buys goes through to
+measure it; a decode-only step comes first when no decode step was measured yet, and one
 every PROBE_EVERY paced steps refreshes it (a stream that joined while a long prompt was prefilled has
-never been seen alone). Steps without decodes are not paced. docs/robustness.md, "Long prompts: the
-streams' gaps against the prompt's first token", has the measured tradeoff.
+never been seen alone). Steps without decodes are not paced (the scheduler runs a short newcomer's
+prefill before a running prompt's next chunk, so its first token does not wait for it).
+docs/robustness.md, "Long prompts: the streams' gaps against the prompt's first token", has what no
+schedule can do and how to measure the tradeoff.
 """
 
 from __future__ import annotations
@@ -82,18 +87,22 @@ class PrefillPacer:
         n, t = min(self.decode_steps, key=lambda s: abs(s[0] - num_decodes))
         return t * num_decodes / n if n < num_decodes else t
 
-    def seconds_per_unit(self, units: int, num_decodes: int) -> float | None:
-        """A chunk of `units`' time per unit: the median of the last RATE_SAMPLES chunks of about that
-        size or larger (a CPU's cost per token falls with the chunk; attention's grows with the context,
-        so the latest), else of the largest seen; the prior without any."""
-        if self.prefill_steps:
-            near = [t / n for n, t in self.prefill_steps if n >= units / 2][-RATE_SAMPLES:]
-            if near:
-                return statistics.median(near)
-            n, t = max(self.prefill_steps)
-            return t / n
+    def seconds_per_unit(self, units: int, num_decodes: int) -> tuple[float, bool] | None:
+        """A chunk of `units`' time per unit, and whether chunks of about that size priced it: the median
+        of the latest RATE_SAMPLES chunks of at least half that size (attention's cost grows with the
+        context: the latest); else a guess on the safe side, the lower of the prior and the largest
+        smaller chunk's (a CPU's cost per token falls with the chunk); None before any decode step."""
+        near = [t / n for n, t in self.prefill_steps if n >= units / 2][-RATE_SAMPLES:]
+        if near:
+            return statistics.median(near), True
         decode = self.decode_seconds(max(1, num_decodes))
-        return None if decode is None else decode / PRIOR_TOKENS_PER_DECODE
+        if decode is None:
+            return None
+        guess = decode / PRIOR_TOKENS_PER_DECODE
+        if self.prefill_steps:
+            n, t = max(self.prefill_steps)
+            guess = min(guess, t / n)
+        return guess, False
 
     def credit_of(self, req: Request, decode: float) -> float:
         """req's credit now, after earning for the tokens it has made and those it may still make (up to
@@ -120,11 +129,14 @@ class PrefillPacer:
         credits = [self.credit_of(r, decode) for r in decodes]
         poorest = decodes[min(range(len(decodes)), key=credits.__getitem__)]
         wanted = max(1, wanted)
+        per_unit, measured = self.seconds_per_unit(wanted, len(decodes))
         # a margin for what the price misses: attention grows with the context a chunk reaches
-        affordable = int(SPEND_SHARE * min(credits) / self.seconds_per_unit(wanted, len(decodes)))
+        affordable = int(SPEND_SHARE * min(credits) / per_unit)
         self.steps_since_decode_only += 1
         if affordable >= wanted:
             return wanted
+        if not measured and affordable >= MIN_PREFILL_TOKENS:
+            return affordable  # a guessed price: the chunk it buys measures it
         cap = (self.slowdown - 1) * decode * CREDIT_TOKENS
         if poorest.pace_credit >= 0.999 * cap:
             return max(affordable, MIN_PREFILL_TOKENS)  # the cap buys less than a chunk: progress anyway
@@ -143,7 +155,8 @@ class PrefillPacer:
         # over a decode-only step: a prompt alone also reads the weights once (before any decode step
         # was measured, its whole time: a price on the safe side)
         over = max(seconds - (self.decode_seconds(max(1, len(decodes))) or 0.0), 1e-9)
-        priced = (self.seconds_per_unit(prefill_units, len(decodes)) or over / prefill_units) * prefill_units
+        price = self.seconds_per_unit(prefill_units, len(decodes))
+        priced = (price[0] if price else over / prefill_units) * prefill_units
         self.prefill_steps.append((prefill_units, over))
         # what the chunk took, but at most STALL_FACTOR x its price: a stall of a busy machine is not
         # the prefill's doing

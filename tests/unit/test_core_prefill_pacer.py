@@ -181,9 +181,18 @@ def test_when_the_cap_buys_less_than_a_chunk_a_smaller_one_goes_through():
 
 def test_the_prior_prices_the_first_chunk_from_the_decode_step():
     pacer = pacer_with_decode(0.010)
-    assert pacer.seconds_per_unit(2048, 1) == pytest.approx(0.010 / PRIOR_TOKENS_PER_DECODE)
+    assert pacer.seconds_per_unit(2048, 1) == (pytest.approx(0.010 / PRIOR_TOKENS_PER_DECODE), False)
+    pacer.observe([make_request("s", 4)], 16, 0.010 + 1.0)  # a cold first step: says nothing of chunks
+    assert pacer.seconds_per_unit(2048, 1) == (pytest.approx(0.010 / PRIOR_TOKENS_PER_DECODE), False)
     pacer.observe([make_request("s", 4)], 512, 0.010 + 0.512)
-    assert pacer.seconds_per_unit(512, 1) == pytest.approx(0.001)  # measured from then on
+    assert pacer.seconds_per_unit(512, 1) == (pytest.approx(0.001), True)  # measured from then on
+    assert pacer.seconds_per_unit(2048, 1) == (pytest.approx(0.001), False)  # the largest chunk's, a guess
+
+
+def test_a_guessed_price_lets_through_the_chunk_it_buys_to_measure_it():
+    pacer = pacer_with_decode(0.010)
+    stream = make_request("s", 4, max_tokens=60)  # 0.6 s of credit, all earned: 480 tokens at the prior
+    assert pacer.prefill_limit([stream], wanted=2048) == int(0.8 * 0.6 / (0.010 / PRIOR_TOKENS_PER_DECODE))
 
 
 def test_a_prompt_alone_is_not_paced():
