@@ -2,6 +2,12 @@
 
     python benchmarks/bench_long_prefill.py --model Qwen3-0.6B --load-format dummy \
         --prompt-lens 2048 8192 --variants "--max-decode-slowdown 0" "--max-decode-slowdown 2"
+    python benchmarks/bench_long_prefill.py --model /tmp/models_prof/sizes/smollm2-135m-shape \
+        --load-format auto --prompt-repeat 700 --bystander-tokens 200 40 --prompt-logprobs 0 20 --rounds 2
+
+--prompt-repeat N sends "The quick brown fox jumps over the lazy dog. " x N as the long prompt's text
+(--prompt-lens then unused); --prompt-logprobs asks the long prompt for that many prompt logprobs (0:
+none) as well. --rounds repeats every variant in turn, so that a loaded machine's drift falls on all.
 
 For each server variant (flags added to `infer serve`) and each long-prompt length: a bystander (a
 streamed greedy completion of --bystander-tokens tokens, ignore_eos) alone, then again with a long prompt
@@ -15,6 +21,7 @@ docs/engine.md, "Long prompts beside running streams", has the figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import shlex
@@ -27,6 +34,7 @@ import httpx
 from infer.bench.launch import LaunchedServer
 
 WORDS = "The quick brown fox jumps over the lazy dog. "
+MEASUREMENTS = itertools.count()
 
 
 def stream_times(url: str, body: dict) -> list[float]:
@@ -34,7 +42,8 @@ def stream_times(url: str, body: dict) -> list[float]:
     comes with each token, even where random weights' bytes are not yet text)."""
     start, times = time.perf_counter(), []
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=3600) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.read().decode()[:500]}")
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 times.append(time.perf_counter() - start)
@@ -52,7 +61,9 @@ def itl_p99_ms(times: list[float]) -> float:
     return 1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else 0.0
 
 
-def measure(url: str, prompt_len: int, bystander_tokens: int, delay: float) -> dict:
+def measure(
+    url: str, prompt: str | list[int], bystander_tokens: int, delay: float, prompt_logprobs: int
+) -> dict:
     bystander = {
         "prompt": "Once upon a time",
         "max_tokens": bystander_tokens,
@@ -62,19 +73,29 @@ def measure(url: str, prompt_len: int, bystander_tokens: int, delay: float) -> d
     }
     stream_times(url, {**bystander, "max_tokens": 4})  # warm
     alone = stream_times(url, bystander)
-    prompt = long_prompt(url, prompt_len)
     found: dict = {}
+    # a prompt no earlier measurement on this server has cached: its first token differs
+    n = next(MEASUREMENTS)
+    prompt = (
+        f"[{n}] {prompt}"
+        if isinstance(prompt, str)
+        else prompt[n % len(prompt) :] + prompt[: n % len(prompt)]
+    )
+    long_body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    if prompt_logprobs:
+        long_body["prompt_logprobs"] = prompt_logprobs
 
     def send_long():
         time.sleep(delay)
-        found["ttft"] = stream_times(url, {"prompt": prompt, "max_tokens": 1, "temperature": 0})[0]
+        found["ttft"] = stream_times(url, long_body)[0]
 
     worker = threading.Thread(target=send_long)
     worker.start()
     beside = stream_times(url, bystander)
     worker.join()
     return {
-        "prompt_len": prompt_len,
+        "bystander_tokens": bystander_tokens,
+        "prompt_logprobs": prompt_logprobs,
         "bystander_alone_s": round(alone[-1], 3),
         "bystander_beside_s": round(beside[-1], 3),
         "bystander_ratio": round(beside[-1] / alone[-1], 2),
@@ -90,33 +111,66 @@ def main() -> None:
     p.add_argument("--model", default="Qwen3-0.6B")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[2048, 8192])
-    p.add_argument("--bystander-tokens", type=int, default=200)
+    p.add_argument("--prompt-repeat", type=int, default=0, help="the long prompt: the words x N, as text")
+    p.add_argument("--bystander-tokens", type=int, nargs="+", default=[200])
+    p.add_argument("--prompt-logprobs", type=int, nargs="+", default=[0], help="the long prompt's (0: none)")
     p.add_argument("--long-delay", type=float, default=0.5, help="seconds between the bystander and the long")
     p.add_argument("--variants", nargs="+", default=["--max-decode-slowdown 0", "--max-decode-slowdown 2"])
+    p.add_argument("--rounds", type=int, default=1, help="every variant in turn, this many times")
+    p.add_argument("--max-model-len", type=int, default=0, help="0: the longest prompt + the bystander")
     p.add_argument("--out", type=Path, default=None, help="JSON file for the results")
     args = p.parse_args()
-    max_len = max(args.prompt_lens) + args.bystander_tokens + 64
+    lens = [0] if args.prompt_repeat else args.prompt_lens
+    max_len = args.max_model_len or max(lens) + max(args.bystander_tokens) + 64
     rows = []
-    for prompt_len in args.prompt_lens:
-        for variant in args.variants:
-            flags = [
-                "--model",
-                args.model,
-                "--load-format",
-                args.load_format,
-                "--max-model-len",
-                str(max_len),
-            ]
-            flags += shlex.split(variant)
-            with LaunchedServer.ours(flags, Path("/tmp/bench_long_prefill.log"), timeout=600) as s:
-                row = {
-                    "variant": variant,
-                    **measure(s.url, prompt_len, args.bystander_tokens, args.long_delay),
-                }
-            base = next((r for r in rows if r["prompt_len"] == prompt_len), row)
-            row["long_ttft_ratio"] = round(row["long_ttft_s"] / base["long_ttft_s"], 2)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for prompt_len in lens:
+        for round_ in range(args.rounds):
+            for variant in args.variants:
+                flags = [
+                    "--model",
+                    args.model,
+                    "--load-format",
+                    args.load_format,
+                    "--max-model-len",
+                    str(max_len),
+                ]
+                flags += shlex.split(variant)
+                with LaunchedServer.ours(flags, Path("/tmp/bench_long_prefill.log"), timeout=600) as s:
+                    prompt = (
+                        WORDS * args.prompt_repeat if args.prompt_repeat else long_prompt(s.url, prompt_len)
+                    )
+                    if args.prompt_repeat:
+                        num = len(
+                            httpx.post(f"{s.url}/tokenize", json={"prompt": prompt}, timeout=60).json()[
+                                "tokens"
+                            ]
+                        )
+                    for tokens in args.bystander_tokens:
+                        for logprobs in args.prompt_logprobs:
+                            row = {
+                                "variant": variant,
+                                "round": round_,
+                                "prompt_len": num if args.prompt_repeat else prompt_len,
+                                **measure(s.url, prompt, tokens, args.long_delay, logprobs),
+                            }
+                            same = (row["prompt_len"], round_, tokens, logprobs)
+                            base = next(
+                                (
+                                    r
+                                    for r in rows
+                                    if (
+                                        r["prompt_len"],
+                                        r["round"],
+                                        r["bystander_tokens"],
+                                        r["prompt_logprobs"],
+                                    )
+                                    == same
+                                ),
+                                row,
+                            )
+                            row["long_ttft_ratio"] = round(row["long_ttft_s"] / base["long_ttft_s"], 2)
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
     print(f"# {platform.processor() or platform.machine()}, {args.model} ({args.load_format})")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))

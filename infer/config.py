@@ -83,12 +83,14 @@ class SchedulerConfig:
     batching_mode: "continuous" (admit and retire every step) or "static" (admit up to max_num_seqs,
         run them all to completion, then admit the next batch; for benchmarks).
     max_model_len: prompt + max_tokens of one request at most.
-    max_decode_slowdown: a step that carries decodes takes at most about this many times a decode-only
-        step: its prefill tokens are cut to fit, so a long prompt does not stall running streams
-        (infer/core/prefill_pacer.py); 0 (or 1) = off, every step takes the whole budget. Off here, the
-        mechanism alone; EngineConfig's default (DEFAULT_MAX_DECODE_SLOWDOWN) turns it on.
+    max_decode_slowdown: a running stream's whole time beside prefills is at most about this many times
+        its time alone: each stream earns credit as it decodes (and for its next tokens), and a prefill
+        chunk beside it is spent from it, decode-only steps when it runs out (infer/core/prefill_pacer.py);
+        0 (or 1) = off, every step takes the whole budget. Off here, the mechanism alone; EngineConfig's
+        default (DEFAULT_MAX_DECODE_SLOWDOWN) turns it on.
     long_prefill_token_threshold: vLLM's: a prompt longer than this is "long", and gets at most this many
-        tokens a step; 0 = none, or 4% of max_model_len when max_num_partial_prefills > 1 (as vLLM).
+        tokens a step (so also the most a chunk beside running streams stalls them); 0 = none, or 4% of
+        max_model_len when max_num_partial_prefills > 1 (as vLLM).
     max_num_partial_prefills: vLLM's: requests whose prefill is under way at once, at most; 0 = no bound
         (as vLLM v1's scheduler).
     max_long_partial_prefills: vLLM's: of those, long ones at most (0 = no bound); a shorter prompt may be

@@ -1,55 +1,76 @@
-"""How many prefill tokens a step may carry beside running decodes, so that a long prompt does not stall
-everyone's stream.
+"""When a step may carry a prefill chunk beside running decodes, and how large, so that a long prompt
+neither stalls everyone's stream nor crawls.
 
-A decode step on a CPU costs about one read of the weights; a step that also carries a 2048-token prefill
-chunk costs many times that, and every running stream waits for it. A client sees each gap, not their
-mean, so the pacer bounds every step that carries decodes to about `max_decode_slowdown` times what a
-decode-only step of the same decodes costs:
+What a client judges is a stream's whole time, against its time alone, and a prompt's time to first
+token. On a CPU a prefill chunk's cost per token falls steeply with its size (a 512-token chunk costs
+~1.7x per token what a 2,048-token one does on a 135M model), so pacing every gap with small chunks makes
+the prompt pay 2.4-2.9x its time to first token. Instead each stream holds a slowdown budget, its credit:
 
-  - a step's prefill is at most `allowed` tokens: what the time left beside the decodes holds at the
-    median cost per prefill token of recent paced steps with chunks of about that size (below a CPU's
-    compute-bound knee a token costs ~nothing: small chunks say nothing of larger ones), so that what a
-    linear model misses (attention over a long context, prompt logprobs, an eager step beside a
-    replayed decode graph) counts as the time it takes, and the median so that a stall of a busy
-    machine does not shrink the chunks. On a CPU the decodes' weight read is shared with the chunk;
-  - a chunk that costs more than the bound at that rate anyway (the smallest chunk, or one that the
-    allowance has not caught up with) leaves a debt, its time over the bound (at most MAX_PAYBACK_STEPS
-    decode-only steps' worth; a step's own time is not used: a stall of the machine is not the
-    prefill's doing), which decode-only steps pay back (each earns its time times
-    max_decode_slowdown - 1) once it reaches half of one, so that the streams' pace holds on average;
-  - the decode cost is the median of recent decode-only steps with about as many decodes, one of which
-    the pacer asks for every PROBE_EVERY paced steps (a stream that joined while a long prompt was
-    prefilled has never been seen alone).
+  - earned: (max_decode_slowdown - 1) x its decode pace (a decode-only step of this many decodes) for
+    every token it has made and for up to CREDIT_TOKENS tokens it may still make (at most its
+    max_tokens): a stream that just started holds credit, and its credit never exceeds that lookahead's
+    worth, so a stream that ran alone for long does not absorb a whole prefill in one stall;
+  - spent: a step that carries decodes and a prefill chunk costs each of its decodes the chunk's time
+    (the step's over a decode-only one), at most STALL_FACTOR x its price at the median cost per token
+    of the latest chunks of about that size (a stall of a busy machine is not the prefill's doing);
+  - a step beside decodes carries a whole planned chunk (the budget, or --long-prefill-token-threshold
+    for a long prompt: large chunks are the efficient ones) when SPEND_SHARE of the poorest decode's
+    credit pays for it (a margin for what the price misses: attention grows with the context); a
+    smaller one, a quarter of it at least, only when that credit cannot grow any more (all its
+    max_tokens are earned, or it holds the cap); else none: a decode-only step, which earns.
 
-Steps without decodes are not paced: a prompt alone gets the whole budget. A bystander's gaps are then
-at most about max_decode_slowdown times its gaps alone, and the long prompt's time to first token grows
-by what the decodes beside it take of each step. docs/robustness.md, "Long prompts: the streams' gaps
-against the prompt's first token", has the measured tradeoff.
+So a stream's time beside prefills is at most about max_decode_slowdown x its time alone (plus the
+lookahead's worth when it stops early, on EOS or a stop string), and a prompt's prefill pays only the
+decode-only steps that run while its streams' credit is spent. Paper bounds, for a prompt of prefill
+time T beside a stream of remaining time alone A (the whole budget to the prompt takes T, as
+`--max-decode-slowdown 0`): at max_decode_slowdown 2, both the stream within 2x and the prompt
+within 1.5x hold when T <= A (the whole prefill is spent from the credit) or T >= 2A (the stream's
+decodes, A, are at most half of T); for A < T < 2A no schedule holds both (the one that finishes first
+pays the other's whole time), and the pacer keeps the stream's bound. A decode in a step that also
+carries a chunk costs the prompt little on a CPU (the weights are read once for both), which narrows
+that gap.
+
+Before a chunk of about the wanted size was measured, a prefill token is priced at a decode step /
+PRIOR_TOKENS_PER_DECODE, or at the largest smaller chunk's cost per token if lower: both on the safe side
+on a CPU (a 2,048-token chunk costs ~30-100 decode steps there, not 256), so the first chunks do not
+overshoot, and while the price is such a guess, the smaller chunk the credit buys goes through to
+measure it; a decode-only step comes first when no decode step was measured yet, and one
+every PROBE_EVERY paced steps refreshes it (a stream that joined while a long prompt was prefilled has
+never been seen alone). Steps without decodes are not paced (the scheduler runs a short newcomer's
+prefill before a running prompt's next chunk, so its first token does not wait for it).
+docs/robustness.md, "Long prompts: the streams' gaps against the prompt's first token", has what no
+schedule can do and how to measure the tradeoff.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 
-MIN_PREFILL_TOKENS = 8  # a paced chunk at least: smaller ones cost a step's overhead for little progress
-INITIAL_PREFILL_TOKENS = 32  # learned up by doubling: a chunk too small costs less than one too big
-MAX_CHANGE = 2.0  # the allowance moves at most this factor per step (damping one noisy step)
+from infer.core.request import Request
+
+MIN_PREFILL_TOKENS = 8  # a chunk at least: smaller ones cost a step's overhead for little progress
+CREDIT_TOKENS = 256  # a stream's credit looks this many tokens ahead, and holds at most their worth
+PRIOR_TOKENS_PER_DECODE = 8  # before a chunk was measured: a prefill token costs a decode step / this
 PROBE_EVERY = 32  # paced steps between decode-only steps that refresh the decode cost
 DECODE_SAMPLES = 32  # recent decode-only steps kept
-PREFILL_SAMPLES = 8  # recent paced steps whose cost per prefill token sets the allowance
-MAX_PAYBACK_STEPS = 2  # decode-only steps one slow paced step may cost at most
+PREFILL_SAMPLES = 8  # recent chunks kept
+SPEND_SHARE = 0.8  # of a credit a chunk may be priced at
+STALL_FACTOR = 2.0  # a chunk is charged at most this many times its price
+RATE_SAMPLES = 3  # the latest chunks of about a size whose median cost per token prices the next
 
 
 class PrefillPacer:
-    def __init__(self, max_decode_slowdown: float, max_tokens: int) -> None:
+    """max_decode_slowdown: a stream's whole time beside prefills, at most about this many times its
+    time alone (<= 1: off, every step takes the whole budget). Prefill is counted in the scheduler's
+    cost units, where a prompt-logprob token counts its LM-head row and logprob work too."""
+
+    def __init__(self, max_decode_slowdown: float) -> None:
         self.slowdown = max_decode_slowdown
-        self.max_tokens = max_tokens
-        self.allowed = min(INITIAL_PREFILL_TOKENS, max_tokens)
         self.decode_steps: deque[tuple[int, float]] = deque(maxlen=DECODE_SAMPLES)  # (decodes, seconds)
-        # (prefill tokens, seconds per prefill token) of recent paced steps
-        self.prefill_costs: deque[tuple[int, float]] = deque(maxlen=PREFILL_SAMPLES)
-        self.debt = 0.0  # seconds over the target that decode-only steps have yet to pay back
+        # (prefill cost units, seconds over a decode-only step) of recent steps that carried a chunk
+        self.prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_SAMPLES)
         self.steps_since_decode_only = 0  # paced steps since the last decode-only one
 
     @property
@@ -66,47 +87,79 @@ class PrefillPacer:
         n, t = min(self.decode_steps, key=lambda s: abs(s[0] - num_decodes))
         return t * num_decodes / n if n < num_decodes else t
 
-    def prefill_limit(self, num_decodes: int) -> int | None:
-        """The prefill tokens a step with num_decodes decodes may carry; None = not paced."""
-        if not self.enabled or num_decodes == 0:
-            return None
-        self.steps_since_decode_only += 1
-        decode = self.decode_seconds(num_decodes)
-        # a debt under half what a decode-only step pays back waits: a whole step for a hair over the
-        # bound would cost the prompt more than it gives the streams
-        owed = decode is None or self.debt > 0.5 * (self.slowdown - 1) * decode
-        if owed or self.steps_since_decode_only > PROBE_EVERY:
-            self.steps_since_decode_only = 0
-            return 0  # a decode-only step: pays back the debt, or measures what the decodes cost alone
-        return self.allowed
-
-    def observe(self, num_decodes: int, num_prefill: int, seconds: float) -> None:
-        if not self.enabled or num_decodes == 0 or seconds <= 0:
-            return
-        if num_prefill == 0:
-            decode = self.decode_seconds(num_decodes)
-            self.decode_steps.append((num_decodes, seconds))
-            self.debt = max(0.0, self.debt - (self.slowdown - 1) * (decode or seconds))
-            return
-        decode = self.decode_seconds(num_decodes)
+    def seconds_per_unit(self, units: int, num_decodes: int) -> tuple[float, bool] | None:
+        """A chunk of `units`' time per unit, and whether chunks of about that size priced it: the median
+        of the latest RATE_SAMPLES chunks of at least half that size (attention's cost grows with the
+        context: the latest); else a guess on the safe side, the lower of the prior and the largest
+        smaller chunk's (a CPU's cost per token falls with the chunk); None before any decode step."""
+        near = [t / n for n, t in self.prefill_steps if n >= units / 2][-RATE_SAMPLES:]
+        if near:
+            return statistics.median(near), True
+        decode = self.decode_seconds(max(1, num_decodes))
         if decode is None:
-            return  # nothing to compare with yet
-        target = self.slowdown * decode
-        cost = max(seconds - decode, 1e-9) / num_prefill
-        if num_prefill < self.allowed / 2 and cost * self.allowed <= target - decode:
-            return  # a short chunk (a prompt's last) within the target says nothing against the allowance
-        self.prefill_costs.append((num_prefill, cost))
-        # chunks of about the size asked next: below a CPU's compute-bound knee a token costs ~nothing,
-        # and small chunks' costs would grow the allowance past it
-        costs = [c for n, c in self.prefill_costs if n >= self.allowed / 2] or [cost]
-        # the median of recent steps' cost per token: one slow step (noise) moves it little
-        per_token = statistics.median(costs)
-        # the debt is what this chunk costs over the bound at that rate, not what the step took: a stall
-        # of a busy machine is not the prefill's doing; MAX_PAYBACK_STEPS decode-only steps at most
-        over = min(
-            decode + per_token * num_prefill - target, MAX_PAYBACK_STEPS * (self.slowdown - 1) * decode
-        )
-        self.debt = max(0.0, self.debt + over)
-        fitting = (target - decode) / per_token
-        fitting = min(self.allowed * MAX_CHANGE, max(self.allowed / MAX_CHANGE, fitting))
-        self.allowed = min(self.max_tokens, max(MIN_PREFILL_TOKENS, int(fitting)))
+            return None
+        guess = decode / PRIOR_TOKENS_PER_DECODE
+        if self.prefill_steps:
+            n, t = max(self.prefill_steps)
+            guess = min(guess, t / n)
+        return guess, False
+
+    def credit_of(self, req: Request, decode: float) -> float:
+        """req's credit now, after earning for the tokens it has made and those it may still make (up to
+        CREDIT_TOKENS ahead), capped at the lookahead's worth."""
+        params = req.sampling_params
+        ahead = min(max(0, params.max_tokens - req.num_output_tokens), CREDIT_TOKENS)
+        earned_to = req.num_output_tokens + ahead
+        if earned_to > req.pace_credited_tokens:
+            req.pace_credit += (self.slowdown - 1) * decode * (earned_to - req.pace_credited_tokens)
+            req.pace_credited_tokens = earned_to
+        req.pace_credit = min(req.pace_credit, (self.slowdown - 1) * decode * CREDIT_TOKENS)
+        return req.pace_credit
+
+    def prefill_limit(self, decodes: Sequence[Request], wanted: int) -> int | None:
+        """The prefill cost units a step with these decodes may carry (0: a decode-only step); None: not
+        paced. wanted: the units of the chunks the step would carry unpaced (the budget, a long prompt's
+        threshold, a prompt's last chunk)."""
+        if not self.enabled or not decodes:
+            return None
+        decode = self.decode_seconds(len(decodes))
+        if decode is None or self.steps_since_decode_only > PROBE_EVERY:
+            self.steps_since_decode_only = 0
+            return 0  # measures what the decodes cost alone
+        credits = [self.credit_of(r, decode) for r in decodes]
+        poorest = decodes[min(range(len(decodes)), key=credits.__getitem__)]
+        wanted = max(1, wanted)
+        per_unit, measured = self.seconds_per_unit(wanted, len(decodes))
+        # a margin for what the price misses: attention grows with the context a chunk reaches
+        affordable = int(SPEND_SHARE * min(credits) / per_unit)
+        self.steps_since_decode_only += 1
+        if affordable >= wanted:
+            return wanted
+        if not measured and affordable >= MIN_PREFILL_TOKENS:
+            return affordable  # a guessed price: the chunk it buys measures it
+        cap = (self.slowdown - 1) * decode * CREDIT_TOKENS
+        if poorest.pace_credit >= 0.999 * cap:
+            return max(affordable, MIN_PREFILL_TOKENS)  # the cap buys less than a chunk: progress anyway
+        if poorest.pace_credited_tokens >= poorest.sampling_params.max_tokens and affordable >= wanted / 4:
+            return affordable  # all its credit is earned: what it buys, or the prompt waits for its end
+        self.steps_since_decode_only = 0
+        return 0  # a decode-only step: earns, and measures what the decodes cost alone
+
+    def observe(self, decodes: Sequence[Request], prefill_units: int, seconds: float) -> None:
+        """The last step, with these decodes and prefill_units of prefill, took seconds."""
+        if not self.enabled or seconds <= 0 or (not decodes and not prefill_units):
+            return
+        if not prefill_units:
+            self.decode_steps.append((len(decodes), seconds))
+            return
+        # over a decode-only step: a prompt alone also reads the weights once (before any decode step
+        # was measured, its whole time: a price on the safe side)
+        over = max(seconds - (self.decode_seconds(max(1, len(decodes))) or 0.0), 1e-9)
+        price = self.seconds_per_unit(prefill_units, len(decodes))
+        priced = (price[0] if price else over / prefill_units) * prefill_units
+        self.prefill_steps.append((prefill_units, over))
+        # what the chunk took, but at most STALL_FACTOR x its price: a stall of a busy machine is not
+        # the prefill's doing
+        charge = min(over, STALL_FACTOR * priced)
+        for req in decodes:
+            req.pace_credit -= charge

@@ -74,6 +74,9 @@ class Request:
     stop_reason: int | str | None = field(init=False, default=None)  # the stop token id or stop string
     num_preemptions: int = field(init=False, default=0)
     num_slow_gaps: int = field(init=False, default=0)  # "slo": its decode steps longer than its tpot
+    # the prefill pacer's: seconds this stream may still be slowed by, and the tokens it was credited for
+    pace_credit: float = field(init=False, default=0.0)
+    pace_credited_tokens: int = field(init=False, default=0)
     block_hashes: list[bytes] = field(init=False, default_factory=list)  # of full blocks, filled lazily
     # speculative decoding: tokens proposed to follow token_ids, verified in the next step that feeds it
     # (set by the engine after each step, consumed by schedule())

@@ -142,10 +142,9 @@ class Scheduler:
         self._wave_slots = 0  # static batching: admissions left in the current wave
         self._finished_req_ids: list[str] = []  # since the last schedule()
         self._last_decodes: list[Request] = []  # "slo": the decodes of the last step, for observe_step
-        self.pacer = PrefillPacer(
-            scheduler_config.max_decode_slowdown, scheduler_config.max_num_batched_tokens
-        )
-        self._last_step = (0, 0)  # (decode, prefill) tokens of the last step, for observe_step
+        self.pacer = PrefillPacer(scheduler_config.max_decode_slowdown)
+        # the last step's decodes and prefill cost units, for observe_step
+        self._last_step: tuple[list[Request], int] = ([], 0)
         # What a prompt token whose logprobs are asked for costs in the budget, in tokens: its row of the
         # LM head (and the log-softmax over the vocabulary) comes on top. Set by the engine from the model.
         self.prompt_logprob_token_cost = 1.0
@@ -172,6 +171,7 @@ class Scheduler:
         and a slow gap for each of its decodes whose TPOT objective it exceeded. Nothing under the other
         policies (no work on their steps). The prefill pacer learns from every step."""
         self.pacer.observe(*self._last_step, seconds)
+        self._last_step = ([], 0)
         if not self._slo:
             return
         self.cost_model.observe(num_tokens, seconds)
@@ -317,14 +317,35 @@ class Scheduler:
         return req.spec_token_ids[: max(0, min(room, budget))]
 
     def _pace_prefill(self, plan: _StepPlan) -> None:
-        """Beside running decodes, leave the step only the prefill the pacer allows (prefill_pacer.py).
-        With no decode but requests waiting, running prompts' chunks get that much too, and the rest of
-        the budget goes to the waiting: a new request does not wait behind a long prompt's whole chunk."""
-        num_decodes = len(plan.num_new_tokens)  # the decodes granted so far
-        limit = self.pacer.prefill_limit(num_decodes if num_decodes else (1 if self.waiting else 0))
-        if limit is not None:
-            plan.paced = limit
-            plan.paced_admissions = num_decodes > 0
+        """Beside running decodes, leave the step only the prefill the pacer allows (prefill_pacer.py),
+        admissions included. With no decode but requests waiting, running prompts' chunks leave room for
+        the first of them: a new request does not wait behind a long prompt's whole prefill."""
+        if not self.pacer.enabled:
+            return
+        decodes = list(plan.num_new_tokens)  # the decodes granted so far
+        if decodes:
+            wanted = self._unpaced_prefill_units(plan)
+            if wanted:  # else a decode-only step anyway (a stream's credit is earned when asked for)
+                plan.paced = self.pacer.prefill_limit(decodes, wanted)
+                plan.paced_admissions = True
+        elif self.waiting and len(self.running) < self.config.max_num_seqs:
+            # a short newcomer's prefill first, alone, so that its first token does not wait for a
+            # long prompt's whole chunk (it is paced like any stream once it decodes); a long one shares
+            head = self.waiting[0]
+            units = math.ceil(head.num_tokens * self._token_cost(head, 0))
+            plan.paced = 0 if units <= plan.budget // 2 else plan.budget // 2
+
+    def _unpaced_prefill_units(self, plan: _StepPlan) -> int:
+        """The cost units of the prefill chunks this step would carry unpaced: running prompts' next
+        chunks, then the waiting requests' first ones, up to the budget left."""
+        units = 0
+        for req in (*(r for r in self.running if r.is_prefill), *self.waiting):
+            if units >= plan.budget:
+                break
+            start = req.num_computed_tokens
+            num_new = self._num_new_tokens(req, start, plan.budget - units)
+            units += math.ceil(num_new * self._token_cost(req, start))
+        return min(units, plan.budget)
 
     def _cap_prefill(self, plan: _StepPlan) -> None:
         """ "slo": leave the step only the prefill tokens that let it end within the tightest TPOT
@@ -463,6 +484,7 @@ class Scheduler:
     def _emit(self, plan: _StepPlan, num_evictions: int) -> SchedulerOutput:
         kv = self.kv_cache_manager
         scheduled, num_prefill, num_decode, num_spec = [], 0, 0, 0
+        decodes, prefill_units = [], 0
         for req, num_new in plan.num_new_tokens.items():
             start = req.num_computed_tokens
             end = start + num_new
@@ -486,16 +508,18 @@ class Scheduler:
             if req.num_output_tokens and start == req.num_tokens - 1:  # feeds the last sampled token
                 num_decode += num_new + len(spec)
                 num_spec += len(spec)
+                decodes.append(req)
                 if self._slo:
                     self._last_decodes.append(req)
             else:
                 num_prefill += num_new
+                prefill_units += plan.cost[req]
                 req.num_prefill_tokens_computed += num_new
             # past the known sequence while proposals are in flight: update() rolls back the rejected
             req.num_computed_tokens = end + len(spec)
             if spec:
                 self._spec_in_flight[req.req_id] = len(spec)
-        self._last_step = (num_decode, num_prefill)
+        self._last_step = (decodes, prefill_units)
         stats = StepStats(
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,

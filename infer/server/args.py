@@ -372,16 +372,17 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--max-decode-slowdown",
         type=float,
         default=d["max_decode_slowdown"],
-        help="a step that carries decodes takes at most about this many times a decode-only step: "
-        "prefill tokens beside running streams are cut to fit, so a long prompt does not stall them; "
-        "0: off, every step takes the whole token budget",
+        help="a running stream's whole time beside prefills is at most about this many times its time "
+        "alone: prefill chunks beside it are spent from a credit it earns as it decodes, so a long prompt "
+        "does not stall it (one chunk's gap at a time); 0: off, every step takes the whole token budget",
     )
     parser.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=d["long_prefill_token_threshold"],
-        help="vLLM's: a prompt longer than this is long and gets at most this many tokens a step; "
-        "0: none (4%% of --max-model-len with --max-num-partial-prefills > 1)",
+        help="vLLM's: a prompt longer than this is long and gets at most this many tokens a step (the "
+        "longest gap a chunk puts in running streams); 0: none (4%% of --max-model-len with "
+        "--max-num-partial-prefills > 1)",
     )
     parser.add_argument(
         "--max-num-partial-prefills",

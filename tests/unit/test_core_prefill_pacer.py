@@ -1,25 +1,28 @@
-"""Prefills beside running decodes: the pacer's step-time bound, vLLM's long-prefill threshold and
-partial-prefill counts, and prompt-logprob tokens counted in the budget. Steps are timed by a cost model
-of a CPU (a weight read per step, a cost per token, attention growing with the context), not a clock."""
+"""Prefills beside running decodes: the pacer's per-stream credit (earned, spent, capped), the chunks it
+allows, vLLM's long-prefill threshold and partial-prefill counts, and prompt-logprob tokens counted in
+the budget. Steps are timed by a cost model of a CPU (a weight read per step, a cost per token and per
+chunk, attention growing with the context), not a clock."""
 
 from __future__ import annotations
 
 import pytest
 
 from infer.config import CacheConfig, SchedulerConfig
-from infer.core.prefill_pacer import INITIAL_PREFILL_TOKENS, MIN_PREFILL_TOKENS, PrefillPacer
+from infer.core.prefill_pacer import CREDIT_TOKENS, MIN_PREFILL_TOKENS, PRIOR_TOKENS_PER_DECODE, PrefillPacer
 from infer.core.scheduler import Scheduler
 from infer.sampling_params import SamplingParams
 from tests.unit.core_fakes import FakeRunner, make_request, step
 
-READ_S, TOKEN_S, ATTENTION_S = 0.010, 0.001, 2e-7  # per step, per token, per token x context position
+READ_S, TOKEN_S, CHUNK_S, ATTENTION_S = 0.010, 0.001, 0.020, 2e-7  # per step, token, chunk, token x position
 
 
 def step_seconds(out) -> float:
-    """A CPU-like step: one read of the weights, then per token, plus attention over the context."""
+    """A CPU-like step: one read of the weights, then per token, per prefill chunk (a small chunk costs
+    more per token), plus attention over the context."""
     seconds = READ_S + TOKEN_S * out.num_batched_tokens
     for s in out.scheduled:
         seconds += ATTENTION_S * len(s.token_ids) * (s.start_pos + len(s.token_ids))
+        seconds += CHUNK_S if len(s.token_ids) > 1 else 0.0
     return seconds
 
 
@@ -55,12 +58,12 @@ def run(s: Scheduler, arrivals: dict[int, list], max_steps=100_000) -> dict[str,
     raise AssertionError("did not finish")
 
 
-def bystander_and_long(slowdown: float, long_first: bool, long_prompt: int = 8000):
+def bystander_and_long(slowdown: float, long_first: bool, long_prompt: int = 8000, stream_tokens: int = 200):
     """(bystander alone, bystander beside the long prompt, the long prompt's time beside it), the long
     prompt sent one step after the bystander or the other way round."""
 
     def bystander():
-        return make_request("b", 16, max_tokens=200, ignore_eos=True)
+        return make_request("b", 16, max_tokens=stream_tokens, ignore_eos=True)
 
     def long():
         return make_request("long", long_prompt, max_tokens=1, ignore_eos=True)
@@ -80,74 +83,116 @@ def test_without_pacing_a_long_prompt_stalls_the_stream(long_first):
 
 
 @pytest.mark.parametrize("long_first", [False, True])
-def test_pacing_keeps_the_stream_within_its_bound_and_the_long_prompt_progresses(long_first):
-    alone, beside, long_time = bystander_and_long(slowdown=2, long_first=long_first)
-    assert beside <= 2.2 * alone  # the bound, with the steps the pacer spends learning
-    _, _, long_unpaced = bystander_and_long(slowdown=0, long_first=long_first)
+@pytest.mark.parametrize(
+    "long_prompt, stream_tokens",
+    [(8000, 200), (8000, 40), (2000, 1000)],  # the prefill at least twice the stream's time, or within it
+)
+def test_the_stream_keeps_2x_its_time_and_the_prompt_1_5x_its_first_token(
+    long_first, long_prompt, stream_tokens
+):
+    alone, beside, long_time = bystander_and_long(2, long_first, long_prompt, stream_tokens)
+    assert beside <= 2 * alone
+    _, _, long_unpaced = bystander_and_long(0, long_first, long_prompt, stream_tokens)
     assert long_time <= 1.5 * long_unpaced
 
 
-@pytest.mark.parametrize("long_prompt", [2000, 8000, 16000])
-def test_no_step_beside_a_decode_takes_much_over_the_bound(long_prompt):
-    """Each gap of a stream, not only their mean: once the pacer has seen a few paced steps, a step that
-    carries decodes and prefill takes at most about max_decode_slowdown times a decode-only one."""
-    s = scheduler(slowdown=2)
-    runner = FakeRunner(s)
-    s.add_request(make_request("b", 16, max_tokens=400, ignore_eos=True))
-    decode_only, paced = [], []
-    for k in range(100_000):
-        if k == 3:
-            s.add_request(make_request("long", long_prompt, max_tokens=1, ignore_eos=True))
-        if not s.has_unfinished():
-            break
-        out, _ = step(s, runner)
-        seconds = step_seconds(out)
-        s.observe_step(out.num_batched_tokens, seconds)
-        num_decode, num_prefill = out.stats.num_decode_tokens, out.stats.num_prefill_tokens
-        if num_decode:
-            (paced if num_prefill else decode_only).append(seconds)
-    assert len(paced) > 10
-    assert max(paced[4:]) <= 2.2 * max(decode_only)
+def test_where_no_schedule_holds_both_the_stream_keeps_its_bound():
+    """A prefill between the stream's time and twice it: whichever finishes first pays the other's
+    whole time, and the stream keeps its 2x."""
+    alone, beside, long_time = bystander_and_long(2, long_first=False, long_prompt=2000, stream_tokens=200)
+    assert beside <= 2 * alone
+    _, _, long_unpaced = bystander_and_long(0, long_first=False, long_prompt=2000, stream_tokens=200)
+    assert long_time <= 2 * long_unpaced
 
 
-def test_stalls_of_a_busy_machine_do_not_shrink_the_chunks():
-    """A step that a stall of the machine made slow says little of what a prefill token costs: the
-    allowance follows the median of recent steps, and a stall costs two decode-only steps at most."""
-    pacer = PrefillPacer(max_decode_slowdown=2, max_tokens=2048)
-    pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
-    for _ in range(20):  # 0.1 ms a token: 100 tokens fill the 10 ms a paced step may add
-        limit = pacer.prefill_limit(num_decodes=1)
-        pacer.observe(num_decodes=1, num_prefill=limit, seconds=(0.010 + 0.0001 * limit) if limit else 0.010)
-    assert pacer.allowed == 100
-    allowed, num_paced, decode_only = [], 0, 0
-    for _ in range(60):  # every fourth paced step stalls for 50 ms
-        limit = pacer.prefill_limit(num_decodes=1)
-        stall = 0.050 if limit and num_paced % 4 == 0 else 0.0
-        pacer.observe(num_decodes=1, num_prefill=limit, seconds=0.010 + 0.0001 * limit + stall)
-        allowed.append(pacer.allowed)
-        num_paced += limit > 0
-        decode_only += limit == 0
-    assert min(allowed) == 100
-    assert decode_only <= 2 * num_paced / 4  # two for each stall at most
+def pacer_with_decode(decode_s: float = 0.010) -> PrefillPacer:
+    pacer = PrefillPacer(max_decode_slowdown=2)
+    pacer.observe([make_request("x", 4)], 0, decode_s)  # a decode-only step
+    return pacer
 
 
-def test_below_a_cpus_compute_knee_small_chunks_do_not_grow_the_allowance_past_it():
-    """A step reads the weights once: up to the knee a prefill token costs ~nothing, past it each costs
-    its compute. Small chunks' near-zero costs must not send the allowance past the bound."""
-    pacer = PrefillPacer(max_decode_slowdown=2, max_tokens=2048)
+def test_a_new_stream_holds_credit_for_its_next_tokens_and_earns_past_them():
+    pacer = pacer_with_decode(0.010)
+    short = make_request("short", 4, max_tokens=40)
+    long = make_request("long", 4, max_tokens=10_000)
+    assert pacer.credit_of(short, 0.010) == pytest.approx(40 * 0.010)  # its whole max_tokens ahead
+    assert pacer.credit_of(long, 0.010) == pytest.approx(CREDIT_TOKENS * 0.010)  # capped lookahead
+    long.pace_credit = 0.0  # spent
+    long.output_token_ids.extend([7] * 5)  # five tokens made: five earned past the lookahead
+    assert pacer.credit_of(long, 0.010) == pytest.approx(5 * 0.010)
+    long.output_token_ids.extend([7] * 1000)  # many more: the credit holds the lookahead's worth at most
+    assert pacer.credit_of(long, 0.010) == pytest.approx(CREDIT_TOKENS * 0.010)
 
-    def seconds(num_prefill: int) -> float:
-        return max(0.025, 0.0002 * (1 + num_prefill)) + 0.0025
 
-    pacer.observe(num_decodes=1, num_prefill=0, seconds=seconds(0))
-    paced = []
-    for _ in range(80):
-        limit = pacer.prefill_limit(num_decodes=1)
-        pacer.observe(num_decodes=1, num_prefill=limit, seconds=seconds(limit))
+def test_a_chunk_is_spent_from_every_decodes_credit_at_most_twice_its_price():
+    pacer = PrefillPacer(max_decode_slowdown=2)
+    a, b = make_request("a", 4, max_tokens=100), make_request("b", 4, max_tokens=200)
+    assert pacer.prefill_limit([a, b], wanted=2048) == 0  # nothing known of a decode step: measure it
+    pacer.observe([a, b], 0, 0.010)
+    # before a chunk is measured, a token is priced at a decode step / PRIOR_TOKENS_PER_DECODE; the
+    # poorer stream (a: its 100 tokens' pace, 1 s, all earned) buys 640 tokens with the margin
+    assert pacer.prefill_limit([a, b], wanted=2048) == int(0.8 * 1.0 / (0.010 / PRIOR_TOKENS_PER_DECODE))
+    assert pacer.prefill_limit([a, b], wanted=500) == 500  # a chunk it pays for whole
+    for _ in range(3):
+        pacer.observe([a, b], 500, 0.010 + 0.25)  # 0.5 ms a token
+    assert a.pace_credit == pytest.approx(1.0 - 3 * 0.25)
+    pacer.observe([a, b], 500, 0.010 + 5.0)  # a stall of the machine: twice the chunk's price, not 5 s
+    assert a.pace_credit == pytest.approx(1.0 - 3 * 0.25 - 0.5)
+    assert b.pace_credit == pytest.approx(2.0 - 3 * 0.25 - 0.5)
+
+
+def test_decode_only_steps_when_the_credit_runs_out_and_the_prompt_still_progresses():
+    pacer = pacer_with_decode(0.010)
+    stream = make_request("s", 4, max_tokens=10_000)
+    for _ in range(3):  # chunks of 1000 tokens cost 1 s, four times a stream's capped credit buys
+        pacer.observe([stream], 1000, 0.010 + 1.0)
+    stream.pace_credit = -1.0  # overspent
+    limits = []
+    for _ in range(400):
+        limit = pacer.prefill_limit([stream], wanted=2000)
+        limits.append(limit)
         if limit:
-            paced.append(seconds(limit))
-    assert max(paced[6:]) <= 2.2 * seconds(0)
-    assert pacer.allowed >= 200  # and the chunks grew to about what the bound holds (262 tokens)
+            pacer.observe([stream], limit, 0.010 + 0.001 * limit)
+        else:
+            pacer.observe([stream], 0, 0.010)
+        stream.output_token_ids.append(7)
+    assert limits[0] == 0  # owes: a decode-only step earns
+    chunks = [n for n in limits if n]
+    # the credit caps at CREDIT_TOKENS decodes' worth (2.56 s): a whole 2,000-token chunk, once earned
+    assert chunks and all(MIN_PREFILL_TOKENS <= n <= 2000 for n in chunks)
+    assert max(chunks) == 2000
+
+
+def test_when_the_cap_buys_less_than_a_chunk_a_smaller_one_goes_through():
+    pacer = pacer_with_decode(0.001)  # a fast decode: the cap is 0.256 s, a 2,000-token chunk 2 s
+    stream = make_request("s", 4, max_tokens=10_000)
+    pacer.observe([stream], 2000, 0.001 + 2.0)
+    stream.pace_credit = 0.0
+    limits = []
+    for _ in range(600):
+        limit = pacer.prefill_limit([stream], wanted=2000)
+        limits.append(limit)
+        pacer.observe([stream], limit, 0.001 + 0.001 * limit)
+        stream.output_token_ids.append(7)
+    chunks = [n for n in limits if n]
+    # what the cap buys (with the margin), not the whole chunk, each time the credit is back at the cap
+    assert len(chunks) >= 3 and all(150 <= n < 2000 for n in chunks)
+
+
+def test_the_prior_prices_the_first_chunk_from_the_decode_step():
+    pacer = pacer_with_decode(0.010)
+    assert pacer.seconds_per_unit(2048, 1) == (pytest.approx(0.010 / PRIOR_TOKENS_PER_DECODE), False)
+    pacer.observe([make_request("s", 4)], 16, 0.010 + 1.0)  # a cold first step: says nothing of chunks
+    assert pacer.seconds_per_unit(2048, 1) == (pytest.approx(0.010 / PRIOR_TOKENS_PER_DECODE), False)
+    pacer.observe([make_request("s", 4)], 512, 0.010 + 0.512)
+    assert pacer.seconds_per_unit(512, 1) == (pytest.approx(0.001), True)  # measured from then on
+    assert pacer.seconds_per_unit(2048, 1) == (pytest.approx(0.001), False)  # the largest chunk's, a guess
+
+
+def test_a_guessed_price_lets_through_the_chunk_it_buys_to_measure_it():
+    pacer = pacer_with_decode(0.010)
+    stream = make_request("s", 4, max_tokens=60)  # 0.6 s of credit, all earned: 480 tokens at the prior
+    assert pacer.prefill_limit([stream], wanted=2048) == int(0.8 * 0.6 / (0.010 / PRIOR_TOKENS_PER_DECODE))
 
 
 def test_a_prompt_alone_is_not_paced():
@@ -157,47 +202,44 @@ def test_a_prompt_alone_is_not_paced():
     assert out.num_batched_tokens == 2048
 
 
-def test_the_pacer_probes_decode_only_steps_and_backs_off_slow_steps():
-    pacer = PrefillPacer(max_decode_slowdown=2, max_tokens=2048)
-    assert pacer.prefill_limit(num_decodes=0) is None
-    assert pacer.prefill_limit(num_decodes=1) == 0  # nothing known of a decode alone: learn it first
-    pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
-    start = INITIAL_PREFILL_TOKENS
-    assert pacer.prefill_limit(num_decodes=1) == start  # a small start, learned up
-    pacer.observe(num_decodes=1, num_prefill=start, seconds=0.012)  # well within 2x a decode
-    assert pacer.allowed == 2 * start  # doubled at most per step
-    pacer.observe(num_decodes=1, num_prefill=2 * start, seconds=0.200)  # 20x a decode: over the bound
-    assert pacer.allowed == start  # halved at most per step
-    # over 2x: what decode-only steps pay back, 0.010 each; two of them at most for one step (a stall of
-    # the machine is not the prefill's doing)
-    assert pacer.debt == pytest.approx(2 * 0.010)
-    assert [pacer.prefill_limit(num_decodes=1) for _ in range(1)] == [0]
-    for _ in range(2):
-        pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
-    assert pacer.debt < 1e-6 and pacer.prefill_limit(num_decodes=1) == start
+def test_a_request_arriving_behind_a_long_prompt_gets_room_in_the_next_step():
+    s = scheduler(slowdown=2)
+    runner = FakeRunner(s)
+    s.add_request(make_request("long", 5000, max_tokens=1))
+    step(s, runner)
+    s.add_request(make_request("short", list(range(20_000, 20_100)), max_tokens=4))
+    out, _ = step(s, runner)
+    assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("short", 100)]
 
 
-def test_an_outlier_decode_step_does_not_set_the_target():
-    pacer = PrefillPacer(max_decode_slowdown=2, max_tokens=2048)
-    for seconds in (0.5, 0.010, 0.011, 0.010):  # the first one slow (a warm-up, a busy machine)
-        pacer.observe(num_decodes=1, num_prefill=0, seconds=seconds)
-    assert pacer.decode_seconds(1) == pytest.approx(0.0105)
+def test_every_request_completes_beside_several_streams_and_prompts():
+    s = scheduler(slowdown=2)
+    arrivals = {
+        0: [make_request(f"s{i}", 16, max_tokens=60 + 40 * i, ignore_eos=True) for i in range(3)],
+        2: [make_request("p1", 6000, max_tokens=2)],
+        5: [make_request("p2", 3000, max_tokens=3), make_request("s3", 8, max_tokens=300, ignore_eos=True)],
+        40: [make_request("p3", 1000, max_tokens=1)],
+    }
+    done = run(s, arrivals)
+    assert sorted(done) == ["p1", "p2", "p3", "s0", "s1", "s2", "s3"]
+    s.check_integrity()
 
 
-def test_where_even_the_smallest_chunk_overshoots_prefill_and_decode_steps_alternate():
-    pacer = PrefillPacer(max_decode_slowdown=2, max_tokens=2048)
-    pacer.observe(num_decodes=1, num_prefill=0, seconds=0.010)
-    kinds = []
-    for _ in range(200):
-        limit = pacer.prefill_limit(num_decodes=1)
-        # an eager step costs 40 ms whatever its size, against 10 ms for a decode-only step
-        seconds = 0.040 + 0.0001 * limit if limit else 0.010
-        pacer.observe(num_decodes=1, num_prefill=limit, seconds=seconds)
-        kinds.append((limit > 0, seconds))
-    assert pacer.allowed == MIN_PREFILL_TOKENS
-    total = sum(s for _, s in kinds)
-    assert total <= 2.1 * 0.010 * len(kinds)  # on average within the bound
-    assert sum(p for p, _ in kinds) >= 0.2 * len(kinds)  # and the prompt still progresses
+def test_prompt_logprob_tokens_count_in_the_paced_chunk():
+    """The pacer allows cost units: a prompt whose logprobs are asked gets that many units' tokens."""
+    s = scheduler(slowdown=2)
+    s.prompt_logprob_token_cost = 2.0
+    runner = FakeRunner(s)
+    s.add_request(make_request("b", 16, max_tokens=300, ignore_eos=True))
+    for _ in range(3):  # prefill, then decode-only steps the pacer measures
+        out, _ = step(s, runner)
+        s.observe_step(out.num_batched_tokens, 0.010)
+    req = make_request("p", 3000, max_tokens=1)
+    req.sampling_params = SamplingParams(max_tokens=1, prompt_logprobs=5)
+    s.add_request(req)
+    out, _ = step(s, runner)
+    chunk = {x.req_id: len(x.token_ids) for x in out.scheduled}.get("p", 0)
+    assert s._last_step[1] == 2 * chunk > 0  # what the pacer is told the step's prefill cost
 
 
 def test_long_prefill_token_threshold_caps_a_long_prompts_chunk():
