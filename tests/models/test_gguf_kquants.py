@@ -150,9 +150,10 @@ def test_the_q4_k_m_mix_loads_each_type_onto_its_path(files):
 
 def test_the_mix_follows_the_dequantized_model(files):
     """Every type exact: float32 logits and greedy texts those of the dequantized weights; in bf16 (our
-    kernels, int8 activations) most greedy tokens the same. Measured over 8 prompts x 24 tokens, the share
-    of tokens before each text's first difference from the dequantized weights' float32 text: bf16 84%
-    (Q6_K as int8 groups of 32), where the dequantized weights in bf16 reach 81%."""
+    kernels: int8 activations, float16 scales) most greedy tokens the same. Measured over 8 prompts x 24
+    tokens, the share of tokens before each text's first difference from the dequantized weights' float32
+    text: bf16 63%, where the dequantized weights in bf16 reach 81% (this random model is chaotic: one
+    early difference in a text counts all its later tokens)."""
     ours, _, _ = load_model(str(files["mix"]), dtype="float32", prepack=False)
     ref, _, _ = load_model(str(files["mix-dequantized"]), dtype="float32", prepack=False)
     ids = PROMPTS[0] + PROMPTS[1]
