@@ -43,7 +43,9 @@ constexpr int64_t kSuper = 256;    // inputs per super-block (one d)
 constexpr int64_t kSubBytes = 192;  // a block's codes of one sub-block
 constexpr int64_t kRowTile = 4;    // rows of x per tile
 constexpr int64_t kBlockTile = 4;  // blocks per tile: 4 independent vpdpbusd chains a row
-constexpr int64_t kDequantRows = 16;  // from here on: a bf16 copy of the weight and oneDNN
+// from here on: a bf16 copy of the weight and oneDNN. Not below: the copy of a 32000 x 512 head (32 MB,
+// written afresh each call) took over 10x the tiles' time at 16 rows (a decode step of 16 streams)
+constexpr int64_t kDequantRows = 64;
 
 struct Problem {
   const uint8_t* w;
