@@ -35,7 +35,7 @@ def model_shape(model: str | None, dtype: str, quantization: str = "none") -> di
     embedded). Weight bytes are what a decode step reads: all parameters but an untied token embedding.
 
     With `quantization` int8/int4, weight bytes are what a decode step reads as infer quantizes
-    (infer.quant.linear.quantize_model): the linear layers' codes and float32 scales (and zero points),
+    (infer.quant.linear.quantize_model): the linear layers' codes and float16 scales (and offsets),
     the LM head in int8, the other parameters in `dtype`; the embedding is only looked up, not read."""
     import torch
 

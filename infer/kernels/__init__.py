@@ -9,6 +9,9 @@ all of a step's (attention_kernels.py again); AVX-512 BF16 CPUs only, SDPA elsew
 (infer/layers/norms.py, rotary.py, activations.py; `layer_ops(x)` says whether they serve a tensor).
 `quant_linear.cpp`: int8 and int4 weights times bf16 activations, for quantized models
 (infer/quant/linear.py); AVX-512 BF16 CPUs only (`isa()` has "+bf16"), torch's kernels elsewhere.
+`six_bit_linear.cpp`: weights of 6-bit codes in sub-blocks of 16 (GGUF's Q6_K as the file holds it) times
+bf16 activations rounded to int8 (infer/quant/linear.py); AVX-512 VNNI and BF16 CPUs only (`isa()` has
+"+vnni"), the weight dequantized elsewhere.
 `small_linear.cpp`: bf16 linears at decode batches, where oneDNN's cost per call dominates, and with AMX
 tiles every step of large weights (infer/layers/linear.py); AVX-512 BF16 CPUs only, oneDNN elsewhere.
 `hugepages.py` (Python): the memory those kernels stream (their weight copies, the KV cache) on 2 MiB
@@ -50,6 +53,7 @@ SOURCES = [
         "prefill_attention.cpp",
         "quant_linear.cpp",
         "small_linear.cpp",
+        "six_bit_linear.cpp",
         "layer_ops.cpp",
     )
 ]

@@ -722,12 +722,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   return out;
 }
 
-// The vector ISA of this build, for logs and tests: "+bf16" with AVX-512 BF16, "+fp8" where the
-// attention ops and write_cache read and write fp8 caches (VBMI too), then "+amx" where the build has AMX
+// The vector ISA of this build, for logs and tests: "+bf16" with AVX-512 BF16, "+vnni" with its VNNI too
+// (six_bit_linear), "+fp8" where the attention ops and write_cache read and write fp8 caches (VBMI too),
+// then "+amx" where the build has AMX
 // and the kernel lets this process use the tiles (small_linear, prefill_attention).
 std::string isa() {
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
   std::string isa = std::string(kIsa) + "+bf16";
+#if defined(__AVX512VNNI__)
+  isa += "+vnni";
+#endif
 #if defined(INFER_FP8)
   isa += "+fp8";
 #endif

@@ -26,8 +26,11 @@
 //   int8   [N / 16][K / 2][16 channels][2 inputs] int8
 //   int4   [N / 16][K / 4][32 bytes] uint8, codes 0..15: two chunks (pairs 2i, 2i + 1) share 32 bytes,
 //          byte j holding code j of the first (low nibble) and of the second (high nibble)
-//   scales float32 [K / group][N] (inputs-major, so that 16 channels are one load); offsets alike,
-//          = the weight at code 0 (-zero * scale, or a group's min), or absent
+//   scales float16 [K / group][N] (inputs-major, so that 16 channels are one load); offsets alike,
+//          = the weight at code 0 (-zero * scale, or a group's min), or absent: int8 codes are then
+//          symmetric, and int4 codes 0..15 stand for q - 8 (llama.cpp's Q4_0; the weight at code 0 is
+//          -8 * scale), so neither stores an offset. float16 halves what a group's scale costs to read
+//          (llama.cpp's blocks hold theirs so too)
 // Requires N a multiple of 16, K and the group size multiples of 32; the caller checks.
 
 #include <ATen/Parallel.h>
@@ -53,19 +56,33 @@ constexpr int64_t kBlockK = 512;  // inputs per converted batch buffer: 2 blocks
 struct Problem {
   const c10::BFloat16* x;
   const uint8_t* w;
-  const float* scales;   // [groups][N]
-  const float* offsets;  // [groups][N], or nullptr: no zero points
+  const c10::Half* scales;   // [groups][N]
+  const c10::Half* offsets;  // [groups][N], or nullptr: symmetric codes (int4: q - 8)
   const c10::BFloat16* bias;
   c10::BFloat16* y;
   int64_t M, N, K, bits, group;
   bool scale_after;  // int8 per channel, symmetric: exact codes, the scale multiplies the sum
-  const int32_t* qsums;  // int8 activations, int8 weights: [groups][N] sums of each group's codes
+  // int8 activations, int8 weights: [groups][N] sums of each group's codes, int16 for groups of up to
+  // 256 (a Q8_0 block's sum fits: half the bytes), int32 for longer groups (one per channel)
+  const int16_t* qsums16;
+  const int32_t* qsums32;
 };
 
 // scale (or offset) of group g for the lanes of a converted chunk: its low half (channels 0-7, each
 // twice: two inputs) and its high half (channels 8-15)
-inline void pair_lanes(const float* v, __m512& lo, __m512& hi) {
-  const __m512 c = _mm512_loadu_ps(v);
+inline __m512 load_half(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// the weight at code 0 of group g for channels n..n+15 (the kernel's `shifted` terms): the stored
+// offsets, -8 * scale for symmetric int4, 0 for symmetric int8
+inline __m512 group_offset(const Problem& P, int64_t g, int64_t n, __m512 scale) {
+  if (P.offsets) return load_half(P.offsets + g * P.N + n);
+  return P.bits == 4 ? _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f)) : _mm512_setzero_ps();
+}
+
+inline void pair_lanes(const c10::Half* v, __m512& lo, __m512& hi) {
+  const __m512 c = load_half(v);
   lo = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), c);
   hi = _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15), c);
 }
@@ -79,6 +96,9 @@ inline GroupScale group_scale(const Problem& P, int64_t block, int64_t g) {
   pair_lanes(P.scales + g * P.N + block * kLanes, gs.s_lo, gs.s_hi);
   if (P.offsets) {
     pair_lanes(P.offsets + g * P.N + block * kLanes, gs.o_lo, gs.o_hi);
+  } else if (P.bits == 4) {
+    gs.o_lo = _mm512_mul_ps(gs.s_lo, _mm512_set1_ps(-8.0f));
+    gs.o_hi = _mm512_mul_ps(gs.s_hi, _mm512_set1_ps(-8.0f));
   } else {
     gs.o_lo = gs.o_hi = _mm512_setzero_ps();
   }
@@ -120,7 +140,7 @@ inline __m512bh x_pair(const Problem& P, int64_t m, int64_t pair) {
 // 16 sums of channel block `block` for row m -> y, scaled (scale_after), plus the bias
 inline void store(const Problem& P, int64_t m, int64_t block, __m512 acc) {
   const int64_t n = block * kLanes;
-  if (P.scale_after) acc = _mm512_mul_ps(acc, _mm512_loadu_ps(P.scales + n));
+  if (P.scale_after) acc = _mm512_mul_ps(acc, load_half(P.scales + n));
   if (P.bias) acc = _mm512_add_ps(acc, infer_vec::vload(P.bias + n));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(P.y + m * P.N + n), (__m256i)_mm512_cvtneps_pbh(acc));
 }
@@ -191,8 +211,8 @@ void decode_tile_int4(const Problem& P, int64_t b0) {
     }
     for (int b = 0; b < NB; ++b) {
       const int64_t n = (b0 + b) * kLanes;
-      const __m512 scale = _mm512_loadu_ps(P.scales + g * P.N + n);
-      const __m512 offset = P.offsets ? _mm512_loadu_ps(P.offsets + g * P.N + n) : _mm512_setzero_ps();  // -z s
+      const __m512 scale = load_half(P.scales + g * P.N + n);
+      const __m512 offset = group_offset(P, g, n, scale);  // -z s
       const __m512 shifted = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), scale, offset);  // -(128 + z) s
       for (int r = 0; r < ROWS; ++r) {
         total[r * NB + b] = _mm512_fmadd_ps(acc[r * NB + b], scale, total[r * NB + b]);
@@ -452,10 +472,15 @@ void multiply_a8(const Problem& P, const Activations& A, const __m512i* buf, int
     const int64_t g = g0 / quads_per_group;
     for (int b = 0; b < NB; ++b) {
       const int64_t n = (b0 + b) * kLanes;
-      const __m512 scale = _mm512_loadu_ps(P.scales + g * P.N + n);
+      const __m512 scale = load_half(P.scales + g * P.N + n);
       __m512 back = _mm512_setzero_ps();  // what the sums hold beyond sum_k xq * q
-      if (BITS == 8) back = _mm512_mul_ps(_mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(_mm512_loadu_si512(P.qsums + g * P.N + n)));
-      const __m512 offset = P.offsets ? _mm512_loadu_ps(P.offsets + g * P.N + n) : _mm512_setzero_ps();  // -z * s
+      if (BITS == 8) {
+        const __m512i qsum =
+            P.qsums16 ? _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.qsums16 + g * P.N + n)))
+                      : _mm512_loadu_si512(P.qsums32 + g * P.N + n);
+        back = _mm512_mul_ps(_mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(qsum));
+      }
+      const __m512 offset = group_offset(P, g, n, scale);  // -z * s
       for (int r = 0; r < ROWS; ++r) {
         __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(acc[r * NB + b]), back), scale);
         v = _mm512_fmadd_ps(_mm512_set1_ps(A.sums[(m0 + r) * groups + g]), offset, v);
@@ -590,12 +615,12 @@ void amx_tile_a8(const Problem& P, const Activations& A, int8_t* w, int64_t b0, 
     if (r1 > 0 && NB == 2) _tile_stored(3, &sums[16][16], 128);
     for (int b = 0; b < NB; ++b) {
       const int64_t n = (b0 + b) * kLanes;
-      const __m512 scale = _mm512_loadu_ps(P.scales + g * P.N + n);
-      const __m512 offset = P.offsets ? _mm512_loadu_ps(P.offsets + g * P.N + n) : _mm512_setzero_ps();
+      const __m512 scale = load_half(P.scales + g * P.N + n);
+      const __m512 offset = group_offset(P, g, n, scale);
       for (int64_t r = 0; r < r0 + r1; ++r) {
         __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&sums[r][b * 16])), scale,
                                    _mm512_load_ps(&acc[r][b * 16]));
-        if (P.offsets) v = _mm512_fmadd_ps(_mm512_set1_ps(A.sums[(m0 + r) * groups + g]), offset, v);
+        if (P.offsets || P.bits == 4) v = _mm512_fmadd_ps(_mm512_set1_ps(A.sums[(m0 + r) * groups + g]), offset, v);
         _mm512_store_ps(&acc[r][b * 16], v);
       }
     }
@@ -695,9 +720,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
               "weight: contiguous [N, K] int8 or [N, K / 2] uint8 (in the kernel's layout)");
   TORCH_CHECK(K % 32 == 0 && N % kLanes == 0 && group_size % 32 == 0 && K % group_size == 0,
               "K and the group size: multiples of 32; N: a multiple of 16");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == N * (K / group_size),
-              "scales: contiguous float32 [K / group, N]");
-  TORCH_CHECK(!offsets || (offsets->is_contiguous() && offsets->scalar_type() == at::kFloat &&
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf && scales.numel() == N * (K / group_size),
+              "scales: contiguous float16 [K / group, N]");
+  TORCH_CHECK(!offsets || (offsets->is_contiguous() && offsets->scalar_type() == at::kHalf &&
                            offsets->numel() == scales.numel()),
               "offsets: like scales");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->scalar_type() == at::kBFloat16 && bias->numel() == N),
@@ -705,16 +730,17 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
   at::Tensor y = at::empty({M, N}, x.options());
   Problem P{x.data_ptr<c10::BFloat16>(),
             static_cast<const uint8_t*>(weight.data_ptr()),
-            scales.data_ptr<float>(),
-            offsets ? offsets->data_ptr<float>() : nullptr,
+            scales.data_ptr<c10::Half>(),
+            offsets ? offsets->data_ptr<c10::Half>() : nullptr,
             bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
             y.data_ptr<c10::BFloat16>(),
             M, N, K, bits, group_size,
             bits == 8 && group_size == K && !offsets,
-            qsums ? qsums->data_ptr<int32_t>() : nullptr};
-  TORCH_CHECK(!int8_activations || bits == 4 || (qsums && qsums->is_contiguous() && qsums->scalar_type() == at::kInt &&
-                                                 qsums->numel() == scales.numel()),
-              "int8 activations with int8 weights need qsums: int32 [K / group, N]");
+            qsums && qsums->scalar_type() == at::kShort ? qsums->data_ptr<int16_t>() : nullptr,
+            qsums && qsums->scalar_type() == at::kInt ? qsums->data_ptr<int32_t>() : nullptr};
+  TORCH_CHECK(!int8_activations || bits == 4 ||
+                  (qsums && qsums->is_contiguous() && (P.qsums16 || P.qsums32) && qsums->numel() == scales.numel()),
+              "int8 activations with int8 weights need qsums: int16 or int32 [K / group, N]");
 #if defined(__AVX512VNNI__)
 #if defined(INFER_AMX) && defined(__AMX_INT8__)
   // the caller asks for int8 activations at every row count here (int4: from 2 rows; infer/quant/linear.py)

@@ -13,8 +13,8 @@ dict for `ModelConfig.from_hf` and the tensors under Hugging Face's names, so on
 Unquantized tensors (F32, F16, BF16) load as `--dtype` says. Quantized matrices stay quantized
 (infer.quant.gguf_blocks: int8 / int4 codes in groups of 32, run by the quantized linears; a quantized
 token embedding keeps its codes too, its rows dequantized as they are looked up, and a head tied to it
-gets them as well): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K as the file holds them, Q6_K requantized
-to int8 in groups of 32 (infer.quant.gguf_kquants). Projections run as one layer (q/k/v, gate/up) whose
+gets them as well): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K as the file holds them (Q6_K as
+6-bit codes in groups of 16: infer.quant.gguf_kquants). Projections run as one layer (q/k/v, gate/up) whose
 parts differ (Q4_K q and k beside a Q6_K v, as in Q4_K_M files) run each type's parts as a layer of their
 own (infer.quant.split_linear), the int4 codes still two to a byte. Every other type (IQ-quants,
 ternary, Q2_K, Q3_K) is refused, naming the tensor and its type, before the model is allocated.

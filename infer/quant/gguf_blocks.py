@@ -13,9 +13,9 @@ q5_1), each read as it is, codes and scales unchanged:
     Q5: bit j of the 4 little-endian bytes is the fifth bit (16) of element j
 
 K-quants (super-blocks of 256: Q4_K, Q5_K, Q6_K) are read by infer.quant.gguf_kquants. The codes stay
-codes: infer/quant/linear.py runs them on the int8 / int4 paths with a group size of 32, and
-`QuantizedWeight.dequantize()` equals llama.cpp's own dequantization (gguf.quants) bit for bit (Q6_K:
-requantized, within half a step of it).
+codes: infer/quant/linear.py runs them on the int8 / int4 paths with a group size of 32 (Q6_K: its
+6-bit codes in groups of 16), and `QuantizedWeight.dequantize()` equals llama.cpp's own dequantization
+(gguf.quants) bit for bit.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) read into `QuantizedWeight`s in groups of 32.
+"""llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) read into `QuantizedWeight`s: groups of 32, Q6_K's of 16.
 
 A super-block covers 256 consecutive inputs of one output row (ggml-common.h, block_q4_K / q5_K / q6_K;
 dequantize_row_q*_K in ggml-quants.c):
@@ -11,11 +11,9 @@ dequantize_row_q*_K in ggml-quants.c):
 
 Q4_K and Q5_K are groups of 32 with a scale and a min, as our int4 / int8 paths run them: scale =
 d * sc[j], min = -dmin * m[j] (float32, the products llama.cpp computes), the codes unchanged, so the
-weights are llama.cpp's bit for bit. Q6_K's two sub-blocks of 16 in a group of 32 have scales of their
-own, which one group scale holds only where the integers sc[j] * (q - 32) of the group, divided by the
-greatest common divisor of its two sc, fit in int8; elsewhere the group is requantized to int8 codes
-with its largest |sc * (q - 32)| at 127: at most half a step, d * max|sc * (q - 32)| / 254, from the
-file's weights (docs/quantization.md has what that costs).
+weights are llama.cpp's bit for bit. Q6_K stays as it is: 6-bit codes q - 32 in groups of 16, scale
+d * sc[j] (exact in float32: an fp16 times an int8), and d kept beside them, so that the kernel
+(infer/kernels/six_bit_linear.cpp) holds the int8 sc and one d per 256 inputs, as the file does.
 """
 
 from __future__ import annotations
@@ -25,12 +23,13 @@ import torch
 from infer.quant.weights import QuantizedWeight
 
 SUPER_BLOCK = 256  # weights per super-block
-GROUP = 32  # the group size every K-quant is read into
+GROUP = 32  # the group size Q4_K and Q5_K are read into
+Q6_K_GROUP = 16  # Q6_K's sub-blocks, each with its own int8 scale
 SUPER_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 LOADS_AS = {
     "Q4_K": "int4 in groups of 32 with mins (the sub-blocks' scales and mins, exact)",
     "Q5_K": "int8 in groups of 32 with mins (5-bit codes, exact)",
-    "Q6_K": "int8 in groups of 32 (requantized from sub-blocks of 16)",
+    "Q6_K": "6-bit codes in groups of 16 (exact)",
 }
 
 
@@ -86,20 +85,8 @@ def q6_k_codes(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def _q6_k(raw: torch.Tensor) -> QuantizedWeight:
     q, sc, d = q6_k_codes(raw)
-    out_features = q.shape[0]
-    subs = q.view(out_features, -1, 16)  # [out, sub-blocks, 16]
-    sc = sc.to(torch.int32)
-    # per group of 32 (two sub-blocks): the largest |sc * (q - 32)|, and the two |sc|' common divisor
-    widest = subs.abs().amax(-1).to(torch.int32)  # max |q - 32| per sub-block (int8: -32 is safe)
-    largest = (widest * sc.abs()).view(out_features, -1, 2).amax(-1)
-    pairs = sc.abs().view(out_features, -1, 2)
-    common = torch.gcd(pairs[..., 0], pairs[..., 1]).clamp(min=1)
-    exact = largest <= 127 * common
-    step = torch.where(exact, common.float(), largest.float() / 127)  # the group scale in units of d
-    factor = sc.float() / step.repeat_interleave(2, 1)  # [out, sub-blocks]: an integer where exact
-    codes = subs.float().mul_(factor[..., None]).round_().to(torch.int8)  # |codes| <= 127 by the step
-    scales = d.repeat_interleave(SUPER_BLOCK // GROUP, 1) * step
-    return QuantizedWeight(codes.view(out_features, -1), scales, None, 8, GROUP)
+    scales = d.repeat_interleave(SUPER_BLOCK // Q6_K_GROUP, 1) * sc.float()  # [out, in / 16]
+    return QuantizedWeight(q, scales, None, 6, Q6_K_GROUP, super_scales=d)
 
 
 def _fp16(pairs: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ Each QuantizedLinear repacks its `QuantizedWeight` for the fastest path this mac
               step: decodes of up to 4 rows convert the codes to bf16 in registers (vdpbf16ps: the
               weights' bytes set the time); larger steps round x to int8 per row (vpdpbusd, with VNNI;
               with AMX, from 2 rows up, on the tiles).
+              6-bit weights (GGUF's Q6_K, groups of 16) run through their own kernel
+              (infer/kernels/six_bit_linear.cpp: int8 activations, vpdpbusd), CPUs with AVX-512 VNNI too.
     "torch"   torch's weight-only kernels (`_weight_int8pack_mm` for int8 per channel without zero points,
               `_weight_int4pack_mm_for_cpu` for int4 in groups of 32..256): other CPUs, float32 models.
     "dequant" anything else (e.g. int8 in groups, on a CPU without AVX-512 BF16): the weight dequantized
@@ -28,7 +30,7 @@ from infer import kernels
 from infer.config import QUANTIZATION_METHODS
 from infer.layers.linear import MergedLinear, pack_pairs
 from infer.quant.split_linear import SplitQuantizedLinear
-from infer.quant.weights import QuantizedWeight, concat, quantize
+from infer.quant.weights import SUPER_BLOCK, QuantizedWeight, concat, quantize
 
 logger = logging.getLogger("infer.quant")
 
@@ -75,15 +77,28 @@ class QuantizedLinear(nn.Module):
 
     def _pack_kernel(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self._ops = kernels.bf16_ops()
+        if w.bits == 6:
+            codes, sub_scales, super_scales = pack_six_bit(w)
+            self.register_buffer("qweight", codes, persistent=False)
+            self.register_buffer("scales", sub_scales, persistent=False)
+            self.register_buffer("super_scales", super_scales, persistent=False)
+            return
         self._decode_rows = decode_rows(self._ops, w.bits, w.group_size)
-        q, offsets = _unsigned_int4(w) if w.bits == 4 else (w.q, w.offsets())
+        # symmetric int4 codes shift to 0..15 and store no offset: the kernel takes code 8 as zero
+        offsets = w.offsets()
+        q = w.q + 8 if w.bits == 4 and offsets is None else w.q
         self.register_buffer("qweight", pack_kernel(q, w.bits), persistent=False)
-        self.register_buffer("scales", w.scales.t().contiguous(), persistent=False)  # [groups, out]
-        offsets = None if offsets is None else offsets.t().contiguous()  # [groups, out]: weight at code 0
+        # [groups, out], float16 (a range the kernel path checks for: _backends)
+        self.register_buffer("scales", w.scales.t().to(torch.float16).contiguous(), persistent=False)
+        offsets = None if offsets is None else offsets.t().to(torch.float16).contiguous()  # weight at code 0
         self.register_buffer("offsets", offsets, persistent=False)
-        # int8 weights with int8 activations take back 128 x each group's sum of codes (kernel comment)
+        # int8 weights with int8 activations take back 128 x each group's sum of codes (kernel comment);
+        # a sum of int8 codes fits int16 up to groups of 256
         groups = q.view(self.out_features, -1, w.group_size)
-        qsums = groups.sum(-1, dtype=torch.int32).t().contiguous() if w.bits == 8 else None
+        qsums = None
+        if w.bits == 8:
+            qsums = groups.sum(-1, dtype=torch.int32).t().contiguous()
+            qsums = qsums.to(torch.int16) if w.group_size <= 256 else qsums
         self.register_buffer("qsums", qsums, persistent=False)
 
     def _pack_torch(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
@@ -107,7 +122,11 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)  # [num_tokens, in]
-        if self.backend == "infer":
+        if self.backend == "infer" and self.bits == 6:
+            y = self._ops.six_bit_linear(
+                flat.contiguous(), self.qweight, self.scales, self.super_scales, self.bias
+            )
+        elif self.backend == "infer":
             y = self._ops.quant_linear(
                 flat.contiguous(),
                 self.qweight,
@@ -155,14 +174,28 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
     """The paths that can run `w` with activations of `dtype`, fastest first."""
     out_features, in_features = w.shape
     found = []
+    ops = kernels.bf16_ops() if dtype == torch.bfloat16 else None
+    if w.bits == 6:  # six_bit_linear.cpp, or dequantized
+        six_bit_shape = out_features % 16 == 0 and in_features % SUPER_BLOCK == 0
+        return (
+            ["infer", "dequant"]
+            if ops is not None and "+vnni" in ops.isa() and six_bit_shape
+            else ["dequant"]
+        )
     kernel_shape = out_features % 16 == 0 and in_features % 32 == 0 and w.group_size % 32 == 0
-    if dtype == torch.bfloat16 and kernel_shape and kernels.bf16_ops() is not None:
+    if kernel_shape and ops is not None and _fits_half(w):
         found.append("infer")
     if w.bits == 8 and w.zeros is None and w.mins is None and w.group_size == in_features:
         found.append("torch")
     if w.bits == 4 and w.group_size in (32, 64, 128, 256):
         found.append("torch")
     return [*found, "dequant"]
+
+
+def _fits_half(w: QuantizedWeight) -> bool:
+    """Whether the kernel's float16 scales and offsets hold `w`'s (any weight a model has)."""
+    offsets = w.offsets()
+    return all(t is None or bool(t.abs().max() < 65504) for t in (w.scales, offsets))
 
 
 def pack_kernel(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -177,6 +210,34 @@ def pack_kernel(q: torch.Tensor, bits: int) -> torch.Tensor:
         codes = chunks.to(torch.uint8).view(out_features // 16, in_features // 4, 2, 32)
         chunks = codes[:, :, 0] | (codes[:, :, 1] << 4)  # [blocks, pairs / 2, 32 bytes]
     return chunks.contiguous().view(out_features, -1)
+
+
+def pack_six_bit(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """6-bit codes [out, in] (-32..31, groups of 16) -> (codes uint8 [out / 16, in / 16 x 192], the
+    groups' int8 multiples of their super-scale [in / 16, out], super-scales float32 [in / 256, out]) in
+    six_bit_linear.cpp's layout: per 16 channels and 16 inputs, quads of 4 inputs with channel c's codes
+    in bytes 4c..4c+3; quads 0 and 1 as the low and high nibbles of 64 bytes, quads 2 and 3 of the next 64,
+    then 64 bytes of the codes' top two bits (quad i at bits 2i, 2i + 1)."""
+    out_features, in_features = w.shape
+    codes = (w.q + 32).to(torch.uint8).view(out_features // 16, 16, in_features // 16, 4, 4)
+    quads = codes.permute(0, 2, 3, 1, 4).reshape(out_features // 16, in_features // 16, 4, 64)
+    low, top = quads & 0x0F, quads >> 4
+    packed = torch.cat(
+        [
+            low[:, :, 0] | (low[:, :, 1] << 4),
+            low[:, :, 2] | (low[:, :, 3] << 4),
+            top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6),
+        ],
+        -1,
+    )  # [out / 16, in / 16, 192]
+    per_group = w.super_scales.repeat_interleave(SUPER_BLOCK // w.group_size, 1)
+    # an fp16 d times an int8 is exact in float32, so the division gives the int8 back
+    multiples = torch.where(per_group == 0, 0.0, w.scales / per_group).round().to(torch.int8)
+    return (
+        packed.reshape(out_features // 16, -1).contiguous(),
+        multiples.t().contiguous(),
+        w.super_scales.t().contiguous(),
+    )
 
 
 def quantize_model(model: nn.Module, method: str, group_size: int = GROUP_SIZE) -> dict:
@@ -216,11 +277,11 @@ def group_size_for(in_features: int, group_size: int) -> int:
 
 
 def quantized_bytes(out_features: int, in_features: int, bits: int, group_size: int = GROUP_SIZE) -> int:
-    """Bytes of one linear's weight as quantize_model stores it, without quantizing it: the codes (two to a
-    byte for int4), and per output channel (int8) or per group (int4) a float32 scale, and for int4 a
-    float32 zero point."""
+    """Bytes of one linear's weight as quantize_model's kernel layers hold it, without quantizing it: the
+    codes (two to a byte for int4), and per output channel (int8) or per group (int4) a float16 scale, and
+    for int4 a float16 offset (the weight at code 0)."""
     groups = 1 if bits == 8 else in_features // group_size_for(in_features, group_size)
-    per_group = 4 if bits == 8 else 8
+    per_group = 2 if bits == 8 else 4
     return out_features * (in_features * bits // 8 + groups * per_group)
 
 

@@ -13,6 +13,9 @@ infer/quant/linear.py repacks it once into the layout of the kernel that will ru
     zeros   float32 [out, in / group_size] of integers, or None (symmetric: zero is 0)
     mins    float32 [out, in / group_size], or None: the weight at code 0, any float (llama.cpp's
             Q4_1 stores it as such; -zero * scale would not reproduce it bit for bit)
+    super_scales  float32 [out, in / 256], or None: 6-bit weights only (llama.cpp's Q6_K, groups of 16),
+            the d of each 256 inputs, of which every group's scale is an int8 multiple (the kernel
+            holds those int8 multiples, not the float32 scales)
 
 Per output channel is the case group_size == in (one group per row). The kernels only ever see the
 offset of each group, the weight at code 0: -zeros * scales, or mins (`offsets`).
@@ -24,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_BITS = (4, 8)
+SUPPORTED_BITS = (4, 6, 8)  # 6: only as read from GGUF's Q6_K (codes -32..31, groups of 16)
+SUPER_BLOCK = 256  # inputs per super-scale of 6-bit weights
 
 
 @dataclass
@@ -35,6 +39,7 @@ class QuantizedWeight:
     bits: int
     group_size: int
     mins: torch.Tensor | None = None
+    super_scales: torch.Tensor | None = None
 
     def __post_init__(self):
         out_features, in_features = self.q.shape
@@ -49,6 +54,16 @@ class QuantizedWeight:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != groups:
                 raise ValueError(f"{name}: expected shape {groups}, got {tuple(t.shape)}")
+        if (self.bits == 6) != (self.super_scales is not None):
+            raise ValueError("6-bit weights, and only they, have super-block scales")
+        if self.super_scales is not None:
+            if self.zeros is not None or self.mins is not None or self.group_size != 16:
+                raise ValueError("6-bit weights are symmetric, in groups of 16")
+            supers = (out_features, in_features // SUPER_BLOCK)
+            if in_features % SUPER_BLOCK or tuple(self.super_scales.shape) != supers:
+                raise ValueError(
+                    f"super_scales: expected shape {supers}, got {tuple(self.super_scales.shape)}"
+                )
         assert self.q.dtype == torch.int8 and self.scales.dtype == torch.float32
 
     @property
@@ -74,10 +89,11 @@ class QuantizedWeight:
 
     def rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The weight with its output rows reordered (or selected) by `index`."""
-        q, scales, zeros, mins = (
-            None if t is None else t[index].contiguous() for t in (self.q, self.scales, self.zeros, self.mins)
+        q, scales, zeros, mins, supers = (
+            None if t is None else t[index].contiguous()
+            for t in (self.q, self.scales, self.zeros, self.mins, self.super_scales)
         )
-        return QuantizedWeight(q, scales, zeros, self.bits, self.group_size, mins)
+        return QuantizedWeight(q, scales, zeros, self.bits, self.group_size, mins, supers)
 
 
 def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -91,6 +107,7 @@ def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         raise ValueError("merged projections must share bits, group size and zero-point scheme")
     zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
     mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+    supers = None if first.super_scales is None else torch.cat([p.super_scales for p in parts])
     return QuantizedWeight(
         torch.cat([p.q for p in parts]),
         torch.cat([p.scales for p in parts]),
@@ -98,6 +115,7 @@ def concat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         first.bits,
         first.group_size,
         mins,
+        supers,
     )
 
 
@@ -123,6 +141,6 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int | None = None) -> 
         zeros = torch.round(-lo / scales).clamp(0, 15)
         q = (torch.round(w / scales[..., None]) + zeros[..., None]).clamp(0, 15)
     else:
-        raise ValueError(f"{bits}-bit quantization is not supported (only {SUPPORTED_BITS})")
+        raise ValueError(f"{bits}-bit quantization is not supported (only 4 and 8)")
     q = q.to(torch.int8).view(out_features, in_features)
     return QuantizedWeight(q, scales.contiguous(), zeros, bits, group_size)

@@ -1,6 +1,6 @@
 """A tiny Llama stored in K-quants, as llama-quantize's Q4_K_M mixes them, loads and runs: Q4_K alone is
-the dequantized weights on the int4 path (the same greedy text in float32), the mix follows them closely
-(Q6_K requantized to int8). The files are written with the gguf package's writer; the blocks come from
+the dequantized weights on the int4 path (the same greedy text in float32), and so is the mix (Q6_K as
+6-bit codes in groups of 16). The files are written with the gguf package's writer; the blocks come from
 tests.quant.kquant_blocks.encode (the gguf package has no K-quant quantizer)."""
 
 from __future__ import annotations
@@ -123,22 +123,24 @@ def test_q4_k_is_the_dequantized_model(files):
 def test_the_q4_k_m_mix_loads_each_type_onto_its_path(files):
     model, _, _ = load_model(str(files["mix"]), dtype="bfloat16")
     layers = model.model.layers
-    # layer 0: Q4_K q / k (int4, two codes a byte) beside a Q6_K v (int8), each a layer; layer 1's: one
+    # layer 0: Q4_K q / k (int4, two codes a byte) beside a Q6_K v (6-bit), each a layer; layer 1's: one
     mixed, plain = layers[0].self_attn.qkv_proj, layers[1].self_attn.qkv_proj
     assert [(p.bits, p.out_features) for p in mixed.parts] == [
         (4, HIDDEN + 64 * KV_HEADS),
-        (8, 64 * KV_HEADS),
+        (6, 64 * KV_HEADS),
     ]
     assert plain.bits == 4 and not hasattr(plain, "parts")
     summary = model.quantization  # a split layer is one layer, of its slowest part's path
     assert summary["layers"] == LAYERS * 4 + 1 == sum(summary["backends"].values())
     if mixed.parts[0].backend == "infer":
         assert mixed.parts[0].qweight.nbytes == plain.qweight.nbytes * 3 // 4  # q, k of q, k, v
-    assert (layers[0].mlp.down_proj.bits, layers[1].mlp.down_proj.bits) == (8, 8)
-    assert model.lm_head.bits == 8 and model.input_embeddings().bits == 4
+    assert (layers[0].mlp.down_proj.bits, layers[1].mlp.down_proj.bits) == (8, 6)
+    assert model.lm_head.bits == 6 and model.input_embeddings().bits == 4
+    if mixed.parts[1].backend == "infer":  # 12 bytes a 16 weights, as Q6_K's 13.1
+        assert model.lm_head.qweight.nbytes == VOCAB * HIDDEN * 3 // 4
     assert model.gguf["tensor_types"] == {"Q4_K": 12, "F32": 5, "Q6_K": 3, "Q5_K": 1}
     paths = model.gguf["paths"]
-    assert paths["Q6_K"].startswith("int8 in groups of 32 (requantized from sub-blocks of 16): 3 linear")
+    assert paths["Q6_K"].startswith("6-bit codes in groups of 16 (exact): 3 linear")
     assert paths["Q5_K"].startswith("int8 in groups of 32 with mins (5-bit codes, exact): 1 linear layer")
     assert (
         "; 2 fused with another type, each type a kernel call of its own; token_embd.weight as int4"
@@ -147,18 +149,18 @@ def test_the_q4_k_m_mix_loads_each_type_onto_its_path(files):
 
 
 def test_the_mix_follows_the_dequantized_model(files):
-    """Q6_K requantized (and the rest exact): float32 logits within 1% of the dequantized weights', most
-    greedy tokens the same. Measured over 8 prompts x 24 tokens, the share of tokens before each text's
-    first difference from the dequantized weights' float32 text: float32 100% (logits within 0.6% of the
-    largest), bf16 (our kernels, int8 activations in batches) 84%, where the dequantized weights in bf16
-    reach 81%."""
+    """Every type exact: float32 logits and greedy texts those of the dequantized weights; in bf16 (our
+    kernels: int8 activations, float16 scales) most greedy tokens the same. Measured over 8 prompts x 24
+    tokens, the share of tokens before each text's first difference from the dequantized weights' float32
+    text: bf16 63%, where the dequantized weights in bf16 reach 81% (this random model is chaotic: one
+    early difference in a text counts all its later tokens)."""
     ours, _, _ = load_model(str(files["mix"]), dtype="float32", prepack=False)
     ref, _, _ = load_model(str(files["mix-dequantized"]), dtype="float32", prepack=False)
     ids = PROMPTS[0] + PROMPTS[1]
     a, b = forward_logits(ours, ids), forward_logits(ref, ids)
-    assert (a - b).abs().max() <= 0.01 * b.abs().max()
+    assert torch.equal(a, b)
     exact = _greedy(files["mix-dequantized"], "float32")
-    assert _agreement(_greedy(files["mix"], "float32"), exact) >= 0.9
+    assert _greedy(files["mix"], "float32") == exact
     ours_bf16 = _agreement(_greedy(files["mix"], "bfloat16"), exact)
     ref_bf16 = _agreement(_greedy(files["mix-dequantized"], "bfloat16"), exact)
     assert ours_bf16 >= 0.6 and ours_bf16 >= ref_bf16 - 0.2, (ours_bf16, ref_bf16)
@@ -173,9 +175,9 @@ def _llama_quantize() -> Path | None:
 @pytest.mark.slow  # llama.cpp's converter and llama-quantize, then two loads: ~15 s
 def test_llama_quantizes_q4_k_m_file_follows_its_dequantized_weights(tmp_path):
     """The embedded model as llama-quantize writes Q4_K_M (rows of 384 fall back to Q5_0 / Q8_0, ffn_down
-    in Q4_K / Q6_K): every type loads, the weights are gguf.quants' (Q6_K within its requantization), and
-    the logits follow the dequantized weights': float32 within 1% of the largest logit, the same top
-    token at every position of a text (measured: all of them)."""
+    in Q4_K / Q6_K): every type loads, the weights are gguf.quants' bit for bit, and the logits follow the
+    dequantized weights': float32 within 1% of the largest logit (a split q/k/v layer sums in another
+    order than the fused one), the same top token at every position of a text."""
     quantize = _llama_quantize()
     if quantize is None:
         pytest.skip("llama-quantize is not built (~/.cache/infer/llama.cpp-build/*/build/bin)")

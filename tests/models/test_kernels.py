@@ -247,6 +247,7 @@ OPS = (
     "paged_attention",
     "prefill_attention",
     "quant_linear",
+    "six_bit_linear",
     "small_linear",
     "small_linear_silu",
     "onednn_linear",

@@ -8,6 +8,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from infer import kernels
+from infer.quant import linear as quant_linear
 from infer.quant.embedding import QuantizedEmbedding
 from infer.quant.gguf_blocks import unpack_blocks
 
@@ -85,3 +87,30 @@ def test_bad_blocks_are_refused():
         unpack_blocks("Q8_0", data, (4, 60))
     with pytest.raises(ValueError, match="IQ4_NL is not a block type"):
         unpack_blocks("IQ4_NL", data, (4, 64))
+
+
+HAS_KERNEL = kernels.bf16_ops() is not None
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="the kernel needs AVX-512 BF16")
+@pytest.mark.parametrize(
+    ("kind", "bytes_per_block"), [("Q8_0", 32 + 2 + 2), ("Q4_0", 16 + 2), ("Q4_1", 16 + 4)]
+)
+def test_kernel_layers_hold_the_files_bytes_and_its_weights(kind, bytes_per_block, monkeypatch):
+    """The kernel holds a block of 32 as the file does: its codes, a float16 scale (the file's d, exact),
+    Q4_1's min (float16, exact), no offset for Q4_0 (code 8 is its zero) and Q8_0's code sum in int16
+    (for int8 activations): 36 / 18 / 20 bytes where the file has 34 / 18 / 20. Its product is the
+    file's dequantized weight's, on the bf16 decode and the int8-activation paths."""
+    data = quants.quantize(_weights(64, 512), GGMLQuantizationType[kind])
+    weight = unpack_blocks(kind, data, (64, 512))
+    for int8_activations in (False, True):
+        monkeypatch.setattr(quant_linear, "INT8_ACTIVATIONS", int8_activations)
+        layer = quant_linear.QuantizedLinear(weight, None, torch.bfloat16, backend="infer")
+        held = sum(b.nbytes for b in layer.buffers())
+        assert held == 64 * 512 // 32 * bytes_per_block
+        assert layer.scales.dtype == torch.float16 and (layer.offsets is None) == (kind != "Q4_1")
+        x = torch.randn(7, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+        ref = x.float() @ torch.from_numpy(quants.dequantize(data, GGMLQuantizationType[kind])).T
+        for rows in (1, 7):
+            err = (layer(x[:rows]).float() - ref[:rows]).abs().max() / ref[:rows].abs().max()
+            assert err < 2e-2, (int8_activations, rows, err)

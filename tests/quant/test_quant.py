@@ -14,7 +14,7 @@ from infer.eval.perplexity import decode_nll, held_out_text, perplexity
 from infer.models.loader import EMBEDDED_MODEL, load_model
 from infer.quant import linear as quant_linear
 from infer.quant.linear import QuantizedLinear, group_size_for, quantize_model, quantized_bytes
-from infer.quant.weights import quantize
+from infer.quant.weights import QuantizedWeight, quantize
 from infer.sampling_params import SamplingParams
 from tests.grids import pairwise_grid
 from tests.quant.packing import quantize_for, write_quantized_checkpoint
@@ -79,10 +79,18 @@ def _check_every_backend(bits, group, symmetric, rows, int8_activations, monkeyp
             assert err < tol, (backend, dtype, err)
 
 
+def _as_held(qw: QuantizedWeight) -> QuantizedWeight:
+    """`qw` with the kernel's float16 scales and offsets (the weight at code 0), what it multiplies by."""
+    scales, offsets = qw.scales.half().float(), qw.offsets()
+    mins = None if offsets is None else offsets.half().float()
+    return QuantizedWeight(qw.q, scales, None, qw.bits, qw.group_size, mins=mins)
+
+
 def _w8a8_reference(x: torch.Tensor, qw) -> torch.Tensor:
     """What the kernel's int8-activation paths compute, in float64: each row of x rounded to int8 as the
     kernel rounds it (scale max|x| / 127, x * (1 / scale) in float32, to nearest even), times the
-    dequantized weight, times the row's scale."""
+    weight as the kernel holds it (float16 scales), times the row's scale."""
+    qw = _as_held(qw)
     x = x.float()
     scale = x.abs().amax(1, keepdim=True) / 127
     xq = torch.round(x * (1 / scale))
@@ -265,5 +273,8 @@ def test_quantized_bytes_counts_what_quantize_stores(bits, shape):
     weight = torch.randn(shape)
     group = None if bits == 8 else group_size_for(shape[1], 128)
     q = quantize(weight, bits, group)
-    stored = q.q.numel() * bits // 8 + q.scales.nbytes + (q.zeros.nbytes if q.zeros is not None else 0)
+    # the kernel's float16 scales and offsets (one per group), beside the codes
+    stored = q.q.numel() * bits // 8 + 2 * (
+        q.scales.numel() + (q.zeros.numel() if q.zeros is not None else 0)
+    )
     assert quantized_bytes(*shape, bits) == stored
