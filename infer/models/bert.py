@@ -20,7 +20,7 @@ from torch import nn
 
 from infer.layers.activations import get_activation
 from infer.layers.attention_metadata import AttentionMetadata
-from infer.layers.linear import MergedLinear
+from infer.layers.linear import MergedLinear, linear_act
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.models.config import ModelConfig
 
@@ -122,7 +122,7 @@ class BertIntermediate(nn.Module):
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x):
-        return self.act(self.dense(x))
+        return linear_act(self.dense, self.act, x)  # fused where the dense layer is prepacked
 
 
 class BertLayer(nn.Module):

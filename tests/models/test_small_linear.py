@@ -164,3 +164,38 @@ def test_prepack_linears_fuses_the_gate_up_of_silu_mlps():
     assert linear.prepack_linears(silu) == linear.prepack_linears(gelu) == 2
     assert silu.gate_up_proj.fused_silu == kernels.cpu_has_amx()
     assert not gelu.gate_up_proj.fused_silu and not silu.down_proj.fused_silu
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_new", "relu", "silu"])
+def test_linear_act_applies_the_activation_in_onednns_epilogue(name, monkeypatch):
+    """linear_act over a PrepackedLinear: beyond SMALL_ROWS rows oneDNN applies GELU (erf or tanh) and ReLU
+    as a post-op of its GEMM (one call, no separate activation pass) and the values are those of the
+    activation of the float32 product, to a bf16 unit; up to SMALL_ROWS rows, and for an activation
+    oneDNN has no post-op for, act(linear(x)) as before."""
+    from infer.layers.activations import ACTIVATIONS
+
+    bf16_ops()
+    act = ACTIVATIONS[name]
+    gen = torch.Generator().manual_seed(3)
+    layer = torch.nn.Linear(384, 1536, bias=True).bfloat16()
+    dense = PrepackedLinear(layer)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+
+    class CountingMkldnn:
+        @staticmethod
+        def _linear_pointwise(x, weight, bias, attr, scalars, algorithm):
+            calls.append(attr)
+            return pointwise(x, weight, bias, attr, scalars, algorithm)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", CountingMkldnn, raising=False)
+    fusable = name != "silu"
+    for rows in (linear.SMALL_ROWS, linear.SMALL_ROWS + 1, 600):
+        calls.clear()
+        x = torch.randn(rows, 384, generator=gen).bfloat16()
+        expected = act(reference(x, layer.weight, layer.bias))
+        got = linear.linear_act(dense, act, x)
+        assert got.shape == (rows, 1536) and got.dtype == torch.bfloat16
+        assert_within_a_bf16_unit(got, expected, 2**-7)
+        fused = fusable and rows > linear.SMALL_ROWS
+        assert calls == ([{"gelu_new": "gelu"}.get(name, name)] if fused else []), (rows, calls)
