@@ -3,8 +3,10 @@ model's attention layer calls with the step's AttentionMetadata (infer.layers.at
 
 With a cache, the new keys/values are written to their slots first, and every sequence then attends
 over its whole context read back through its block table, except one with no earlier context
-(query_len == seq_len: a fresh prompt or first chunk), which reads its new keys directly, as does every
-sequence without a cache (a prefill-only forward, the no-cache benchmark mode).
+(query_len == seq_len: a fresh prompt or first chunk), which reads its new keys directly. Without a cache
+(a pooling model's forward, the no-cache benchmark mode) every sequence reads its own new keys: all of
+them in one prefill-kernel call per layer, the step's rows taken as blocks of one token, else SDPA one
+sequence at a time.
 
 The metadata groups the sequences: decodes and short chunks (`batch_seqs`) take one batched call per
 layer, the C++ decode kernel where it serves them, else the matmuls; the others (`loop_seqs`: prompts,
