@@ -121,6 +121,17 @@ class PrepackedLinear(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, name, [], algorithm)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """self(x) + residual from oneDNN's GEMM epilogue where oneDNN serves x's rows, else None."""
+        flat = x.reshape(-1, self.in_features)
+        if self.packed_weight is None or (self._ops is not None and flat.shape[0] <= SMALL_ROWS):
+            return None
+        if residual.dtype != flat.dtype or residual.shape[-1] != self.out_features:
+            return None
+        other = residual.reshape(-1, self.out_features).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise.binary(flat, other, self.packed_weight, self.bias, "add")
+        return out.view(*x.shape[:-1], self.out_features)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate_up projection of x, in one kernel pass (`fused_silu` only):
         the same values as the layer's gated_act(F.silu, self(x))."""
@@ -155,6 +166,17 @@ def linear_act(linear: nn.Module, act, x: torch.Tensor) -> torch.Tensor:
         if out is not None:
             return out
     return act(linear(x))
+
+
+def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """linear(x) + residual; a PrepackedLinear whose rows go to oneDNN adds the residual in the GEMM's
+    epilogue (a binary post-op): one parallel region and one pass over the output fewer per sublayer
+    of a post-LN encoder (BERT's)."""
+    if isinstance(linear, PrepackedLinear):
+        out = linear.add_forward(x, residual)
+        if out is not None:
+            return out
+    return linear(x) + residual
 
 
 def _onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 
 from infer.layers.activations import get_activation
 from infer.layers.attention_metadata import AttentionMetadata
-from infer.layers.linear import MergedLinear, linear_act
+from infer.layers.linear import MergedLinear, linear_act, linear_add
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.models.config import ModelConfig
 
@@ -102,7 +102,7 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(h) + residual)
+        return self.LayerNorm(linear_add(self.dense, h, residual))  # the add in the GEMM where prepacked
 
 
 class BertAttention(nn.Module):
