@@ -3,8 +3,10 @@ model's attention layer calls with the step's AttentionMetadata (infer.layers.at
 
 With a cache, the new keys/values are written to their slots first, and every sequence then attends
 over its whole context read back through its block table, except one with no earlier context
-(query_len == seq_len: a fresh prompt or first chunk), which reads its new keys directly, as does every
-sequence without a cache (a prefill-only forward, the no-cache benchmark mode).
+(query_len == seq_len: a fresh prompt or first chunk), which reads its new keys directly. Without a cache
+(a pooling model's forward, the no-cache benchmark mode) every sequence reads its own new keys: all of
+them in one prefill-kernel call per layer, the step's rows taken as blocks of one token, else SDPA one
+sequence at a time.
 
 The metadata groups the sequences: decodes and short chunks (`batch_seqs`) take one batched call per
 layer, the C++ decode kernel where it serves them, else the matmuls; the others (`loop_seqs`: prompts,
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from infer import kernels
-from infer.layers.attention_kernels import has_fp8, kernel_serves, prefill_kernel
+from infer.layers.attention_kernels import has_fp8, kernel_serves, prefill_kernel, prefill_kernel_for
 from infer.layers.attention_metadata import AttentionMetadata, put_rows, take_rows
 from infer.layers.attention_reference import matmul_batched, sdpa_prefill
 from infer.layers.fp8_kv_cache import FP8_DTYPES, to_cache_dtype
@@ -54,6 +56,10 @@ def attention(
             value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = to_cache_dtype(v, value_cache.dtype)
     if not meta.loop_seqs:  # one batched call covers every row
         return _batched(q, key_cache, value_cache, meta, scale, sliding_window)
+    if cache is None:
+        out = _kernel_own_keys(q, k, v, meta, scale, sliding_window)
+        if out is not None:
+            return out
     ops = prefill_kernel(q, cache)
     if ops is not None and not meta.batch_seqs:  # prompts and long chunks: one kernel call
         return _kernel_prefill(ops, q, key_cache, value_cache, meta, scale, sliding_window)
@@ -89,6 +95,21 @@ def _kernel_batched(ops, q, key_cache, value_cache, meta: AttentionMetadata, sca
     return ops.paged_attention(
         q, key_cache, value_cache, meta.batch_tables, seq_lens, query_starts, scale, sliding_window or 0
     )
+
+
+def _kernel_own_keys(q, k, v, meta: AttentionMetadata, scale, sliding_window) -> torch.Tensor | None:
+    """A forward without a cache (a pooling model's, a no-cache benchmark's): every sequence in one prefill
+    kernel call, its keys and values read from the step's own rows as blocks of one token, where SDPA took
+    a call per sequence per layer. None where the kernel does not serve."""
+    if q.stride(-1) != 1:
+        return None
+    keys = k.contiguous().unsqueeze(1)  # [num_tokens, 1, num_kv_heads, head_dim]: blocks of one token
+    ops = prefill_kernel_for(keys, q.dtype)
+    if ops is None:
+        return None
+    tables, seq_lens, query_starts = meta.own_keys_args()
+    values = v.contiguous().unsqueeze(1)
+    return ops.prefill_attention(q, keys, values, tables, seq_lens, query_starts, scale, sliding_window or 0)
 
 
 def _kernel_prefill(ops, q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):

@@ -74,6 +74,7 @@ class AttentionMetadata:
     _prefill_blocks: dict = field(init=False, default_factory=dict)
     _kernel_args: tuple | None = field(init=False, default=None)
     _prefill_args: tuple | None = field(init=False, default=None)
+    _own_keys_args: tuple | None = field(init=False, default=None)
 
     @classmethod
     def prefill_only(cls, lens: list[int]) -> AttentionMetadata:
@@ -248,6 +249,24 @@ class AttentionMetadata:
                 torch.tensor(list(itertools.accumulate(query_lens, initial=0)), dtype=torch.int32),
             )
         return self._prefill_args
+
+    def own_keys_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block_tables, seq_lens, query_starts) for the prefill kernel over a forward without a cache,
+        whose keys and values are the step's own rows viewed as blocks of one token
+        ([num_tokens, 1, num_kv_heads, head_dim]): sequence i's table lists its rows. The kernel packs
+        its tiles token by token whatever the block size, so blocks of one cost it nothing. Built once
+        per forward."""
+        if self._own_keys_args is None:
+            lens = torch.tensor(self.query_lens)
+            starts = torch.tensor(self.query_starts)
+            tables = torch.arange(max(self.query_lens))[None, :] + starts[:, None]  # [num_seqs, longest]
+            tables = torch.minimum(tables, (starts + lens - 1)[:, None])  # past a sequence's end: unread
+            self._own_keys_args = (
+                tables.contiguous(),
+                lens.to(torch.int32),
+                torch.tensor(list(itertools.accumulate(self.query_lens, initial=0)), dtype=torch.int32),
+            )
+        return self._own_keys_args
 
     def scratch(self, num_rows: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Two buffers of at least [num_rows, head_dim] for gathered keys and values, shared by every layer

@@ -20,7 +20,7 @@ from torch import nn
 
 from infer.layers.activations import get_activation
 from infer.layers.attention_metadata import AttentionMetadata
-from infer.layers.linear import MergedLinear
+from infer.layers.linear import MergedLinear, linear_act, linear_add
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.models.config import ModelConfig
 
@@ -102,7 +102,7 @@ class BertSelfOutput(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(h) + residual)
+        return self.LayerNorm(linear_add(self.dense, h, residual))  # the add in the GEMM where prepacked
 
 
 class BertAttention(nn.Module):
@@ -122,7 +122,7 @@ class BertIntermediate(nn.Module):
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x):
-        return self.act(self.dense(x))
+        return linear_act(self.dense, self.act, x)  # fused where the dense layer is prepacked
 
 
 class BertLayer(nn.Module):

@@ -326,7 +326,7 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--max-num-batched-tokens",
         type=int,
         default=d["max_num_batched_tokens"],
-        help="token budget of one engine step; default: 2048 (vLLM's)",
+        help="token budget of one engine step; default: 2048 (vLLM's); a pooling model's forwards: 8192",
     )
     parser.add_argument(
         "--chunked-prefill",

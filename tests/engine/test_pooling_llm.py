@@ -83,3 +83,31 @@ def test_infer_generate_on_a_pooling_model_says_what_to_use(embedder, capsys):
     assert cli.main(["generate", "--model", str(embedder), "--prompt", "hello"]) == 2
     err = capsys.readouterr().err
     assert "is a pooling model" in err and "infer serve" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "budget, lengths, forwards",
+    [
+        (None, [128] * 64, [64]),  # the pooling default: 64 texts of 128 tokens are one forward
+        (None, [128] * 96, [64, 32]),
+        (1024, [128] * 32, [8, 8, 8, 8]),  # a budget that was set is kept
+        (200, [50, 120, 40, 100, 128, 60], [3, 1, 1, 1]),  # shortest first
+    ],
+)
+def test_a_requests_inputs_take_as_few_forwards_as_the_budget_allows(embedder, budget, lengths, forwards):
+    """PoolingEngine.encode packs a request's inputs into forwards of at most the token budget: 8192
+    tokens (POOLING_TOKEN_BUDGET) unless --max-num-batched-tokens was set; counted, not timed."""
+    from infer.engine import pooling
+
+    flags = {} if budget is None else {"max_num_batched_tokens": budget}
+    flags["max_num_seqs"] = 4 if budget == 200 else 128
+    llm = LLM(str(embedder), dtype="float32", **flags)
+    engine = llm.pooling
+    assert engine.max_num_batched_tokens == (budget or pooling.POOLING_TOKEN_BUDGET)
+    sizes = []
+    run = engine.runner.run
+    engine.runner.run = lambda inputs: sizes.append(len(inputs)) or run(inputs)
+    vocab = engine.model_config.vocab_size
+    ids = [[(7 * i + j) % (vocab - 1) + 1 for j in range(n)] for i, n in enumerate(lengths)]
+    outputs = llm.embed(ids)
+    assert sizes == forwards and len(outputs) == len(lengths)

@@ -240,3 +240,35 @@ def test_prompts_and_long_chunks_take_one_kernel_call(dtype, decodes_first, monk
     expected = reference(q, meta, tables, 0.125, None)
     torch.testing.assert_close(got.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
     assert kernel_rows == [64 + 20 + 300 + 63] and sdpa_rows == []
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_forward_without_a_cache_takes_one_kernel_call_over_its_own_keys(dtype, window, monkeypatch):
+    """Without a cache (a pooling model's forward), every sequence of the step goes to the prefill kernel
+    in one call per layer, its keys and values read from the step's own rows, where SDPA took one call
+    per sequence; each sequence's rows match SDPA's over its own keys and no key of another is seen."""
+    ops = _prefill_ops()
+    lens = [65, 1, 200, 17, 128]
+    gen = torch.Generator().manual_seed(5)
+    n = sum(lens)
+    q = torch.randn(n, 8, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(n, 2, 64, generator=gen).to(dtype) for _ in range(2))
+    meta = AttentionMetadata.prefill_only(lens)
+    kernel_calls, sdpa_calls = [], []
+
+    class Counting:
+        def prefill_attention(self, q, *args):
+            kernel_calls.append(q.shape[0])
+            return ops.prefill_attention(q, *args)
+
+    prefill = attention_module.sdpa_prefill
+    monkeypatch.setattr(attention_module, "prefill_kernel_for", lambda cache, dtype: Counting())
+    monkeypatch.setattr(attention_module, "sdpa_prefill", lambda *a: sdpa_calls.append(1) or prefill(*a))
+    got = attention_module.attention(q, k, v, meta, 0, 0.125, window)
+    assert kernel_calls == [n] and sdpa_calls == []
+    tol = TOL[dtype]
+    for i, (start, length) in enumerate(zip(meta.query_starts, lens, strict=True)):
+        rows = slice(start, start + length)
+        expected = prefill(q[rows], k[rows], v[rows], None, meta, i, 0.125, window)
+        torch.testing.assert_close(got[rows].double(), expected.double(), atol=tol, rtol=tol)

@@ -164,3 +164,69 @@ def test_prepack_linears_fuses_the_gate_up_of_silu_mlps():
     assert linear.prepack_linears(silu) == linear.prepack_linears(gelu) == 2
     assert silu.gate_up_proj.fused_silu == kernels.cpu_has_amx()
     assert not gelu.gate_up_proj.fused_silu and not silu.down_proj.fused_silu
+
+
+@pytest.mark.parametrize("name", ["gelu", "gelu_new", "relu", "silu"])
+def test_linear_act_applies_the_activation_in_onednns_epilogue(name, monkeypatch):
+    """linear_act over a PrepackedLinear: beyond SMALL_ROWS rows oneDNN applies GELU (erf or tanh) and ReLU
+    as a post-op of its GEMM (one call, no separate activation pass) and the values are those of the
+    activation of the float32 product, to a bf16 unit; up to SMALL_ROWS rows, and for an activation
+    oneDNN has no post-op for, act(linear(x)) as before."""
+    from infer.layers.activations import ACTIVATIONS
+
+    bf16_ops()
+    act = ACTIVATIONS[name]
+    gen = torch.Generator().manual_seed(3)
+    layer = torch.nn.Linear(384, 1536, bias=True).bfloat16()
+    dense = PrepackedLinear(layer)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+
+    class CountingMkldnn:
+        @staticmethod
+        def _linear_pointwise(x, weight, bias, attr, scalars, algorithm):
+            calls.append(attr)
+            return pointwise(x, weight, bias, attr, scalars, algorithm)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", CountingMkldnn, raising=False)
+    fusable = name != "silu"
+    for rows in (linear.SMALL_ROWS, linear.SMALL_ROWS + 1, 600):
+        calls.clear()
+        x = torch.randn(rows, 384, generator=gen).bfloat16()
+        expected = act(reference(x, layer.weight, layer.bias))
+        got = linear.linear_act(dense, act, x)
+        assert got.shape == (rows, 1536) and got.dtype == torch.bfloat16
+        assert_within_a_bf16_unit(got, expected, 2**-7)
+        fused = fusable and rows > linear.SMALL_ROWS
+        assert calls == ([{"gelu_new": "gelu"}.get(name, name)] if fused else []), (rows, calls)
+
+
+def test_linear_add_adds_the_residual_in_onednns_epilogue(monkeypatch):
+    """linear_add over a PrepackedLinear: beyond SMALL_ROWS rows oneDNN adds the residual as a binary
+    post-op of its GEMM (the residual left as it was), to a bf16 unit of the float32 sum; up to
+    SMALL_ROWS rows, linear(x) + residual as before."""
+    bf16_ops()
+    gen = torch.Generator().manual_seed(4)
+    layer = torch.nn.Linear(1536, 384, bias=True).bfloat16()
+    dense = PrepackedLinear(layer)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+
+    class CountingMkldnn:
+        class _linear_pointwise:  # noqa: N801 (torch's name)
+            @staticmethod
+            def binary(x, other, weight, bias, attr):
+                calls.append(attr)
+                return pointwise.binary(x, other, weight, bias, attr)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", CountingMkldnn, raising=False)
+    for rows in (linear.SMALL_ROWS, linear.SMALL_ROWS + 1, 600):
+        calls.clear()
+        x = torch.randn(rows, 1536, generator=gen).bfloat16()
+        residual = torch.randn(rows, 384, generator=gen).bfloat16()
+        kept = residual.clone()
+        expected = reference(x, layer.weight, layer.bias) + residual.float()
+        got = linear.linear_add(dense, x, residual)
+        assert got.shape == (rows, 384) and got.dtype == torch.bfloat16 and torch.equal(residual, kept)
+        assert_within_a_bf16_unit(got, expected, 2**-7)
+        assert calls == (["add"] if rows > linear.SMALL_ROWS else []), (rows, calls)
