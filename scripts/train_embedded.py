@@ -8,9 +8,9 @@ folder, a loss curve, and a model card with greedy samples generated from the sa
     python scripts/train_embedded.py --time-budget-min 1 --out /tmp/x  # smoke run
 
 A smaller model with the embedded model's tokenizer, its draft for speculative decoding
-(infer/assets/embedded-draft/, docs/speculative-decoding.md):
+(docs/speculative-decoding.md, "The embedded model's draft"):
 
-    python scripts/train_embedded.py --tokenizer infer/assets/embedded --out infer/assets/embedded-draft \\
+    python scripts/train_embedded.py --tokenizer infer/assets/embedded --out /tmp/embedded-draft \\
         --num-hidden-layers 2 --hidden-size 192 --intermediate-size 512 --num-attention-heads 3 \\
         --num-key-value-heads 1 --lr 3e-3 --time-budget-min 30
 """

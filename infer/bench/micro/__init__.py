@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         default=None,
         help="speculative-decoding: the proposals to measure, vLLM's fields, e.g. "
-        '\'{"method": "draft_model", "model": "infer/assets/embedded-draft", "num_speculative_tokens": 3}\' '
+        '\'{"method": "draft_model", "model": "/tmp/embedded-draft", "num_speculative_tokens": 3}\' '
         "(default: n-gram, K = 3, prompt lookup 2-4)",
     )
     p.add_argument(
