@@ -6,6 +6,13 @@ folder, a loss curve, and a model card with greedy samples generated from the sa
 
     python scripts/train_embedded.py --time-budget-min 35              # the real run
     python scripts/train_embedded.py --time-budget-min 1 --out /tmp/x  # smoke run
+
+A smaller model with the embedded model's tokenizer, its draft for speculative decoding
+(docs/speculative-decoding.md, "The embedded model's draft"):
+
+    python scripts/train_embedded.py --tokenizer infer/assets/embedded --out /tmp/embedded-draft \\
+        --num-hidden-layers 2 --hidden-size 192 --intermediate-size 512 --num-attention-heads 3 \\
+        --num-key-value-heads 1 --lr 3e-3 --time-budget-min 30
 """
 
 import os
@@ -230,7 +237,7 @@ def train(model, args, make_epoch, eval_blocks: torch.Tensor) -> dict:
     return log
 
 
-def plot(log: dict, path: Path) -> None:
+def plot(log: dict, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,7 +251,7 @@ def plot(log: dict, path: Path) -> None:
     ax.plot(log["step"], log["train"], alpha=0.25, color="C0")
     ax.plot(log["step"], smooth, color="C0", label="train (EMA 0.95)")
     ax.plot(log["eval_step"], log["eval"], "o-", color="C1", label="eval (held-out chapters)")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", ylim=(0, 10), title="embedded KJV Llama")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", ylim=(0, 10), title=title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -267,6 +274,10 @@ def generate_samples(out: Path) -> tuple[list[str], list[str]]:
     return plain, chats
 
 
+def model_name(num_params: int) -> str:
+    return f"KJV-Llama-{num_params / 1e6:.0f}M" if num_params >= 5e6 else f"KJV-Llama-{num_params / 1e6:.1f}M"
+
+
 def write_card(args, config: LlamaConfig, facts: dict, log: dict) -> None:
     plain, chats = generate_samples(args.out)
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -274,11 +285,19 @@ def write_card(args, config: LlamaConfig, facts: dict, log: dict) -> None:
     size_mb = sum(f.stat().st_size for f in args.out.iterdir()) / 1e6
     c, n, fence = config, facts["num_params"], "```"
     specials = ", ".join(f"`{t}`={i}" for i, t in enumerate(SPECIAL_TOKENS))
-    card = f"""# infer embedded default model: KJV-Llama-{n / 1e6:.0f}M
+    if args.tokenizer:
+        heading = f"infer embedded draft model: {model_name(n)}"
+        intro = f"""A smaller Llama trained the same way as the embedded model, with its tokenizer
+(copied from `{args.tokenizer}`), to propose tokens for it: the draft model of speculative decoding
+(docs/speculative-decoding.md). It continues text in KJV style and is a test and demo model."""
+    else:
+        heading = f"infer embedded default model: {model_name(n)}"
+        intro = """A tiny Llama trained from scratch on the King James Bible, so that `infer` can serve a real
+model with no download. It continues text in KJV style and answers simple chat requests ("Recite Psalms
+23:1"). It knows nothing else: it is a test and demo model, not an assistant."""
+    card = f"""# {heading}
 
-A tiny Llama trained from scratch on the King James Bible, so that `infer` can serve a real model with
-no download. It continues text in KJV style and answers simple chat requests ("Recite Psalms 23:1"). It
-knows nothing else: it is a test and demo model, not an assistant.
+{intro}
 
 ## Corpus and licence
 - The King James Version (1611), public domain. Source: Debian packages `{facts["source"]}`
@@ -349,6 +368,14 @@ def main() -> None:
     p.add_argument("--time-budget-min", type=float, default=35.0, help="training wall time incl. evals")
     p.add_argument("--max-steps", type=int, help="run N steps; the lr follows steps, not time")
     p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--tokenizer", type=Path, help="a folder whose tokenizer to reuse instead of training one")
+    # The model's shape, under Hugging Face's LlamaConfig names; the defaults are the embedded model's.
+    p.add_argument("--hidden-size", type=int, default=384)
+    p.add_argument("--intermediate-size", type=int, default=1024)
+    p.add_argument("--num-hidden-layers", type=int, default=6)
+    p.add_argument("--num-attention-heads", type=int, default=6)
+    p.add_argument("--num-key-value-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1.5e-3)
@@ -378,12 +405,17 @@ def main() -> None:
     }
     print(f"{facts['num_verses']} verses in {len(chapters)} chapters; eval: {facts['held_out']}")
 
-    save_tokenizer(train_tokenizer(chapters, args.vocab_size), args.out, max_len=1024)
+    if args.tokenizer:  # a draft model must map every id to the same token as its target
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (args.out / name).write_bytes((args.tokenizer / name).read_bytes())
+    else:
+        save_tokenizer(train_tokenizer(chapters, args.vocab_size), args.out, max_len=1024)
     tok = AutoTokenizer.from_pretrained(args.out)
     eval_blocks = make_blocks(eval_chapters, tok, random.Random(0), args.ctx)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+        vocab_size=len(tok), hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads, head_dim=args.head_dim, max_position_embeddings=1024,
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=BOS_ID, eos_token_id=[EOS_ID, END_ID], pad_token_id=EOS_ID,
     )  # fmt: skip
@@ -399,7 +431,7 @@ def main() -> None:
     generation.save_pretrained(args.out)
     for f in args.out.iterdir():  # model.safetensors comes out 0600; make the folder readable
         f.chmod(0o644)
-    plot(log, args.out / "loss_curve.png")
+    plot(log, args.out / "loss_curve.png", model_name(facts["num_params"]))
     write_card(args, config, facts, log)
     print(f"done: {log['steps']} steps in {log['train_min']:.1f} min, train {log['final_train']:.3f}, "
           f"eval {log['eval'][-1]:.3f}; wrote {args.out}")  # fmt: skip

@@ -35,6 +35,7 @@ def draft_proposer(engine, num_blocks: int) -> DraftProposer:
         config.block_size,
         engine.scheduler_config.max_num_batched_tokens,
         engine.kv_cache_dtype,
+        None if config.enforce_eager else engine.max_model_len + spec.num_speculative_tokens,
     )
 
 

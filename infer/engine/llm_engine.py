@@ -297,13 +297,17 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Ready a long-lived engine (a server or a replica does this before it reports ready): capture the
         decode graphs of batch sizes 1..max_num_seqs now, as many as fit in decode_graph.WARM_UP_SECONDS
-        (none under enforce_eager and tensor parallelism), then freeze the heap, as vLLM's engine core
-        does: the ~300k objects alive after loading (imports, tokenizer, graphs) are out of the
-        collector's reach, where a full collection of them stalled every stream at once (~150 ms on
-        llama-50m; docs/optimizations.md, "The server around the engine")."""
+        (none under enforce_eager and tensor parallelism), and a draft model's up to its
+        disable_by_batch_size, then freeze the heap, as vLLM's engine core does: the ~300k objects alive
+        after loading (imports, tokenizer, graphs) are out of the collector's reach, where a full
+        collection of them stalled every stream at once (~150 ms on llama-50m; docs/optimizations.md,
+        "The server around the engine")."""
         graphs = getattr(self.runner, "graphs", None)
         if graphs is not None:
             graphs.warm_up(range(1, self.scheduler_config.max_num_seqs + 1))
+        if isinstance(self.proposer, DraftProposer):  # it runs while at most disable_by_batch_size do
+            batch = self.config.speculative_config.disable_by_batch_size
+            self.proposer.warm_up(min(self.scheduler_config.max_num_seqs, batch))
         gc.collect()
         gc.freeze()
 

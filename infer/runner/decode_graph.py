@@ -63,8 +63,21 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches, block_size: int, max_blocks: int, dtype: torch.dtype):
+    """steady_steps: pure-decode steps of one batch size before it is captured. A draft model's
+    one-token forwards come K - 1 at a time between multi-token ones, so a draft captures a size at
+    first sight (1)."""
+
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        block_size: int,
+        max_blocks: int,
+        dtype: torch.dtype,
+        steady_steps: int = STEADY_STEPS,
+    ):
         self.model, self.kv_caches, self.dtype = model, kv_caches, dtype
+        self.steady_steps = steady_steps
         self.block_size, self.max_blocks = block_size, max_blocks
         self.graphs: dict[int, _Graph] = {}
         self.size = self.streak = 0
@@ -91,7 +104,7 @@ class DecodeGraphs:
         """After an eager step: capture its batch size if it has held for STEADY_STEPS pure-decode
         steps, checked against `logits`, the eager forward's."""
         n = len(reqs)
-        if self.streak >= STEADY_STEPS and n == self.size and n not in self.graphs:
+        if self.streak >= self.steady_steps and n == self.size and n not in self.graphs:
             self._capture(reqs, logits)
 
     def warm_up(self, sizes) -> None:

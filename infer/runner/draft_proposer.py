@@ -14,12 +14,19 @@ tokens from that point: prompt chunks as the target prefills them (so the draft'
 alongside the target's), and a decoding request's accepted proposals and its new token; K - 1 more
 forwards of one token per request give the rest of the proposals.
 
+A draft pays off only if its forward costs a fraction of the target's, and a small model's forward is
+mostly the Python between its ops: the draft's forwards of one token per request (the proposals after
+the first, and a feed of one new token) replay decode graphs (decode_graph.py) as the target's decode
+steps do, each batch size captured at first sight (or by the server's warm-up). `--enforce-eager`
+turns them off.
+
 Greedy proposals are a deterministic guess, as an n-gram's is: the rejection sampler's one-hot draft
 distribution holds for them, and the target's distribution is kept at every temperature.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +45,8 @@ class DraftWant:
     token_ids: the request's whole sequence (prompt and outputs); the list the request owns, read only.
     num_ready: the tokens of it the draft may compute: the target's computed ones while it prefills, all
         of them once it decodes.
-    num_proposals: proposals wanted (0 while it prefills, or when it may not speculate).
+    num_proposals: proposals it may take (0 while it prefills, or when it may not speculate; its room
+        before max_tokens otherwise): the draft proposes at most num_speculative_tokens of them.
     """
 
     req_id: str
@@ -59,6 +67,8 @@ class DraftProposer:
 
     max_feed_tokens bounds the tokens of one catch-up forward (the target's step budget): a request
     that cannot catch up within it this step proposes nothing and catches up further next step.
+    decode_graphs_max_len: the longest sequence a decode graph serves (None: every forward eager).
+    propose_s counts the seconds spent proposing, for the benchmarks.
     """
 
     def __init__(
@@ -69,14 +79,29 @@ class DraftProposer:
         block_size: int,
         max_feed_tokens: int,
         kv_cache_dtype: torch.dtype | None = None,
+        decode_graphs_max_len: int | None = None,
     ):
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_feed_tokens = max_feed_tokens
-        self.runner = ModelRunner(model, num_blocks, block_size, kv_cache_dtype=kv_cache_dtype)
+        self.runner = ModelRunner(
+            model,
+            num_blocks,
+            block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            decode_graphs_max_len=decode_graphs_max_len,
+            decode_graphs_steady_steps=1,
+        )
         self.free_block_ids = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0, 1, ...
         self.states: dict[str, _DraftState] = {}
+        self.propose_s = 0.0
+
+    def warm_up(self, max_batch_size: int) -> None:
+        """Capture the decode graphs of batch sizes 1..max_batch_size now (the pool must be fresh: no
+        request has run)."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.warm_up(range(1, min(max_batch_size, self.num_blocks) + 1))
 
     @property
     def num_used_blocks(self) -> int:
@@ -106,6 +131,13 @@ class DraftProposer:
     def propose(self, wants: list[DraftWant]) -> dict[str, list[int]]:
         """Catch the draft up on every request and propose for those that want proposals; req_id ->
         proposals (only requests that got some)."""
+        start = time.perf_counter()
+        try:
+            return self._propose(wants)
+        finally:
+            self.propose_s += time.perf_counter() - start
+
+    def _propose(self, wants: list[DraftWant]) -> dict[str, list[int]]:
         feeds = self._plan_feeds(wants)
         if not feeds:
             return {}
@@ -148,6 +180,7 @@ class DraftProposer:
         allocated for the feed and its proposals; the state's list is cut back to what stays valid."""
         feeds, budget = [], self.max_feed_tokens
         for w in wants:
+            w.num_proposals = min(w.num_proposals, self.k)
             state = self.states.setdefault(w.req_id, _DraftState())
             start = _valid_length(state, w.token_ids)
             if w.num_proposals > 0:

@@ -17,7 +17,7 @@ from infer import kernels
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
 from infer.layers.attention_metadata import AttentionMetadata
 from infer.layers.parallel import SINGLE, TensorParallel
-from infer.runner.decode_graph import DecodeGraphs
+from infer.runner.decode_graph import STEADY_STEPS, DecodeGraphs
 from infer.runner.kv_cache import allocate_kv_cache
 from infer.runner.rejection_sampler import verify
 from infer.runner.sampler import Sampler
@@ -47,6 +47,7 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         decode_graphs_max_len: int | None = None,
         grammars: GrammarCompiler | None = None,
+        decode_graphs_steady_steps: int = STEADY_STEPS,
     ):
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
@@ -65,7 +66,9 @@ class ModelRunner:
         self.graphs = None
         if decode_graphs_max_len and self.kv_caches is not None and tp.size == 1 and built:
             max_blocks = -(-decode_graphs_max_len // block_size)
-            self.graphs = DecodeGraphs(model, self.kv_caches, block_size, max_blocks, self.dtype)
+            self.graphs = DecodeGraphs(
+                model, self.kv_caches, block_size, max_blocks, self.dtype, decode_graphs_steady_steps
+            )
         self.last_prepare_s = 0.0
         self.last_prompt_logprobs: dict | None = None  # of the last `logits` call
         self.history: dict[str, list[int]] = {}  # no-cache mode only: each request's tokens so far

@@ -194,9 +194,10 @@ def test_prefix_caching_counts(report):
 
 
 def test_best_of_keeps_the_best_timing_and_refuses_counts_that_differ():
-    a = {"gen_tok": 8, "tok_s": 10.0, "wall_s": 0.8, "avg_ttft_ms": 3.0}
-    b = {"gen_tok": 8, "tok_s": 12.0, "wall_s": 0.7, "avg_ttft_ms": 4.0}
-    assert best_of([a, b]) == {"gen_tok": 8, "tok_s": 12.0, "wall_s": 0.7, "avg_ttft_ms": 3.0}
+    a = {"gen_tok": 8, "tok_s": 10.0, "wall_s": 0.8, "avg_ttft_ms": 3.0, "decode_tok_s": 5.0}
+    b = {"gen_tok": 8, "tok_s": 12.0, "wall_s": 0.7, "avg_ttft_ms": 4.0, "decode_tok_s": 6.0}
+    best = {"gen_tok": 8, "tok_s": 12.0, "wall_s": 0.7, "avg_ttft_ms": 3.0, "decode_tok_s": 6.0}
+    assert best_of([a, b]) == best
     with pytest.raises(RuntimeError, match="gen_tok"):
         best_of([a, b | {"gen_tok": 9}])
 
@@ -230,3 +231,32 @@ def test_traces_of_each_engine_setting_and_their_timelines(report):
         assert timelines and all(t.segments for t in timelines), trace.name
     html = (trace_dir.parent / "r.html").read_text()
     assert all(f"{t.name}: per-request timeline" in html for t in traces)
+
+
+@pytest.mark.slow  # trains a toy, then runs the benchmark's small cases twice per mode
+def test_speculative_decoding_takes_a_draft_model_and_counts_each_run_alone(tmp_path):
+    """The toy as its own draft: every proposal accepted, K per verification; two repeats on one engine
+    per mode report the same counts (each run's own, not the engine's totals)."""
+    toy = build_toy(tmp_path / "toy", train_seconds=1.0)
+    config = {"method": "draft_model", "model": str(toy), "num_speculative_tokens": 2}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        args = ["speculative-decoding", "--model", str(toy), "--dtype", "float32", "--scale", "small"]
+        args += ["--repeats", "2", "--no-report", "--json", str(tmp_path / "r.json")]
+        rc = main([*args, "--speculative-config", json.dumps(config)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["meta"]["speculative_config"] == config
+    found = {c["name"]: c for c in doc["benchmarks"]["speculative-decoding"]["cases"]}
+    assert set(found) == {f"{w}@{n}" for w in ("repeat_text", "code", "free_text") for n in (1, 8)}
+    for name, case in found.items():
+        assert case["knobs"]["method"] == "draft_model"
+        streams = case["knobs"]["streams"]
+        plain = case["modes"]["plain"]
+        spec = case["modes"]["draft_model" if streams == 1 else "draft_model_always"]
+        assert plain["drafted"] == 0 and plain["gen_tok"] == spec["gen_tok"], name
+        assert spec["runs"] == 2 and spec["drafts"] > 0, name
+        # K = 2 each, fewer only where max_tokens is near
+        assert spec["accepted"] == spec["drafted"] and spec["drafts"] < spec["drafted"] <= 2 * spec["drafts"]
+        assert spec["per_pos"].startswith("1.00, "), name
+    assert "plain vs draft_model" in out.getvalue()

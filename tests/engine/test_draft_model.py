@@ -75,6 +75,18 @@ def test_the_target_as_its_own_draft_has_every_proposal_accepted(tiny, name):
     check_pools_idle(llm.engine)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_draft_proposes_at_most_num_speculative_tokens(tiny, k):
+    """A request's room before max_tokens is far more than K: each verification carries K proposals."""
+    path, prompts, expected = tiny
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, speculative_config=draft_config(path, k))
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_spec_drafts > 0
+    assert scheduler.num_spec_draft_tokens <= k * scheduler.num_spec_drafts
+    assert len(scheduler.num_spec_accepted_per_pos) == k
+
+
 def test_sampled_requests_verify_the_drafts_proposals(tiny):
     path, prompts, _ = tiny
     llm = LLM(path, dtype="float32", num_kv_blocks=256, speculative_config=draft_config(path))

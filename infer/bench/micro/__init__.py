@@ -8,7 +8,7 @@ ours as `reference`. Results: docs/engine.md.
     python -m infer.bench.micro {kv-cache,continuous-batching,chunked-prefill,scheduling,prefix-caching,
                                  speculative-decoding,all}
         [--model toy|embedded|FOLDER|PRESET] [--load-format dummy] [--dtype auto] [--json FILE]
-        [--scale small] [--repeats N]
+        [--scale small] [--repeats N] [--speculative-config JSON]
 
 Each benchmark prints the reference's table per case (baseline and optimized rows, its columns), the
 ratio columns, a summary table, and one PASS/MISS verdict line per case against the expectation its
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 from pathlib import Path
 
@@ -90,6 +91,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--retrain", action="store_true", help="train the toy again")
     p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        default=None,
+        help="speculative-decoding: the proposals to measure, vLLM's fields, e.g. "
+        '\'{"method": "draft_model", "model": "/tmp/embedded-draft", "num_speculative_tokens": 3}\' '
+        "(default: n-gram, K = 3, prompt lookup 2-4)",
+    )
+    p.add_argument(
         "--trace",
         metavar="DIR",
         type=Path,
@@ -136,6 +145,7 @@ def cmd_micro(args) -> int:
         args.min_seconds if args.min_seconds is not None else (0.0 if args.scale == "small" else 2.0)
     )
     ctx = Context(model, dtype, args.load_format, repeats, min_seconds, args.scale, trace_dir=args.trace)
+    ctx.speculative_config = speculative_config(args.speculative_config)
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
     names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
@@ -165,6 +175,7 @@ def cmd_micro(args) -> int:
             "min_seconds": min_seconds,
             "scale": args.scale,
             "trace_dir": str(args.trace) if args.trace is not None else None,
+            "speculative_config": ctx.speculative_config,
         }
         doc = record(meta, results)
     if args.json:
@@ -178,6 +189,16 @@ def cmd_micro(args) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_html(path, doc)
     return 0
+
+
+def speculative_config(text: str | None) -> dict | None:
+    """--speculative-config's JSON object, checked as the engine will check it (ValueError if bad)."""
+    if text is None:
+        return None
+    from infer.config import SpeculativeConfig
+
+    SpeculativeConfig.from_value(text)
+    return json.loads(text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,6 +108,7 @@ class Context:
     max_model_len: int = 0
     trace_dir: Path | None = None  # `--trace DIR`: each engine configuration's trace, its last run's
     benchmark: str = ""  # the benchmark running (names its traces)
+    speculative_config: dict | None = None  # speculative-decoding's proposals (None: its n-gram default)
 
     def engine(self, **knobs) -> LLMEngine:
         trace = None
@@ -260,7 +261,7 @@ def metrics(run: Run) -> dict:
 
 
 MAX_REPEATS = 30
-HIGHER_IS_BETTER = ("tok_s", "prompt_tok_s", "prefill_tok_s")
+HIGHER_IS_BETTER = ("tok_s", "prompt_tok_s", "prefill_tok_s", "decode_tok_s")  # rates, not times
 
 
 def best_of(samples: list[dict]) -> dict:

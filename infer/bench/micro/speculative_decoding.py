@@ -1,9 +1,10 @@
-"""Speculative decoding: plain decoding vs n-gram proposals (`--speculative-config`), side by side.
+"""Speculative decoding: plain decoding vs proposals (`--speculative-config`), side by side.
 
     plain         no speculation
-    ngram         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-                  "prompt_lookup_max": 4}: speculates while at most 4 requests run (the default
-                  disable_by_batch_size), so 8 and 32 streams decode plainly
+    ngram         by default {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                  "prompt_lookup_max": 4}, or the micro command's --speculative-config (named by its
+                  method: `draft_model` for {"model": PATH, ...}): speculates while at most
+                  disable_by_batch_size requests run (default 4), so 8 and 32 streams decode plainly
     ngram_always  the same, speculating whatever the batch (streams > 1 only): what speculation would
                   cost or gain at that batch size
 
@@ -16,12 +17,15 @@ Workloads, each at 1, 8 and 32 concurrent streams (greedy, ignore_eos, every str
     free_text     the first half of a verse alone: nothing earlier to look up, the proposals rarely hit
 
 Reported per case: decode tokens per second of one stream (after its first token), the speed-up over
-plain, and the acceptance rate per proposal position (accepted at position j / verifications).
+plain, the acceptance rate per proposal position (accepted at position j / verifications), and with a
+draft model the milliseconds per engine step and the draft's share of them.
 Expectation: on the embedded model, repeat_text accepts and one stream decodes faster; free_text does
 not lose more than the proposals' extra tokens cost; 8 and 32 streams are no slower than plain.
 """
 
 from __future__ import annotations
+
+import json
 
 from infer.bench.micro.harness import Context, RequestSpec, compare, drive, mean, num_blocks_for, ratio
 from infer.bench.micro.report import BenchResult, CaseResult, Verdict, mode_table, render_table
@@ -40,6 +44,8 @@ COLUMNS = [
     ("decode tok/s/stream", "decode_tok_s", ".2f"),
     ("wall_s", "wall_s", ".3f"),
     ("accepted/drafted", "acceptance", "%"),
+    ("ms/step", "step_ms", ".2f"),
+    ("draft ms/step", "draft_step_ms", ".2f"),
 ]
 CODE_FIELDS = ("name", "email", "address", "phone", "city", "country", "company", "title", "notes")
 
@@ -90,27 +96,50 @@ def workload_specs(
 
 
 def run_mode(ctx: Context, specs: list[RequestSpec], spec_config: dict | None):
+    """Runs of the workload on one engine per mode, kept between repeats: its decode graphs (the
+    target's and the draft's) are captured in the first run, as a server's warm-up would, and the best
+    of the repeats is a steady engine's. No prefix caching, so that every run computes the same."""
+    engine = None
+
     def once():
-        engine = ctx.engine(
-            num_kv_blocks=num_blocks_for(specs, 16) + len(specs),
-            max_num_seqs=max(len(specs), 1),
-            speculative_config=spec_config,
-        )
+        nonlocal engine
+        if engine is None:
+            engine = ctx.engine(
+                num_kv_blocks=num_blocks_for(specs, 16) + len(specs),
+                max_num_seqs=max(len(specs), 1),
+                speculative_config=spec_config,
+                enable_prefix_caching=False,
+            )
+        scheduler, proposer = engine.scheduler, engine.proposer
+        before = spec_counts(scheduler) + (getattr(proposer, "propose_s", 0.0),)
         run = drive(engine, specs)
-        scheduler = engine.scheduler
-        drafted = scheduler.num_spec_draft_tokens
-        per_pos = scheduler.num_spec_accepted_per_pos
+        after = spec_counts(scheduler) + (getattr(proposer, "propose_s", 0.0),)
+        drafts, drafted, accepted = (a - b for a, b in zip(after[:3], before[:3], strict=True))
+        per_pos = [a - b for a, b in zip(after[3], before[3] + (0,) * len(after[3]), strict=False)]
+        steps = max(len(run.stats), 1)
         run.extra = {
-            "drafts": scheduler.num_spec_drafts,
+            "drafts": drafts,
             "drafted": drafted,
-            "accepted": scheduler.num_spec_accepted_tokens,
-            "acceptance": ratio(scheduler.num_spec_accepted_tokens, drafted) if drafted else 0.0,
-            "per_pos": ", ".join(f"{a / max(scheduler.num_spec_drafts, 1):.2f}" for a in per_pos) or "-",
+            "accepted": accepted,
+            "acceptance": ratio(accepted, drafted) if drafted else 0.0,
+            "per_pos": ", ".join(f"{a / max(drafts, 1):.2f}" for a in per_pos) or "-",
             "decode_tok_s": decode_rate(run.requests),
+            "step_ms": 1e3 * run.wall_s / steps,
+            "draft_step_ms": 1e3 * (after[4] - before[4]) / steps,
         }
         return run
 
     return once
+
+
+def spec_counts(scheduler) -> tuple:
+    """The scheduler's speculation counters so far: drafts, draft tokens, accepted, accepted per position."""
+    return (
+        scheduler.num_spec_drafts,
+        scheduler.num_spec_draft_tokens,
+        scheduler.num_spec_accepted_tokens,
+        tuple(scheduler.num_spec_accepted_per_pos),
+    )
 
 
 def decode_rate(requests) -> float:
@@ -123,11 +152,19 @@ def decode_rate(requests) -> float:
     return mean(rates)
 
 
-def run_case(ctx: Context, tokenizer, workload: str, streams: int, max_tokens: int) -> CaseResult:
+def method_of(spec_config: dict) -> str:
+    """The config's method as SpeculativeConfig reads it: draft_model when a model is given, else ngram."""
+    return spec_config.get("method") or ("draft_model" if spec_config.get("model") else "ngram")
+
+
+def run_case(
+    ctx: Context, tokenizer, workload: str, streams: int, max_tokens: int, spec_config: dict
+) -> CaseResult:
     specs = workload_specs(ctx, workload, tokenizer, streams, max_tokens)
-    modes = {"plain": run_mode(ctx, specs, None), "ngram": run_mode(ctx, specs, NGRAM)}
+    method = method_of(spec_config)
+    modes = {"plain": run_mode(ctx, specs, None), method: run_mode(ctx, specs, spec_config)}
     if streams > 1:
-        modes["ngram_always"] = run_mode(ctx, specs, {**NGRAM, "disable_by_batch_size": 1024})
+        modes[f"{method}_always"] = run_mode(ctx, specs, {**spec_config, "disable_by_batch_size": 1024})
     best, _ = compare(ctx, modes)
     plain = best["plain"]["decode_tok_s"]
     ratios = {
@@ -136,47 +173,50 @@ def run_case(ctx: Context, tokenizer, workload: str, streams: int, max_tokens: i
     name = f"{workload}@{streams}"
     ctx.print(f"\n=== {name} ===")
     ctx.print(mode_table(best, COLUMNS))
-    per_pos = best.get("ngram_always", best["ngram"])["per_pos"]
-    ctx.print(f"acceptance per position (ngram_always where it runs): {per_pos}")
-    return CaseResult(
-        name, {"workload": workload, "streams": streams, "max_tokens": max_tokens}, best, ratios
-    )
+    per_pos = best.get(f"{method}_always", best[method])["per_pos"]
+    ctx.print(f"acceptance per position ({method}_always where it runs): {per_pos}")
+    knobs = {"workload": workload, "streams": streams, "max_tokens": max_tokens, "method": method}
+    return CaseResult(name, knobs, best, ratios)
 
 
 def summary_rows(cases: list[CaseResult]) -> list[list[str]]:
     rows = []
     for c in cases:
-        ngram = c.modes.get("ngram_always", c.modes["ngram"])
-        always = c.ratios.get("ngram_always_speedup")
+        method = c.knobs["method"]
+        spec = c.modes.get(f"{method}_always", c.modes[method])
+        always = c.ratios.get(f"{method}_always_speedup")
         rows.append(
             [
                 c.knobs["workload"],
                 str(c.knobs["streams"]),
                 f"{c.modes['plain']['decode_tok_s']:.2f}",
-                f"{c.ratios['ngram_speedup']:.2f}x",
+                f"{c.ratios[f'{method}_speedup']:.2f}x",
                 "-" if always is None else f"{always:.2f}x",
-                f"{100 * ngram['acceptance']:.1f}%",
-                ngram["per_pos"],
+                f"{100 * spec['acceptance']:.1f}%",
+                spec["per_pos"],
             ]
         )
     return rows
 
 
-HEADERS = ["workload", "streams", "plain tok/s/stream", "ngram", "ngram_always", "accepted", "per position"]
+def headers(method: str) -> list[str]:
+    always = f"{method}_always"
+    return ["workload", "streams", "plain tok/s/stream", method, always, "accepted", "per position"]
 
 
 def verdicts(cases: list[CaseResult]) -> list[Verdict]:
     """One per case: one stream of repeat_text decodes faster; the other single streams lose at most
-    what the proposals' extra tokens cost (0.8x); 8 and 32 streams, where ngram does not speculate by
+    what the proposals' extra tokens cost (0.8x); 8 and 32 streams, where the proposals are off by
     default, are as fast as plain (0.95x: noise)."""
     out = []
     for c in cases:
-        s, streams, workload = c.ratios["ngram_speedup"], c.knobs["streams"], c.knobs["workload"]
+        method, streams, workload = c.knobs["method"], c.knobs["streams"], c.knobs["workload"]
+        s = c.ratios[f"{method}_speedup"]
         target = 1.0 if streams == 1 and workload == "repeat_text" else 0.8 if streams == 1 else 0.95
         passed = s > target if target == 1.0 else s >= target
         sign = ">" if target == 1.0 else ">="
         out.append(
-            Verdict(c.name, passed, f"ngram {s:.2f}x plain's decode speed (target {sign} {target:.2f}x)")
+            Verdict(c.name, passed, f"{method} {s:.2f}x plain's decode speed (target {sign} {target:.2f}x)")
         )
     return out
 
@@ -185,12 +225,14 @@ def run(ctx: Context) -> BenchResult:
     small = ctx.scale == "small"
     tokenizer = ctx.engine(num_kv_blocks=16).tokenizer
     max_tokens = SMALL_MAX_TOKENS if small else MAX_TOKENS
-    ctx.print("\n##### Speculative decoding: plain vs ngram (n-gram proposals, K = 3) #####")
+    spec_config = ctx.speculative_config or NGRAM
+    method = method_of(spec_config)
+    ctx.print(f"\n##### Speculative decoding: plain vs {method} ({json.dumps(spec_config)}) #####")
     cases = [
-        run_case(ctx, tokenizer, workload, streams, max_tokens)
+        run_case(ctx, tokenizer, workload, streams, max_tokens, spec_config)
         for streams in (SMALL_STREAMS if small else STREAMS)
         for workload in WORKLOADS
     ]
     ctx.print("\n=== Speculative decoding summary (decode speed-up over plain; acceptance) ===")
-    ctx.print(render_table(HEADERS, summary_rows(cases)))
+    ctx.print(render_table(headers(method), summary_rows(cases)))
     return BenchResult(NAME, cases, verdicts(cases), {})
