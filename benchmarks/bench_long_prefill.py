@@ -15,7 +15,7 @@ streamed greedy completion of --bystander-tokens tokens, ignore_eos) alone, then
 (each with its ratio to alone; return_token_ids streams a chunk per token, even of random weights' bytes
 that are no text yet), and the long prompt's time to first token (and its ratio to the first variant's).
 The variants run one server at a time.
-docs/engine.md, "Long prompts beside running streams", has the figures.
+docs/robustness.md, "Long prompts: the streams' gaps against the prompt's first token", has the figures.
 """
 
 from __future__ import annotations
