@@ -50,6 +50,18 @@ def stream_times(url: str, body: dict) -> list[float]:
     return times
 
 
+def first_token_time(url: str, body: dict) -> float:
+    """When the long prompt's one token arrived: its first streamed chunk, or, with prompt_logprobs (not
+    streamed, as in vLLM), its whole answer."""
+    if not body.get("prompt_logprobs"):
+        return stream_times(url, body)[0]
+    start = time.perf_counter()
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=3600)
+    if r.status_code != 200:
+        raise RuntimeError(f"{r.status_code}: {r.text[:500]}")
+    return time.perf_counter() - start
+
+
 def long_prompt(url: str, num_tokens: int) -> list[int]:
     text = WORDS * (num_tokens // 10 + 1)
     ids = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
@@ -87,7 +99,7 @@ def measure(
 
     def send_long():
         time.sleep(delay)
-        found["ttft"] = stream_times(url, long_body)[0]
+        found["ttft"] = first_token_time(url, long_body)
 
     worker = threading.Thread(target=send_long)
     worker.start()
