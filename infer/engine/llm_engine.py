@@ -93,7 +93,8 @@ def prompt_logprob_token_cost(model, model_config) -> float:
     """A prompt token whose logprobs are computed, in the cost of a plain one: its row of the LM head and
     a pass over its vocabulary's logits (log-softmax, top-N) on top of the model's per-token work."""
     head = model_config.vocab_size * model_config.hidden_size
-    total = sum(p.numel() for p in model.parameters())
+    # prepacked and quantized weights are buffers, not parameters: both count
+    total = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
     body = max(total - head, 1)  # the embedding's lookup costs nothing per token; a tied one is counted once
     return 1.0 + 2 * head / body
 

@@ -113,3 +113,23 @@ def test_nothing_is_kept_for_a_refused_request_nor_computed_twice(tiny):
     assert llm.engine.scheduler.num_preemptions > 0 and computed
     assert all(pending for _, pending in computed)  # never for a request that had its logprobs
     assert [r.token_ids for r in results] == plain
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_prompt_with_logprobs_is_prefilled_in_chunks_not_a_token_a_step(quantization, monkeypatch):
+    """A prompt-logprob token costs its LM-head row on top of a plain token's work: a few plain tokens' cost,
+    counted over every weight the model holds (prepacked and quantized ones are buffers, not parameters;
+    counting parameters alone priced a token at ~1,600 plain ones, and the prompt took a step a token)."""
+    llm = LLM(quantization=quantization)  # the embedded model
+    engine = llm.engine
+    cost = engine.scheduler.prompt_logprob_token_cost
+    assert 1 < cost < 4
+    steps = []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
+    prompt = " ".join(["And God said, Let there be light: and there was light."] * 30)
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))
+    num_prompt = out.num_prompt_tokens
+    assert num_prompt > 300
+    budget = engine.scheduler_config.max_num_batched_tokens
+    assert len(steps) <= 2 + num_prompt * cost / budget
