@@ -270,15 +270,9 @@ class SpeculativeConfig:
         """A config from the flag's JSON text, a dict of its fields, or itself; None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from exc
-        if not isinstance(value, dict):
+        if not isinstance(value, (str, dict)):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        value = _json_object("speculative_config", value)
         unknown = sorted(set(value) - set(SPECULATIVE_FIELDS))
         if unknown:
             raise ValueError(
@@ -301,7 +295,7 @@ def _json_object(name: str, value: dict | str | None) -> dict | None:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name} is not valid JSON: {exc}") from exc
     if not isinstance(parsed, dict):
-        raise ValueError(f"{name} must be a JSON object, e.g. '{{\"architectures\": [...]}}'")
+        raise ValueError(f"{name} must be a JSON object, got {parsed!r}")
     return parsed
 
 
