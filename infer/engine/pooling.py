@@ -17,19 +17,17 @@ import math
 from pathlib import Path
 
 from infer.config import DEFAULT_TOKEN_BUDGET, EngineConfig
+from infer.engine.pooling_architectures import (  # noqa: F401 (the engine's names for them)
+    DECODER_ARCHITECTURES,
+    DECODER_CLASSIFIERS,
+    POOLING_ARCHITECTURES,
+    pooling_task,
+)
 from infer.engine.tokenizer import load_tokenizer
 from infer.models.loader import load_engine_model, read_config, resolve_model_path
-from infer.models.pooler_config import CLASSIFY, EMBED, read_pooler_config
+from infer.models.pooler_config import CLASSIFY, read_pooler_config
 from infer.models.st_dense import DenseStack
 from infer.runner.pooling_runner import PoolingInput, PoolingRunner
-
-# decoders with a score head (infer.models.decoder_classifier): Qwen3-Reranker, as converted or with
-# vLLM's --hf-overrides
-DECODER_CLASSIFIERS = (
-    "Qwen3ForSequenceClassification",
-    "Qwen2ForSequenceClassification",
-    "LlamaForSequenceClassification",
-)
 
 # A pooling forward's token budget where --max-num-batched-tokens is left at its default (generation's
 # 2048, which bounds a step that decodes beside a prefill): a pooling batch has no decodes to keep
@@ -37,39 +35,6 @@ DECODER_CLASSIFIERS = (
 # machine makes dear. 32 texts of 128 tokens are one forward instead of two: BGE-small's shape took ~30%
 # less time in-process on a loaded Sapphire Rapids (2 cores); Qwen3-Embedding-0.6B's was unchanged.
 POOLING_TOKEN_BUDGET = 8192
-
-# architectures that are pooling models whatever --runner says (encoders, cross-encoders, decoder bodies)
-POOLING_ARCHITECTURES = {
-    "BertModel": EMBED,
-    "XLMRobertaModel": EMBED,
-    "Qwen3Model": EMBED,
-    "LlamaModel": EMBED,
-    "BertForSequenceClassification": CLASSIFY,
-    "XLMRobertaForSequenceClassification": CLASSIFY,
-    **dict.fromkeys(DECODER_CLASSIFIERS, CLASSIFY),
-}
-DECODER_ARCHITECTURES = (
-    "Qwen3Model",
-    "LlamaModel",
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    *DECODER_CLASSIFIERS,
-)
-
-
-def pooling_task(architecture: str, runner: str) -> str | None:
-    """EMBED, CLASSIFY, or None for a generation model. ValueError where `runner` cannot serve it."""
-    task = POOLING_ARCHITECTURES.get(architecture)
-    if runner == "generate" and task is not None:
-        raise ValueError(
-            f"{architecture} has no LM head: it cannot generate text; serve it with --runner pooling"
-        )
-    if runner == "pooling" and task is None:
-        if architecture not in DECODER_ARCHITECTURES:
-            raise ValueError(f"{architecture} cannot serve as a pooling model (--runner pooling)")
-        task = EMBED
-    return task
 
 
 def model_task(config: EngineConfig) -> str | None:
