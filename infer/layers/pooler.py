@@ -17,14 +17,22 @@ import torch.nn.functional as F
 POOLING_TYPES = ("CLS", "MEAN", "LAST")
 
 
-def pool(hidden: torch.Tensor, seq_lens: list[int], pooling_type: str) -> torch.Tensor:
-    """[num_tokens, hidden_size] -> [num_seqs, hidden_size] float32."""
+def pooled_rows(seq_lens: list[int], pooling_type: str) -> torch.Tensor | None:
+    """The one row of each sequence that a CLS or LAST pooler reads, [num_seqs]; None for MEAN."""
     lens = torch.tensor(seq_lens)
     starts = torch.cumsum(lens, 0) - lens
     if pooling_type == "CLS":
-        return hidden[starts].float()
+        return starts
     if pooling_type == "LAST":
-        return hidden[starts + lens - 1].float()
+        return starts + lens - 1
+    return None
+
+
+def pool(hidden: torch.Tensor, seq_lens: list[int], pooling_type: str) -> torch.Tensor:
+    """[num_tokens, hidden_size] -> [num_seqs, hidden_size] float32."""
+    if pooling_type in ("CLS", "LAST"):
+        return hidden[pooled_rows(seq_lens, pooling_type)].float()
+    lens = torch.tensor(seq_lens)
     if pooling_type == "MEAN":
         seq_of_row = torch.repeat_interleave(torch.arange(len(seq_lens)), lens)  # [num_tokens]
         sums = torch.zeros(len(seq_lens), hidden.shape[-1]).index_add_(0, seq_of_row, hidden.float())

@@ -48,8 +48,13 @@ class PaddedLayout:
 def bidirectional_attention(q, k, v, layout: PaddedLayout, scale: float) -> torch.Tensor:
     """q, k, v: [num_tokens, num_heads, head_dim] of packed sequences -> the same shape, each token
     attending to every token of its own sequence. Sequences are padded to the longest and masked: one
-    SDPA call for the batch, where a call per sequence costs tens of microseconds each."""
+    SDPA call for the batch, where a call per sequence costs tens of microseconds each.
+
+    q may instead hold one query per sequence [num_seqs, num_heads, head_dim] (the row a pooler reads):
+    then the result has that shape, each query over its own sequence's keys."""
     n, longest, heads = layout.num_seqs, layout.longest, q.shape[1:]
+    if q.shape[0] == n and k.shape[0] != n:  # one query per sequence
+        return _one_query_per_sequence(q, k, v, layout, scale)
     if layout.rows is None:  # no padding: a view
         q, k, v = (t.reshape(n, longest, *heads).transpose(1, 2) for t in (q, k, v))  # [n, heads, len, dim]
         out = F.scaled_dot_product_attention(q, k, v, scale=scale)
@@ -60,6 +65,22 @@ def bidirectional_attention(q, k, v, layout: PaddedLayout, scale: float) -> torc
         padded.append(buf.view(n, longest, *heads).transpose(1, 2))  # [n, num_heads, longest, head_dim]
     out = F.scaled_dot_product_attention(*padded, attn_mask=layout.mask, scale=scale)
     return out.transpose(1, 2).reshape(n * longest, *heads).index_select(0, layout.rows)
+
+
+def _one_query_per_sequence(q, k, v, layout: PaddedLayout, scale: float) -> torch.Tensor:
+    n, longest, heads = layout.num_seqs, layout.longest, k.shape[1:]
+    if layout.rows is None:
+        k, v = (t.reshape(n, longest, *heads).transpose(1, 2) for t in (k, v))  # [n, heads, len, dim]
+    else:
+        k, v = (
+            t.new_zeros(n * longest, *heads)
+            .index_copy_(0, layout.rows, t)
+            .view(n, longest, *heads)
+            .transpose(1, 2)
+            for t in (k, v)
+        )
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=layout.mask, scale=scale)
+    return out.squeeze(2)  # [n, heads, dim]
 
 
 class BertEmbeddings(nn.Module):
@@ -84,13 +105,15 @@ class BertSelfAttention(nn.Module):
         size = cfg.num_heads * cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [size, size, size], bias=True)
 
-    def forward(self, x: torch.Tensor, layout: PaddedLayout) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, layout: PaddedLayout, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """rows: the tokens whose outputs are wanted (one per sequence), else every token's."""
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         shape = (-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        out = bidirectional_attention(
-            q.reshape(shape), k.reshape(shape), v.reshape(shape), layout, self.head_dim**-0.5
-        )
-        return out.flatten(1)  # [num_tokens, hidden_size]
+        q = q.reshape(shape) if rows is None else q.index_select(0, rows).reshape(shape)
+        out = bidirectional_attention(q, k.reshape(shape), v.reshape(shape), layout, self.head_dim**-0.5)
+        return out.flatten(1)  # [num_tokens or len(rows), hidden_size]
 
 
 class BertSelfOutput(nn.Module):
@@ -111,8 +134,9 @@ class BertAttention(nn.Module):
         setattr(self, "self", BertSelfAttention(cfg))  # noqa: B010 (transformers' name, a Python keyword)
         self.output = BertSelfOutput(cfg.hidden_size, cfg)
 
-    def forward(self, x, layout):
-        return self.output(self.self(x, layout), x)
+    def forward(self, x, layout, rows=None):
+        residual = x if rows is None else x.index_select(0, rows)
+        return self.output(self.self(x, layout, rows), residual)
 
 
 class BertIntermediate(nn.Module):
@@ -132,8 +156,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertSelfOutput(cfg.intermediate_size, cfg)
 
-    def forward(self, x, layout):
-        h = self.attention(x, layout)
+    def forward(self, x, layout, rows=None):
+        h = self.attention(x, layout, rows)
         return self.output(self.intermediate(h), h)
 
 
@@ -142,10 +166,12 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
 
-    def forward(self, h, layout):
-        for layer in self.layer:
+    def forward(self, h, layout, rows=None):
+        """rows: where only those tokens' final states are wanted (a CLS pooler's), the last layer
+        computes only them: their queries over all the keys, and their output projection and MLP."""
+        for layer in self.layer[:-1]:
             h = layer(h, layout)
-        return h
+        return self.layer[-1](h, layout, rows)
 
 
 class BertModel(nn.Module):
@@ -154,6 +180,7 @@ class BertModel(nn.Module):
 
     # checkpoint prefixes of the encoder inside the task models (BertForMaskedLM, ...)
     prefixes = ("bert.", "roberta.")
+    computes_pooled_rows = True  # forward(..., rows=): the last layer for the pooled tokens alone
     packed_modules = {"qkv_proj": ("query", "key", "value")}
     tp_plan: dict[str, str] = {}
 
@@ -180,11 +207,15 @@ class BertModel(nn.Module):
     def input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, token_type_ids=None) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, meta: AttentionMetadata, token_type_ids=None, rows=None
+    ) -> torch.Tensor:
+        """[num_tokens, hidden_size]; with `rows` (one token per sequence: the row its pooler reads),
+        those tokens' states alone [len(rows), hidden_size], the last layer run for them only."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         h = self.embeddings(input_ids, positions, token_type_ids)
-        return self.encoder(h, PaddedLayout.of(meta.query_lens))  # [num_tokens, hidden_size]
+        return self.encoder(h, PaddedLayout.of(meta.query_lens), rows)
 
 
 class BertForSequenceClassification(BertModel):

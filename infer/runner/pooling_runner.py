@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.layers.attention_metadata import AttentionMetadata
-from infer.layers.pooler import normalize, pool, truncate_dimensions
+from infer.layers.pooler import normalize, pool, pooled_rows, truncate_dimensions
 
 
 @dataclass
@@ -54,11 +54,17 @@ class PoolingRunner:
         types = None
         if any(x.token_type_ids for x in inputs):
             types = torch.tensor([t for x in inputs for t in (x.token_type_ids or [0] * len(x.token_ids))])
-        hidden = self.model(input_ids, positions, AttentionMetadata.prefill_only(seq_lens), types)
+        meta = AttentionMetadata.prefill_only(seq_lens)
+        rows = pooled_rows(seq_lens, self.pooling_type)
+        if rows is not None and getattr(self.model, "computes_pooled_rows", False):
+            # the model's last layer runs for the pooled rows alone: [num_seqs, hidden_size]
+            pooled = self.model(input_ids, positions, meta, types, rows=rows).float()
+        else:
+            pooled = pool(self.model(input_ids, positions, meta, types), seq_lens, self.pooling_type)
         if self.classify:
             # a cross-encoder's first token ([CLS]), a decoder classifier's last (the pooler's type)
-            return self._scores(pool(hidden, seq_lens, self.pooling_type), inputs)
-        pooled = pool(hidden, seq_lens, self.pooling_type)  # [num_seqs, hidden_size] float32
+            return self._scores(pooled, inputs)
+        # pooled: [num_seqs, hidden_size] float32
         if self.project is not None:
             pooled = self.project(pooled)  # [num_seqs, embedding size]
         if self.normalize:
