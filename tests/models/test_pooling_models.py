@@ -279,3 +279,23 @@ def test_dense_modules_it_cannot_compute_are_refused(tmp_path):
             load_dense(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config))  # no activation named: Tanh, the default
     assert load_dense(tmp_path).activation is torch.tanh
+
+
+@pytest.mark.parametrize("pooling", ["CLS", "LAST"])
+@pytest.mark.parametrize("lens", [[5, 9, 3], [6, 6]])  # padded and masked, and all alike (no mask)
+def test_encoder_last_layer_for_the_pooled_rows_alone_equals_the_full_forward(tmp_path, pooling, lens):
+    from infer.layers.attention_metadata import AttentionMetadata
+    from infer.layers.pooler import pool, pooled_rows
+
+    engine = _engine(build_embedder(tmp_path / "m", "bert", "cls_token"))
+    model = engine.runner.model
+    assert model.computes_pooled_rows
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(5, engine.model_config.vocab_size, (sum(lens),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    meta = AttentionMetadata.prefill_only(lens)
+    with torch.inference_mode():
+        full = pool(model(input_ids, positions, meta), lens, pooling)
+        only = model(input_ids, positions, meta, rows=pooled_rows(lens, pooling))
+    assert only.shape == (len(lens), engine.model_config.hidden_size)
+    torch.testing.assert_close(only.float(), full, atol=1e-5, rtol=1e-5)
