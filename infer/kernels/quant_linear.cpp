@@ -340,11 +340,25 @@ struct Activations {
   std::vector<float> sums;   // [M][groups]: sum of xq over each group (zero points)
 };
 
-// kRowMajor (the AMX tiles' A operand): q holds x's rows as [M][K] signed bytes, unshifted
+// A thread's scratch, kept from call to call: a one-token decode step makes ~4 calls a layer, and
+// fresh zeroed buffers in each cost as much as the call's own work on a small weight. Every entry a
+// call reads, it has written first.
+template <typename T>
+T* scratch(std::vector<T>& buf, int64_t n) {
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// kRowMajor (the AMX tiles' A operand): q holds x's rows as [M][K] signed bytes, unshifted. The result
+// is the calling thread's (see scratch), valid until its next call.
 template <bool kRowMajor = false>
-Activations quantize_x(const Problem& P) {
+const Activations& quantize_x(const Problem& P) {
   const int64_t groups = P.K / P.group;
-  Activations A{std::vector<int32_t>(P.M * P.K / 4), std::vector<float>(P.M), std::vector<float>(P.M * groups)};
+  thread_local Activations mine;
+  Activations& A = mine;  // the calling thread's: the workers below write into it, not into their own
+  scratch(A.q, P.M * P.K / 4);
+  scratch(A.scale, P.M);
+  scratch(A.sums, P.M * groups);
   const int shift = P.bits == 8 && !kRowMajor ? 128 : 0;
   at::parallel_for(0, P.M, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
@@ -527,17 +541,19 @@ void batch_tile_a8(const Problem& P, const Activations& A, int64_t b0, __m512i* 
 }
 
 void run_a8(const Problem& P) {
-  const Activations A = quantize_x(P);
+  const Activations& A = quantize_x(P);
   const int64_t blocks = P.N / kLanes, tiles = (blocks + 1) / 2;
   const int64_t step_quads = std::max<int64_t>(kBlockK, P.group) / 4;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> buf(step_quads * 2);
-    std::vector<__m512> c(P.M * 2);
+    thread_local std::vector<__m512i> buf_store;
+    thread_local std::vector<__m512> c_store;
+    __m512i* buf = scratch(buf_store, step_quads * 2);
+    __m512* c = scratch(c_store, P.M * 2);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b0 = t * 2;
       const bool pair = b0 + 1 < blocks;
-      if (P.bits == 8) pair ? batch_tile_a8<8, 2>(P, A, b0, buf.data(), c.data()) : batch_tile_a8<8, 1>(P, A, b0, buf.data(), c.data());
-      else pair ? batch_tile_a8<4, 2>(P, A, b0, buf.data(), c.data()) : batch_tile_a8<4, 1>(P, A, b0, buf.data(), c.data());
+      if (P.bits == 8) pair ? batch_tile_a8<8, 2>(P, A, b0, buf, c) : batch_tile_a8<8, 1>(P, A, b0, buf, c);
+      else pair ? batch_tile_a8<4, 2>(P, A, b0, buf, c) : batch_tile_a8<4, 1>(P, A, b0, buf, c);
     }
   });
 }
@@ -651,7 +667,7 @@ void amx_rows_a8(const Problem& P, const Activations& A, int8_t* w, int64_t b0, 
 }
 
 void run_amx_a8(const Problem& P) {
-  const Activations A = quantize_x<true>(P);
+  const Activations& A = quantize_x<true>(P);
   const int64_t blocks = P.N / kLanes, tiles = (blocks + 1) / 2;
   const int64_t block_rows = std::max<int64_t>(kAmxRows, kAmxBlockBytes / P.K / kAmxRows * kAmxRows);
   for (int64_t m0 = 0; m0 < P.M; m0 += block_rows) {
@@ -660,8 +676,11 @@ void run_amx_a8(const Problem& P) {
       const infer_amx::TileConfig full = infer_amx::rows_config(kAmxRows, amx_depth(P));
       const infer_amx::TileConfig tail = infer_amx::rows_config((m1 - m0) % kAmxRows, amx_depth(P));
       const infer_amx::TileConfig* loaded = nullptr;
-      std::vector<__m512i> buf(P.K / 2);  // two blocks' B tiles: K x 32 bytes
-      int8_t* w = reinterpret_cast<int8_t*>(buf.data());
+      // two blocks' B tiles: K x 32 bytes, or 2 x 64 (or 32) inputs x 16 bytes where one pass of rows
+      // streams them (amx_rows_a8)
+      thread_local std::vector<__m512i> buf;
+      const int64_t depth = amx_depth(P);
+      int8_t* w = reinterpret_cast<int8_t*>(scratch(buf, m1 - m0 <= kAmxRows ? 2 * depth * 16 / 64 : P.K / 2));
       for (int64_t t = begin; t < end; ++t) {
         const int64_t b0 = 2 * t;
         const bool pair = b0 + 1 < blocks;

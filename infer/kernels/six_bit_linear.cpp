@@ -215,8 +215,13 @@ at::Tensor six_bit_linear(const at::Tensor& x, const at::Tensor& codes, const at
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  std::vector<int32_t> xq(M * K / 4);
-  std::vector<float> xs(M), shift(M * (K / kSub));
+  // the calling thread's, kept from call to call (a decode step makes several calls a layer): every
+  // entry is written by quantize_rows before it is read
+  thread_local std::vector<int32_t> xq;
+  thread_local std::vector<float> xs, shift;
+  if (static_cast<int64_t>(xq.size()) < M * K / 4) xq.resize(M * K / 4);
+  if (static_cast<int64_t>(xs.size()) < M) xs.resize(M);
+  if (static_cast<int64_t>(shift.size()) < M * (K / kSub)) shift.resize(M * (K / kSub));
   quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, xq, xs, shift);
   const Problem P{static_cast<const uint8_t*>(codes.data_ptr()),
                   sub_scales.data_ptr<int8_t>(),
