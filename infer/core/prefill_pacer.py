@@ -44,9 +44,11 @@ schedule can do and how to measure the tradeoff.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from infer.core.request import Request
 
@@ -59,6 +61,17 @@ PREFILL_SAMPLES = 8  # recent chunks kept
 SPEND_SHARE = 0.8  # of a credit a chunk may be priced at
 STALL_FACTOR = 2.0  # a chunk is charged at most this many times its price
 RATE_SAMPLES = 3  # the latest chunks of about a size whose median cost per token prices the next
+PROMPT_SLOWDOWN = 1.5  # a prompt's time to first token held behind streams, at most this x its time alone
+
+
+class NextPrompt(NamedTuple):
+    """The prompt a step's prefill serves first: its prefill's cost units still to run and in all, and
+    the seconds since it arrived."""
+
+    req: Request
+    remaining: int
+    total: int
+    waited: float
 
 
 class PrefillPacer:
@@ -72,6 +85,7 @@ class PrefillPacer:
         # (prefill cost units, seconds over a decode-only step) of recent steps that carried a chunk
         self.prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_SAMPLES)
         self.steps_since_decode_only = 0  # paced steps since the last decode-only one
+        self.prompt_first: Request | None = None  # a prompt whose whole prefill runs before the streams
 
     @property
     def enabled(self) -> bool:
@@ -116,10 +130,13 @@ class PrefillPacer:
         req.pace_credit = min(req.pace_credit, (self.slowdown - 1) * decode * CREDIT_TOKENS)
         return req.pace_credit
 
-    def prefill_limit(self, decodes: Sequence[Request], wanted: int) -> int | None:
+    def prefill_limit(
+        self, decodes: Sequence[Request], wanted: int, prompt: NextPrompt | None = None
+    ) -> int | None:
         """The prefill cost units a step with these decodes may carry (0: a decode-only step); None: not
         paced. wanted: the units of the chunks the step would carry unpaced (the budget, a long prompt's
-        threshold, a prompt's last chunk)."""
+        threshold, a prompt's last chunk); prompt: the one those chunks serve first, whose whole remaining
+        prefill the credit must pay for chunks to share the steps (else an order: module docstring)."""
         if not self.enabled or not decodes:
             return None
         decode = self.decode_seconds(len(decodes))
@@ -127,23 +144,55 @@ class PrefillPacer:
             self.steps_since_decode_only = 0
             return 0  # measures what the decodes cost alone
         credits = [self.credit_of(r, decode) for r in decodes]
-        poorest = decodes[min(range(len(decodes)), key=credits.__getitem__)]
         wanted = max(1, wanted)
         per_unit, measured = self.seconds_per_unit(wanted, len(decodes))
         # a margin for what the price misses: attention grows with the context a chunk reaches
         affordable = int(SPEND_SHARE * min(credits) / per_unit)
         self.steps_since_decode_only += 1
-        if affordable >= wanted:
-            return wanted
+        if prompt is not None and prompt.req is self.prompt_first:
+            return wanted  # its order was chosen: the whole budget to its end
+        self.prompt_first = None
+        if affordable >= max(wanted, prompt.remaining if prompt else 0):
+            return wanted  # the credit pays for the whole prefill: chunks beside the streams
         if not measured and affordable >= MIN_PREFILL_TOKENS:
             return affordable  # a guessed price: the chunk it buys measures it
-        cap = (self.slowdown - 1) * decode * CREDIT_TOKENS
-        if poorest.pace_credit >= 0.999 * cap:
-            return max(affordable, MIN_PREFILL_TOKENS)  # the cap buys less than a chunk: progress anyway
-        if poorest.pace_credited_tokens >= poorest.sampling_params.max_tokens and affordable >= wanted / 4:
-            return affordable  # all its credit is earned: what it buys, or the prompt waits for its end
+        if prompt is not None and self.prompt_goes_first(decodes, credits, decode, per_unit, wanted, prompt):
+            self.prompt_first = prompt.req
+            return wanted
         self.steps_since_decode_only = 0
-        return 0  # a decode-only step: earns, and measures what the decodes cost alone
+        return 0  # the streams first: a decode-only step, which earns and measures the decodes alone
+
+    def prompt_goes_first(
+        self,
+        decodes: Sequence[Request],
+        credits: Sequence[float],
+        decode: float,
+        per_unit: float,
+        chunk: int,
+        prompt: NextPrompt,
+    ) -> bool:
+        """Whether the prompt's whole remaining prefill runs before the streams end (else they run first):
+        held behind the streams, the prompt waits for the longest; run first, it stalls every stream for
+        its whole prefill, which a stream's remaining slowdown budget (its credit and what its tokens
+        still to come earn) may not cover. The streams go first when that keeps the prompt within
+        PROMPT_SLOWDOWN x its time to first token alone, or when the prompt going first would break the
+        bound of a stream that was there before it (a stream's bound is kept where only one can hold);
+        a stream that came after the prompt does not hold it past its bound (no prompt starves behind a
+        line of newcomers)."""
+        charge = prompt.remaining * per_unit  # what the prompt's chunks cost each stream, run first
+        left = charge + math.ceil(prompt.remaining / chunk) * decode  # its prefill from here, alone
+        alone = prompt.total * per_unit + math.ceil(prompt.total / chunk) * decode
+        streams_left = (
+            max(max(0, r.sampling_params.max_tokens - r.num_output_tokens) for r in decodes) * decode
+        )
+        if prompt.waited + streams_left + left <= PROMPT_SLOWDOWN * alone:
+            return False  # the streams first keep every bound
+        for req, credit in zip(decodes, credits, strict=True):
+            unearned = max(0, req.sampling_params.max_tokens - req.pace_credited_tokens)
+            budget = credit + (self.slowdown - 1) * decode * unearned
+            if SPEND_SHARE * budget < charge and req.arrival_time <= prompt.req.arrival_time:
+                return False
+        return True
 
     def observe(self, decodes: Sequence[Request], prefill_units: int, seconds: float) -> None:
         """The last step, with these decodes and prefill_units of prefill, took seconds."""
