@@ -15,20 +15,33 @@ the prompt pay 2.4-2.9x its time to first token. Instead each stream holds a slo
     of the latest chunks of about that size (a stall of a busy machine is not the prefill's doing);
   - a step beside decodes carries a whole planned chunk (the budget, or --long-prefill-token-threshold
     for a long prompt: large chunks are the efficient ones) when SPEND_SHARE of the poorest decode's
-    credit pays for it (a margin for what the price misses: attention grows with the context); a
-    smaller one, a quarter of it at least, only when that credit cannot grow any more (all its
-    max_tokens are earned, or it holds the cap); else none: a decode-only step, which earns.
+    credit pays for the whole remaining prefill of the prompt the step serves first (a margin for what
+    the price misses: attention grows with the context).
 
-So a stream's time beside prefills is at most about max_decode_slowdown x its time alone (plus the
-lookahead's worth when it stops early, on EOS or a stop string), and a prompt's prefill pays only the
-decode-only steps that run while its streams' credit is spent. Paper bounds, for a prompt of prefill
-time T beside a stream of remaining time alone A (the whole budget to the prompt takes T, as
-`--max-decode-slowdown 0`): at max_decode_slowdown 2, both the stream within 2x and the prompt
-within 1.5x hold when T <= A (the whole prefill is spent from the credit) or T >= 2A (the stream's
-decodes, A, are at most half of T); for A < T < 2A no schedule holds both (the one that finishes first
-pays the other's whole time), and the pacer keeps the stream's bound. A decode in a step that also
-carries a chunk costs the prompt little on a CPU (the weights are read once for both), which narrows
-that gap.
+When the credit cannot pay for that whole prefill, sharing the steps helps nobody: a chunk spent beside a
+stream that outlasts its credit delays the stream, and the prompt still waits for the stream's end. So
+one order is chosen instead (prompt_goes_first), from the prompt's remaining prefill T (its cost units
+at the measured price, in whole chunks) and each stream's remaining time alone A ((max_tokens - made) x
+its decode pace) and remaining slowdown budget (its credit and what its tokens to come still earn):
+
+  - the streams first (decode-only steps, which earn, until they end or their credit pays for the
+    rest) when the prompt, having waited W since it arrived, still gets its first token within
+    PROMPT_SLOWDOWN x its time alone: W + max A + T <= 1.5 x its whole prefill;
+  - else the prompt first, the whole budget to the end of its prefill (as --max-decode-slowdown 0),
+    unless that breaks the budget of a stream that was running before the prompt arrived: where only
+    one bound can hold, the stream's is kept. A stream that came after the prompt does not hold it
+    past its 1.5x, so a prompt does not starve behind a line of new streams: it waits at most for the
+    streams that were there before it (each shorter than its prefill, or its budget would cover it).
+
+Paper bounds, for a prompt of prefill time T beside a stream of remaining time alone A, at
+max_decode_slowdown 2: T <= A, the credit pays for it (or, the credit being capped, the stream's
+budget does and the prompt goes first): both hold; T >= 2A, the stream goes first and the prompt waits
+A <= T/2: both hold; A < T < 2A, no schedule holds both (whichever finishes first pays the other's whole
+time): the stream goes first and keeps 1x, the prompt pays (A + T) / T, up to 2x; if the stream arrived
+after the prompt, the prompt goes first and the stream pays (A + T) / A, up to 3x. A stream that stops
+early (EOS, a stop string) was counted for all its max_tokens: after a prompt that went first, it may
+end past its bound. A decode in a step that also carries a chunk costs the prompt little on a CPU (the
+weights are read once for both), which narrows the band.
 
 Before a chunk of about the wanted size was measured, a prefill token is priced at a decode step /
 PRIOR_TOKENS_PER_DECODE, or at the largest smaller chunk's cost per token if lower: both on the safe side
