@@ -15,20 +15,33 @@ the prompt pay 2.4-2.9x its time to first token. Instead each stream holds a slo
     of the latest chunks of about that size (a stall of a busy machine is not the prefill's doing);
   - a step beside decodes carries a whole planned chunk (the budget, or --long-prefill-token-threshold
     for a long prompt: large chunks are the efficient ones) when SPEND_SHARE of the poorest decode's
-    credit pays for it (a margin for what the price misses: attention grows with the context); a
-    smaller one, a quarter of it at least, only when that credit cannot grow any more (all its
-    max_tokens are earned, or it holds the cap); else none: a decode-only step, which earns.
+    credit pays for the whole remaining prefill of the prompt the step serves first (a margin for what
+    the price misses: attention grows with the context).
 
-So a stream's time beside prefills is at most about max_decode_slowdown x its time alone (plus the
-lookahead's worth when it stops early, on EOS or a stop string), and a prompt's prefill pays only the
-decode-only steps that run while its streams' credit is spent. Paper bounds, for a prompt of prefill
-time T beside a stream of remaining time alone A (the whole budget to the prompt takes T, as
-`--max-decode-slowdown 0`): at max_decode_slowdown 2, both the stream within 2x and the prompt
-within 1.5x hold when T <= A (the whole prefill is spent from the credit) or T >= 2A (the stream's
-decodes, A, are at most half of T); for A < T < 2A no schedule holds both (the one that finishes first
-pays the other's whole time), and the pacer keeps the stream's bound. A decode in a step that also
-carries a chunk costs the prompt little on a CPU (the weights are read once for both), which narrows
-that gap.
+When the credit cannot pay for that whole prefill, sharing the steps helps nobody: a chunk spent beside a
+stream that outlasts its credit delays the stream, and the prompt still waits for the stream's end. So
+one order is chosen instead (prompt_goes_first), from the prompt's remaining prefill T (its cost units
+at the measured price, in whole chunks) and each stream's remaining time alone A ((max_tokens - made) x
+its decode pace) and remaining slowdown budget (its credit and what its tokens to come still earn):
+
+  - the streams first (decode-only steps, which earn, until they end or their credit pays for the
+    rest) when the prompt, having waited W since it arrived, still gets its first token within
+    PROMPT_SLOWDOWN x its time alone: W + max A + T <= 1.5 x its whole prefill;
+  - else the prompt first, the whole budget to the end of its prefill (as --max-decode-slowdown 0),
+    unless that breaks the budget of a stream that was running before the prompt arrived: where only
+    one bound can hold, the stream's is kept. A stream that came after the prompt does not hold it
+    past its 1.5x, so a prompt does not starve behind a line of new streams: it waits at most for the
+    streams that were there before it (each shorter than its prefill, or its budget would cover it).
+
+Paper bounds, for a prompt of prefill time T beside a stream of remaining time alone A, at
+max_decode_slowdown 2: T <= A, the credit pays for it (or, the credit being capped, the stream's
+budget does and the prompt goes first): both hold; T >= 2A, the stream goes first and the prompt waits
+A <= T/2: both hold; A < T < 2A, no schedule holds both (whichever finishes first pays the other's whole
+time): the stream goes first and keeps 1x, the prompt pays (A + T) / T, up to 2x; if the stream arrived
+after the prompt, the prompt goes first and the stream pays (A + T) / A, up to 3x. A stream that stops
+early (EOS, a stop string) was counted for all its max_tokens: after a prompt that went first, it may
+end past its bound. A decode in a step that also carries a chunk costs the prompt little on a CPU (the
+weights are read once for both), which narrows the band.
 
 Before a chunk of about the wanted size was measured, a prefill token is priced at a decode step /
 PRIOR_TOKENS_PER_DECODE, or at the largest smaller chunk's cost per token if lower: both on the safe side
@@ -44,9 +57,11 @@ schedule can do and how to measure the tradeoff.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from infer.core.request import Request
 
@@ -59,6 +74,17 @@ PREFILL_SAMPLES = 8  # recent chunks kept
 SPEND_SHARE = 0.8  # of a credit a chunk may be priced at
 STALL_FACTOR = 2.0  # a chunk is charged at most this many times its price
 RATE_SAMPLES = 3  # the latest chunks of about a size whose median cost per token prices the next
+PROMPT_SLOWDOWN = 1.5  # a prompt's time to first token held behind streams, at most this x its time alone
+
+
+class NextPrompt(NamedTuple):
+    """The prompt a step's prefill serves first: its prefill's cost units still to run and in all, and
+    the seconds since it arrived."""
+
+    req: Request
+    remaining: int
+    total: int
+    waited: float
 
 
 class PrefillPacer:
@@ -72,6 +98,7 @@ class PrefillPacer:
         # (prefill cost units, seconds over a decode-only step) of recent steps that carried a chunk
         self.prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_SAMPLES)
         self.steps_since_decode_only = 0  # paced steps since the last decode-only one
+        self.prompt_first: Request | None = None  # a prompt whose whole prefill runs before the streams
 
     @property
     def enabled(self) -> bool:
@@ -116,10 +143,13 @@ class PrefillPacer:
         req.pace_credit = min(req.pace_credit, (self.slowdown - 1) * decode * CREDIT_TOKENS)
         return req.pace_credit
 
-    def prefill_limit(self, decodes: Sequence[Request], wanted: int) -> int | None:
+    def prefill_limit(
+        self, decodes: Sequence[Request], wanted: int, prompt: NextPrompt | None = None
+    ) -> int | None:
         """The prefill cost units a step with these decodes may carry (0: a decode-only step); None: not
         paced. wanted: the units of the chunks the step would carry unpaced (the budget, a long prompt's
-        threshold, a prompt's last chunk)."""
+        threshold, a prompt's last chunk); prompt: the one those chunks serve first, whose whole remaining
+        prefill the credit must pay for chunks to share the steps (else an order: module docstring)."""
         if not self.enabled or not decodes:
             return None
         decode = self.decode_seconds(len(decodes))
@@ -127,23 +157,55 @@ class PrefillPacer:
             self.steps_since_decode_only = 0
             return 0  # measures what the decodes cost alone
         credits = [self.credit_of(r, decode) for r in decodes]
-        poorest = decodes[min(range(len(decodes)), key=credits.__getitem__)]
         wanted = max(1, wanted)
         per_unit, measured = self.seconds_per_unit(wanted, len(decodes))
         # a margin for what the price misses: attention grows with the context a chunk reaches
         affordable = int(SPEND_SHARE * min(credits) / per_unit)
         self.steps_since_decode_only += 1
-        if affordable >= wanted:
-            return wanted
+        if prompt is not None and prompt.req is self.prompt_first:
+            return wanted  # its order was chosen: the whole budget to its end
+        self.prompt_first = None
+        if affordable >= max(wanted, prompt.remaining if prompt else 0):
+            return wanted  # the credit pays for the whole prefill: chunks beside the streams
         if not measured and affordable >= MIN_PREFILL_TOKENS:
             return affordable  # a guessed price: the chunk it buys measures it
-        cap = (self.slowdown - 1) * decode * CREDIT_TOKENS
-        if poorest.pace_credit >= 0.999 * cap:
-            return max(affordable, MIN_PREFILL_TOKENS)  # the cap buys less than a chunk: progress anyway
-        if poorest.pace_credited_tokens >= poorest.sampling_params.max_tokens and affordable >= wanted / 4:
-            return affordable  # all its credit is earned: what it buys, or the prompt waits for its end
+        if prompt is not None and self.prompt_goes_first(decodes, credits, decode, per_unit, wanted, prompt):
+            self.prompt_first = prompt.req
+            return wanted
         self.steps_since_decode_only = 0
-        return 0  # a decode-only step: earns, and measures what the decodes cost alone
+        return 0  # the streams first: a decode-only step, which earns and measures the decodes alone
+
+    def prompt_goes_first(
+        self,
+        decodes: Sequence[Request],
+        credits: Sequence[float],
+        decode: float,
+        per_unit: float,
+        chunk: int,
+        prompt: NextPrompt,
+    ) -> bool:
+        """Whether the prompt's whole remaining prefill runs before the streams end (else they run first):
+        held behind the streams, the prompt waits for the longest; run first, it stalls every stream for
+        its whole prefill, which a stream's remaining slowdown budget (its credit and what its tokens
+        still to come earn) may not cover. The streams go first when that keeps the prompt within
+        PROMPT_SLOWDOWN x its time to first token alone, or when the prompt going first would break the
+        bound of a stream that was there before it (a stream's bound is kept where only one can hold);
+        a stream that came after the prompt does not hold it past its bound (no prompt starves behind a
+        line of newcomers)."""
+        charge = prompt.remaining * per_unit  # what the prompt's chunks cost each stream, run first
+        left = charge + math.ceil(prompt.remaining / chunk) * decode  # its prefill from here, alone
+        alone = prompt.total * per_unit + math.ceil(prompt.total / chunk) * decode
+        streams_left = (
+            max(max(0, r.sampling_params.max_tokens - r.num_output_tokens) for r in decodes) * decode
+        )
+        if prompt.waited + streams_left + left <= PROMPT_SLOWDOWN * alone:
+            return False  # the streams first keep every bound
+        for req, credit in zip(decodes, credits, strict=True):
+            unearned = max(0, req.sampling_params.max_tokens - req.pace_credited_tokens)
+            budget = credit + (self.slowdown - 1) * decode * unearned
+            if SPEND_SHARE * budget < charge and req.arrival_time <= prompt.req.arrival_time:
+                return False
+        return True
 
     def observe(self, decodes: Sequence[Request], prefill_units: int, seconds: float) -> None:
         """The last step, with these decodes and prefill_units of prefill, took seconds."""

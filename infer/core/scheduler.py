@@ -66,7 +66,7 @@ from infer.config import CacheConfig, SchedulerConfig
 from infer.core.group_shares import GroupShares
 from infer.core.kv_cache_manager import make_kv_cache_manager
 from infer.core.outputs import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput, StepStats
-from infer.core.prefill_pacer import PrefillPacer
+from infer.core.prefill_pacer import NextPrompt, PrefillPacer
 from infer.core.request import Request, RequestStatus
 from infer.core.slo import LateRequest, StepCostModel
 
@@ -326,7 +326,7 @@ class Scheduler:
         if decodes:
             wanted = self._unpaced_prefill_units(plan)
             if wanted:  # else a decode-only step anyway (a stream's credit is earned when asked for)
-                plan.paced = self.pacer.prefill_limit(decodes, wanted)
+                plan.paced = self.pacer.prefill_limit(decodes, wanted, self._next_prompt())
                 plan.paced_admissions = True
         elif self.waiting and len(self.running) < self.config.max_num_seqs:
             # a short newcomer's prefill first, alone, so that its first token does not wait for a
@@ -334,6 +334,16 @@ class Scheduler:
             head = self.waiting[0]
             units = math.ceil(head.num_tokens * self._token_cost(head, 0))
             plan.paced = 0 if units <= plan.budget // 2 else plan.budget // 2
+
+    def _next_prompt(self) -> NextPrompt | None:
+        """The prompt this step's prefill serves first (a running prompt's chunk, else the head of the
+        queue), for the pacer's choice of order."""
+        req = next((r for r in self.running if r.is_prefill), None) or next(iter(self.waiting), None)
+        if req is None:
+            return None
+        total = math.ceil(req.num_tokens * self._token_cost(req, 0))
+        done = math.ceil(req.num_computed_tokens * self._token_cost(req, 0))
+        return NextPrompt(req, max(1, total - done), total, self.clock() - req.arrival_time)
 
     def _unpaced_prefill_units(self, plan: _StepPlan) -> int:
         """The cost units of the prefill chunks this step would carry unpaced: running prompts' next

@@ -374,8 +374,9 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         type=float,
         default=d["max_decode_slowdown"],
         help="a running stream's whole time beside prefills is at most about this many times its time "
-        "alone: prefill chunks beside it are spent from a credit it earns as it decodes, so a long prompt "
-        "does not stall it (one chunk's gap at a time); 0: off, every step takes the whole token budget",
+        "alone: prefill chunks beside it are spent from a credit it earns as it decodes, and a prompt the "
+        "credit cannot pay for runs before or after the streams, whichever keeps the bounds (a prompt's "
+        "first token within 1.5x its time alone); 0: off, every step takes the whole token budget",
     )
     parser.add_argument(
         "--long-prefill-token-threshold",

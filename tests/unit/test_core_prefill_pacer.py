@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 
 from infer.config import CacheConfig, SchedulerConfig
-from infer.core.prefill_pacer import CREDIT_TOKENS, MIN_PREFILL_TOKENS, PRIOR_TOKENS_PER_DECODE, PrefillPacer
+from infer.core.prefill_pacer import (
+    CREDIT_TOKENS,
+    MIN_PREFILL_TOKENS,
+    PRIOR_TOKENS_PER_DECODE,
+    NextPrompt,
+    PrefillPacer,
+)
 from infer.core.scheduler import Scheduler
 from infer.sampling_params import SamplingParams
 from tests.unit.core_fakes import FakeRunner, make_request, step
@@ -39,22 +45,23 @@ def scheduler(slowdown: float, budget: int = 2048, **fields) -> Scheduler:
 
 
 def run(s: Scheduler, arrivals: dict[int, list], max_steps=100_000) -> dict[str, float]:
-    """Step to the end with simulated time, adding arrivals[k] before step k; returns each request's
-    time from its arrival to its last token."""
-    runner, now, arrived, done = FakeRunner(s), 0.0, {}, {}
+    """Step to the end with simulated time (the scheduler's clock and the arrival times), adding
+    arrivals[k] before step k; returns each request's time from its arrival to its last token."""
+    runner, now, arrived, done = FakeRunner(s), [0.0], {}, {}
+    s.clock = lambda: now[0]
     for k in range(max_steps):
         for req in arrivals.get(k, []):
+            req.arrival_time = arrived[req.req_id] = now[0]
             s.add_request(req)
-            arrived[req.req_id] = now
         if not s.has_unfinished():
             return done
         out, outputs = step(s, runner)
         seconds = step_seconds(out)
-        now += seconds
+        now[0] += seconds
         s.observe_step(out.num_batched_tokens, seconds)
         for o in outputs:
             if o.finished:
-                done[o.req_id] = now - arrived[o.req_id]
+                done[o.req_id] = now[0] - arrived[o.req_id]
     raise AssertionError("did not finish")
 
 
@@ -163,20 +170,110 @@ def test_decode_only_steps_when_the_credit_runs_out_and_the_prompt_still_progres
     assert max(chunks) == 2000
 
 
-def test_when_the_cap_buys_less_than_a_chunk_a_smaller_one_goes_through():
-    pacer = pacer_with_decode(0.001)  # a fast decode: the cap is 0.256 s, a 2,000-token chunk 2 s
+def measured_pacer() -> PrefillPacer:
+    """A decode-only step of one decode: 10 ms; a prefill unit beside it: 1 ms."""
+    pacer = pacer_with_decode(0.010)
+    pacer.observe([make_request("x", 4)], 2000, 0.010 + 2.0)
+    return pacer
+
+
+@pytest.mark.parametrize(
+    "stream_tokens, prompt_units, waited, stream_came_first, limit",
+    [
+        (100, 700, 0.0, True, 2000),  # its credit (1 s) pays for the whole prefill: chunks beside it
+        (100, 4000, 0.0, True, 0),  # prefill T >= 2 x the stream's time A: the stream first holds both
+        (100, 1500, 0.0, True, 0),  # A < T < 2A: one bound only, the stream's
+        (100, 1500, 0.0, False, 2000),  # ... unless the stream came after the prompt
+        (100, 4000, 2.0, True, 0),  # the prompt already waited: a stream there before it still holds it
+        (100, 4000, 2.0, False, 2000),  # a newer one does not, past the prompt's 1.5x
+        (10_000, 4000, 0.0, True, 2000),  # its tokens to come pay for the whole prefill: the prompt first
+    ],
+)
+def test_when_the_credit_cannot_pay_the_whole_prefill_one_order_is_chosen(
+    stream_tokens, prompt_units, waited, stream_came_first, limit
+):
+    pacer = measured_pacer()
+    stream = make_request("s", 4, max_tokens=stream_tokens, arrival_time=10.0)
+    prompt = make_request(
+        "p", prompt_units, max_tokens=1, arrival_time=5.0 if not stream_came_first else 20.0
+    )
+    next_prompt = NextPrompt(prompt, prompt_units, prompt_units, waited)
+    assert pacer.prefill_limit([stream], wanted=2000, prompt=next_prompt) == limit
+
+
+def test_once_the_prompt_goes_first_it_keeps_the_whole_budget_to_its_end():
+    pacer = measured_pacer()
     stream = make_request("s", 4, max_tokens=10_000)
-    pacer.observe([stream], 2000, 0.001 + 2.0)
-    stream.pace_credit = 0.0
+    prompt = make_request("p", 8000, max_tokens=1)
     limits = []
-    for _ in range(600):
-        limit = pacer.prefill_limit([stream], wanted=2000)
-        limits.append(limit)
-        pacer.observe([stream], limit, 0.001 + 0.001 * limit)
+    for done in range(0, 8000, 2000):
+        limits.append(pacer.prefill_limit([stream], 2000, NextPrompt(prompt, 8000 - done, 8000, 0.0)))
+        pacer.observe([stream], 2000, 0.010 + 2.0)  # its credit overspent: the order holds
         stream.output_token_ids.append(7)
-    chunks = [n for n in limits if n]
-    # what the cap buys (with the margin), not the whole chunk, each time the credit is back at the cap
-    assert len(chunks) >= 3 and all(150 <= n < 2000 for n in chunks)
+    assert limits == [2000] * 4
+    other = make_request("q", 8000, max_tokens=1)  # the next prompt: its order is chosen anew
+    assert (
+        pacer.prefill_limit([make_request("t", 4, max_tokens=100)], 2000, NextPrompt(other, 8000, 8000, 0))
+        == 0
+    )
+
+
+def steps_of(s: Scheduler, arrivals: dict[int, list], max_steps=100_000) -> list[dict[str, int]]:
+    """Like run: each step's tokens per request."""
+    runner, now, steps = FakeRunner(s), [0.0], []
+    s.clock = lambda: now[0]
+    for k in range(max_steps):
+        for req in arrivals.get(k, []):
+            req.arrival_time = now[0]
+            s.add_request(req)
+        if not s.has_unfinished():
+            return steps
+        out, _ = step(s, runner)
+        steps.append({x.req_id: len(x.token_ids) for x in out.scheduled})
+        seconds = step_seconds(out)
+        now[0] += seconds
+        s.observe_step(out.num_batched_tokens, seconds)
+    raise AssertionError("did not finish")
+
+
+def test_in_the_band_the_stream_goes_first_instead_of_sharing_the_steps():
+    """A prefill between the stream's time and twice it: after the chunk that measures its price, the
+    prompt waits for the stream's end and then takes whole chunks."""
+    steps = steps_of(
+        scheduler(slowdown=2),
+        {
+            0: [make_request("b", 16, max_tokens=200, ignore_eos=True)],
+            1: [make_request("long", 2000, max_tokens=1)],
+        },
+    )
+    shared = [k for k, st in enumerate(steps) if "b" in st and "long" in st]
+    stream_end = max(k for k, st in enumerate(steps) if "b" in st)
+    assert len(shared) == 1  # the chunk that measures the price; the credit left is not spent
+    assert any("long" in st for st in steps[stream_end + 1 :])
+
+
+def test_a_long_stream_lets_the_prompt_go_first_with_whole_chunks():
+    steps = steps_of(
+        scheduler(slowdown=2),
+        {
+            0: [make_request("b", 16, max_tokens=10_000, ignore_eos=True)],
+            1: [make_request("long", 8000, max_tokens=1)],
+        },
+    )
+    chunks = [st["long"] for st in steps if "long" in st]
+    assert len(chunks) <= 6 and all(n >= 2000 for n in chunks[1:-1])  # one measures, then whole ones
+
+
+def test_a_prompt_is_not_held_behind_a_line_of_newer_streams():
+    """A stream there before the prompt may hold it (the band); the streams that keep arriving after it
+    do not: its prefill ends soon after the first stream's end, not when the arrivals stop."""
+    arrivals = {100 * i: [make_request(f"s{i}", 16, max_tokens=150, ignore_eos=True)] for i in range(40)}
+    arrivals.setdefault(1, []).append(make_request("long", 3000, max_tokens=1, ignore_eos=True))
+    steps = steps_of(scheduler(slowdown=2), arrivals)
+    first_stream_end = max(k for k, st in enumerate(steps) if "s0" in st)
+    prompt_end = max(k for k, st in enumerate(steps) if "long" in st)
+    assert prompt_end <= first_stream_end + 5
+    assert len(steps) < 40 * 100 + 200  # every request completes
 
 
 def test_the_prior_prices_the_first_chunk_from_the_decode_step():
