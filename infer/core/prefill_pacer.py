@@ -32,6 +32,8 @@ its decode pace) and remaining slowdown budget (its credit and what its tokens t
     one bound can hold, the stream's is kept. A stream that came after the prompt does not hold it
     past its 1.5x, so a prompt does not starve behind a line of new streams: it waits at most for the
     streams that were there before it (each shorter than its prefill, or its budget would cover it).
+    While it waits, a newcomer whose whole prompt the streams' credit pays for (`spare`) is prefilled
+    beside them: a short request does not wait with the held prompt.
 
 Paper bounds, for a prompt of prefill time T beside a stream of remaining time alone A, at
 max_decode_slowdown 2: T <= A, the credit pays for it (or, the credit being capped, the stream's
@@ -99,6 +101,8 @@ class PrefillPacer:
         self.prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_SAMPLES)
         self.steps_since_decode_only = 0  # paced steps since the last decode-only one
         self.prompt_first: Request | None = None  # a prompt whose whole prefill runs before the streams
+        # while a prompt waits for the streams: the units their credit pays for a newcomer's whole prompt
+        self.spare = 0
 
     @property
     def enabled(self) -> bool:
@@ -150,6 +154,7 @@ class PrefillPacer:
         paced. wanted: the units of the chunks the step would carry unpaced (the budget, a long prompt's
         threshold, a prompt's last chunk); prompt: the one those chunks serve first, whose whole remaining
         prefill the credit must pay for chunks to share the steps (else an order: module docstring)."""
+        self.spare = 0
         if not self.enabled or not decodes:
             return None
         decode = self.decode_seconds(len(decodes))
@@ -173,6 +178,7 @@ class PrefillPacer:
             self.prompt_first = prompt.req
             return wanted
         self.steps_since_decode_only = 0
+        self.spare = affordable  # a short newcomer still passes the held prompt (spare)
         return 0  # the streams first: a decode-only step, which earns and measures the decodes alone
 
     def prompt_goes_first(

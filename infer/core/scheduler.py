@@ -84,10 +84,15 @@ class _StepPlan:
         self.preempted_req_ids: list[str] = []
         self.paced: int | None = None  # prefill tokens the pacer leaves to running prompts' chunks
         self.paced_admissions = False  # and to admissions too (beside decodes)
+        # a prompt held behind the streams, and the units of whole short prompts that may pass it
+        self.held: Request | None = None
+        self.spare: int | None = None
         self.spec_token_ids: dict[Request, list[int]] = {}  # the proposals a decode feeds after its token
 
     def available(self, admission: bool) -> int:
         """Budget for the next prefill grant: a running prompt's chunk, or an admission."""
+        if admission and self.spare is not None:
+            return min(self.budget, self.spare)
         if self.paced is None or (admission and not self.paced_admissions):
             return self.budget
         return min(self.budget, self.paced)
@@ -98,6 +103,8 @@ class _StepPlan:
         self.budget -= self.cost[req]
         if self.paced is not None:  # set after the decodes' grants: this one is prefill
             self.paced = max(0, self.paced - self.cost[req])
+        if self.spare is not None:
+            self.spare = max(0, self.spare - self.cost[req])
 
     def revoke(self, req: Request) -> None:
         self.num_new_tokens.pop(req, None)
@@ -326,8 +333,12 @@ class Scheduler:
         if decodes:
             wanted = self._unpaced_prefill_units(plan)
             if wanted:  # else a decode-only step anyway (a stream's credit is earned when asked for)
-                plan.paced = self.pacer.prefill_limit(decodes, wanted, self._next_prompt())
+                prompt = self._next_prompt()
+                plan.paced = self.pacer.prefill_limit(decodes, wanted, prompt)
                 plan.paced_admissions = True
+                if plan.paced == 0 and self.pacer.spare and prompt is not None:
+                    # held behind the streams, the prompt does not hold up a newcomer the credit pays for
+                    plan.held, plan.spare = prompt.req, self.pacer.spare
         elif self.waiting and len(self.running) < self.config.max_num_seqs:
             # a short newcomer's prefill first, alone, so that its first token does not wait for a
             # long prompt's whole chunk (it is paced like any stream once it decodes); a long one shares
@@ -409,6 +420,9 @@ class Scheduler:
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = self._num_new_tokens(req, num_hit, plan.available(admission=True))
+            if plan.spare is not None and (req is plan.held or num_hit + num_new < req.num_tokens):
+                i += 1  # only whole short prompts pass a prompt held behind the streams
+                continue
             if num_new == 0:
                 return
             if num_hit + num_new < req.num_tokens:  # its prefill goes on after this step

@@ -252,6 +252,24 @@ def test_in_the_band_the_stream_goes_first_instead_of_sharing_the_steps():
     assert any("long" in st for st in steps[stream_end + 1 :])
 
 
+def test_a_short_newcomer_passes_a_prompt_held_behind_the_streams():
+    """While the prompt waits for the stream's end, a short request that arrives is prefilled beside the
+    stream (the stream's credit pays for it), not held with the prompt."""
+    steps = steps_of(
+        scheduler(slowdown=2),
+        {
+            0: [make_request("b", 16, max_tokens=200, ignore_eos=True)],
+            1: [make_request("long", 2000, max_tokens=1)],
+            20: [make_request("short", 32, max_tokens=4, ignore_eos=True)],
+        },
+    )
+    stream_end = max(k for k, st in enumerate(steps) if "b" in st)
+    short_first = min(k for k, st in enumerate(steps) if "short" in st)
+    assert short_first <= 22 < stream_end
+    assert max(k for k, st in enumerate(steps) if "short" in st) < stream_end
+    assert sum(1 for st in steps[:stream_end] if "long" in st) == 1  # still only the measuring chunk
+
+
 def test_a_long_stream_lets_the_prompt_go_first_with_whole_chunks():
     steps = steps_of(
         scheduler(slowdown=2),
