@@ -3,8 +3,9 @@ cost, not on seats.
 
 group_shares.py shares the batch's seats, but a seat is not a step's cost: 128 choices of one request
 and one stream beside them make a step that costs many times the stream's step alone, and every one of
-the stream's tokens waits for it. So while requests outside any group run or wait (the others, B of
-them), the groups' decode rows in a step are limited to K, the most for which the step's decode cost
+the stream's tokens waits for it. So while requests outside any group (or alone in theirs: a client's
+only request, where the server groups a client's requests) run or wait (the others, B of them), the
+groups' decode rows in a step are limited to K, the most for which the step's decode cost
 stays within max_decode_slowdown (S) times the cost of the others' step alone:
 
     cost(B + K) <= S x cost(B)

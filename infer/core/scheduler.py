@@ -66,7 +66,7 @@ from collections.abc import Callable, Iterable
 
 from infer.config import CacheConfig, SchedulerConfig
 from infer.core.group_decode_bound import GroupDecodeBound
-from infer.core.group_shares import GroupShares
+from infer.core.group_shares import GroupShares, crowded_groups
 from infer.core.kv_cache_manager import make_kv_cache_manager
 from infer.core.outputs import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput, StepStats
 from infer.core.prefill_pacer import PrefillPacer
@@ -319,10 +319,11 @@ class Scheduler:
     def _held_back_decodes(self) -> set[Request]:
         """The groups' decodes that wait this step so that the step costs the requests outside any group
         at most max_decode_slowdown x their own (those running and those the step may admit)."""
-        running_others = sum(r.group_id is None for r in self.running)
+        crowded = crowded_groups([*self.running, *self.waiting])  # a group of one request is a single
+        running_others = sum(r.group_id not in crowded for r in self.running)
         seats = self.config.max_num_seqs - len(self.running)
-        waiting_others = min(seats, sum(r.group_id is None for r in self.waiting))
-        decodes = [r for r in self.running if not r.is_prefill]
+        waiting_others = min(seats, sum(r.group_id not in crowded for r in self.waiting))
+        decodes = [r for r in self.running if not r.is_prefill and r.group_id in crowded]
         return self.group_decode_bound.held_back(decodes, running_others + waiting_others)
 
     def _spec_tokens(self, req: Request, budget: int) -> list[int]:

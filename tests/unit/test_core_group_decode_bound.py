@@ -5,6 +5,8 @@ its full width. Steps are timed by a simulated cost (no wall clock)."""
 
 from __future__ import annotations
 
+import pytest
+
 from infer.config import CacheConfig, SchedulerConfig
 from infer.core.group_decode_bound import PROBE_EVERY, GroupDecodeBound
 from infer.core.prefill_pacer import PrefillPacer
@@ -47,10 +49,12 @@ def run(s: Scheduler, arrivals: dict[int, list], on_step=None, max_steps: int = 
     raise AssertionError("did not finish")
 
 
-def test_a_streams_step_beside_a_group_costs_at_most_twice_its_own_and_every_choice_completes():
+@pytest.mark.parametrize("own_group", [False, True])  # a client's only request, in its client's group
+def test_a_streams_step_beside_a_group_costs_at_most_twice_its_own_and_every_choice_completes(own_group):
     s = scheduler()
     choices = group("n", 64, max_tokens=300)
     bystander = make_request("bystander", 4, max_tokens=200, ignore_eos=True)
+    bystander.group_id = "its own" if own_group else None
     beside, spread = [], []
 
     def on_step(k, out):
