@@ -374,7 +374,9 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         default=d["max_decode_slowdown"],
         help="a running stream's whole time beside prefills is at most about this many times its time "
         "alone: prefill chunks beside it are spent from a credit it earns as it decodes, so a long prompt "
-        "does not stall it (one chunk's gap at a time); 0: off, every step takes the whole token budget",
+        "does not stall it (one chunk's gap at a time); and a step's decodes of a request's n choices (or, "
+        "with several API keys, of one key's requests) beside other requests cost at most this many times "
+        "the others' step; 0: off, every step takes the whole token budget",
     )
     parser.add_argument(
         "--long-prefill-token-threshold",
