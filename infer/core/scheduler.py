@@ -43,7 +43,9 @@ Why no request is preempted forever:
       (at least one sequence, which runs to its end, and then the next wave gets in);
   (c) the best-keyed running request is never a victim, always gets budget (the others' decodes take at
       most max_num_seqs - 1 <= max_num_batched_tokens - 1 tokens), and can always get blocks, since
-      add_request refused any request that the whole pool cannot hold.
+      add_request refused any request that the whole pool cannot hold. A group's decode that the step-cost
+      bound holds back waits a finite number of steps: each step runs at least one row of every group,
+      those with the fewest tokens first, so every row of a group gets its turn.
   So the best-keyed unfinished request finishes in finitely many steps, then the next one, and so on by
   induction on the key order: every request finishes, so none is preempted forever, and preemptions never
   cycle. Under fcfs the requests that can preempt R are fixed when R arrives (the earlier arrivals).
