@@ -14,8 +14,9 @@ cost(n) is a line through what decode-only steps cost, the prefill pacer's measu
 (PrefillPacer.decode_steps, its recent (decodes, seconds)): the median of the steps of at most 2B rows
 (the others alone, or about) and of the larger ones. K is at most twice the largest size measured, so
 the bound climbs to it a doubling at a time instead of trusting a line far past its points; before any
-larger step was measured K = B (a step of twice the others' rows costs at most twice theirs on any
-machine). When no step of about B rows is among the samples (the groups' steps have filled them), one
+larger step was measured, or where the larger ones measured cheaper (a stall of a busy machine),
+K = B (a step of twice the others' rows costs at most twice theirs on any machine). When no step of
+about B rows is among the samples (the groups' steps have filled them), one
 step in PROBE_EVERY runs the others alone to measure it.
 
 The K rows are shared alike among the groups (at least one each, so every group progresses), and within
@@ -71,8 +72,8 @@ class GroupDecodeBound:
         n1, t1 = statistics.median(n for n, _ in large), statistics.median(t for _, t in large)
         ceiling = int(2 * max(n for n, _ in large)) - num_others  # at most a doubling past what was measured
         per_row = (t1 - t0) / (n1 - n0)
-        if per_row <= 0:  # rows cost nothing measurable: grow and measure
-            return max(1, ceiling)
+        if per_row <= 0:  # the larger steps measured cheaper: a stall of a busy machine, no line to trust
+            return num_others
         fixed = max(0.0, t0 - per_row * n0)
         base = fixed + per_row * num_others
         most = int((self.pacer.slowdown * base - fixed) / per_row)  # cost(most) <= slowdown x cost(base)

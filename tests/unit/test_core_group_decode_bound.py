@@ -131,3 +131,11 @@ def test_no_measurement_of_the_others_alone_probes_them():
     rows = group("a", 64, max_tokens=10)
     assert bound.held_back(rows, num_others=1) == set(rows)  # the others alone: measures them
     assert len(bound.held_back(rows, num_others=1)) == 63  # till the next probe, twice their rows
+
+
+def test_a_small_step_measured_slower_than_the_large_ones_keeps_the_safe_guess():
+    pacer = PrefillPacer(2.0)
+    pacer.decode_steps.append((2, 1.3))  # a stall of a busy machine
+    for _ in range(8):
+        pacer.decode_steps.append((129, 0.3))
+    assert GroupDecodeBound(pacer).rows_allowed(1) == 1  # not all 128: the line is not to be trusted
