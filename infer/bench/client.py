@@ -287,7 +287,8 @@ def resolve_model(
     if model is not None:
         return model, check_server(base_url, model, api_key)
     try:
-        cards = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10).json().get("data", [])
+        resp = httpx.get(base_url.rstrip("/") + "/v1/models", headers=_headers(api_key), timeout=10)
+        cards = resp.json().get("data", [])
     except (httpx.HTTPError, ValueError):
         cards = []
     if len(cards) != 1:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import secrets
 import shlex
 import sys
 from pathlib import Path
@@ -65,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="for the launched server; default: embedded")
     p.add_argument("--server", default=None, help="a running server's URL (else one is launched)")
     p.add_argument("--api-key", default=None, help="the running server's key")
+    p.add_argument("--heavy-api-key", default=None,
+                   help="fairness: the heavy client's own key on a running server with several keys "
+                   "(default: --api-key); a server launched for the fairness phase alone gets one "
+                   "for each client")  # fmt: skip
     p.add_argument("--pid", type=int, default=None, help="the running server's PID, for the soak's samples")
     p.add_argument("--infer-flags", default="", help="flags for the launched server (after "
                    f"{' '.join(LAUNCH_FLAGS)}, which they override)")  # fmt: skip
@@ -156,14 +161,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
     path = args.out or DEFAULT_REPORT_DIR / f"stress-{started.strftime('%Y%m%d-%H%M%S')}.json"
     launched = None
     if args.server is None:
+        # the fairness phase alone: the bystander and the heavy client each with a key of their own, as two
+        # clients the server can tell apart (other phases measure one client's storm: no key)
+        keys = [secrets.token_hex(16) for _ in range(2)] if phases == ["fairness"] else []
         flags = [
             *LAUNCH_FLAGS,
             *(["--model", args.model] if args.model else []),
+            *(["--api-key", ",".join(keys)] if keys else []),
             *shlex.split(args.infer_flags),
         ]
         path.parent.mkdir(parents=True, exist_ok=True)
         launched = LaunchedServer.ours(flags, path.with_suffix(".server.log"), args.start_timeout)
-        args.api_key = None
+        args.api_key, args.heavy_api_key = (keys[0], keys[1]) if keys else (None, None)
     try:
         if launched is not None:
             launched.start()
@@ -197,7 +206,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None, out=None) -> di
         print(line, file=out)
     argv = sys.argv[1:] if argv is None else argv
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-              if k not in ("func", "argv", "api_key")}  # fmt: skip
+              if k not in ("func", "argv", "api_key", "heavy_api_key")}  # fmt: skip
     server = {
         "url": url,
         "model_card": card,

@@ -16,6 +16,10 @@ bystander is done:
   stop_lists         128 stop strings of 512 characters
   tools              a chat request with 128 tools and tool_choice "required"
 
+The bystander and the heavy client are two clients: a server launched for the fairness phase alone gets
+two API keys, one each (a server with several keys shares its batch between clients, not requests);
+against a running server, --heavy-api-key gives the heavy client its own.
+
 The verdict: the bystander's time to first token and inter-token p99 stay within --fairness-bound (2x)
 of alone for every kind (1.5x beside the compilations). The heavy client's refusals (429) are counted,
 not failures: admission control doing its job. docs/robustness.md has the table.
@@ -92,9 +96,12 @@ def heavy_request(kind: str, model: str, i: int, max_model_len: int, max_n: int 
     raise ValueError(f"unknown fairness kind {kind!r}")
 
 
-async def heavy_client(http, kind: str, model: str, concurrency: int, bounds: tuple[int, int], stop):
+async def heavy_client(
+    http, kind: str, model: str, concurrency: int, bounds: tuple[int, int], stop, headers: dict
+):
     """Keep `concurrency` requests of a kind in flight until `stop`; the statuses seen. A refused one
-    waits as Retry-After says (1 s without it): a flood of refusals measures another thing."""
+    waits as Retry-After says (1 s without it): a flood of refusals measures another thing. headers: its
+    key, its own where the server has several."""
     statuses: dict[str, int] = {}
     counter = iter(range(10**9))
 
@@ -102,7 +109,7 @@ async def heavy_client(http, kind: str, model: str, concurrency: int, bounds: tu
         while not stop.is_set():
             route, body = heavy_request(kind, model, next(counter), *bounds)
             try:
-                resp = await http.post(route, json=body)
+                resp = await http.post(route, json=body, headers=headers)
                 key = str(resp.status_code)
                 if resp.status_code >= 400:
                     await asyncio.sleep(float(resp.headers.get("retry-after", 1)))
@@ -120,6 +127,8 @@ async def run_fairness(
     bounds = (max_model_len or 2048, min(128, max_num_seqs or 128))
     kinds = [k for k in args.fairness_kinds.split(",") if k] or list(KINDS)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    heavy_key = args.heavy_api_key or args.api_key
+    heavy_headers = {"Authorization": f"Bearer {heavy_key}"} if heavy_key else {}
     most = max([args.fairness_concurrency] + [FLOODS[k][0] for k in kinds if k in FLOODS])
     pool = httpx.Limits(max_connections=most + 8)
     started = time.perf_counter()
@@ -132,7 +141,9 @@ async def run_fairness(
             stop = asyncio.Event()
             concurrency, share = FLOODS.get(kind, (args.fairness_concurrency, 1.0))
             bound = share * args.fairness_bound
-            heavy = asyncio.ensure_future(heavy_client(http, kind, model, concurrency, bounds, stop))
+            heavy = asyncio.ensure_future(
+                heavy_client(http, kind, model, concurrency, bounds, stop, heavy_headers)
+            )
             await asyncio.sleep(args.fairness_lead)  # the heavy requests are in the engine first
             beside = await bystander(http, model, args.fairness_tokens)
             stop.set()
@@ -148,5 +159,7 @@ async def run_fairness(
             if any(not s.isdigit() or s.startswith("5") for s in statuses):
                 problems.append(f"{kind}: the heavy client saw {json.dumps(statuses)}")
     counts = {"bystander runs": 2 + len(kinds)}
+    own_key = bool(args.heavy_api_key) and args.heavy_api_key != args.api_key
     return {"num_requests": num_requests, "duration_s": time.perf_counter() - started, "counts": counts,
-            "alone": base, "kinds": rows, "bound": args.fairness_bound, "problems": problems}  # fmt: skip
+            "alone": base, "kinds": rows, "bound": args.fairness_bound, "problems": problems,
+            "heavy_client_key": "its own" if own_key else "the bystander's"}  # fmt: skip

@@ -4,7 +4,9 @@ There are no prefill and decode phases, only a token budget per step and counts 
 
     budget = max_num_batched_tokens
       1. decodes of running requests, best key first          1 token each (1 + K with K proposals:
-                                                               speculative decoding, _update_spec)
+                                                               speculative decoding, _update_spec); a
+                                                               group's rows beside other requests bounded
+                                                               by the step's cost (group_decode_bound.py)
       2. prefill chunks of running, partly prefilled requests  min(remaining, chunk, budget)
       3. admissions from the waiting queue, in key order       min(remaining - prefix hit, chunk, budget)
          (none in a step where 1. or 2. had to preempt: the pool is full); the sequences of one API
@@ -41,7 +43,9 @@ Why no request is preempted forever:
       (at least one sequence, which runs to its end, and then the next wave gets in);
   (c) the best-keyed running request is never a victim, always gets budget (the others' decodes take at
       most max_num_seqs - 1 <= max_num_batched_tokens - 1 tokens), and can always get blocks, since
-      add_request refused any request that the whole pool cannot hold.
+      add_request refused any request that the whole pool cannot hold. A group's decode that the step-cost
+      bound holds back waits a finite number of steps: each step runs at least one row of every group,
+      those with the fewest tokens first, so every row of a group gets its turn.
   So the best-keyed unfinished request finishes in finitely many steps, then the next one, and so on by
   induction on the key order: every request finishes, so none is preempted forever, and preemptions never
   cycle. Under fcfs the requests that can preempt R are fixed when R arrives (the earlier arrivals).
@@ -63,7 +67,8 @@ from bisect import insort
 from collections.abc import Callable, Iterable
 
 from infer.config import CacheConfig, SchedulerConfig
-from infer.core.group_shares import GroupShares
+from infer.core.group_decode_bound import GroupDecodeBound
+from infer.core.group_shares import GroupShares, crowded_groups
 from infer.core.kv_cache_manager import make_kv_cache_manager
 from infer.core.outputs import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput, StepStats
 from infer.core.prefill_pacer import NextPrompt, PrefillPacer
@@ -150,6 +155,7 @@ class Scheduler:
         self._finished_req_ids: list[str] = []  # since the last schedule()
         self._last_decodes: list[Request] = []  # "slo": the decodes of the last step, for observe_step
         self.pacer = PrefillPacer(scheduler_config.max_decode_slowdown)
+        self.group_decode_bound = GroupDecodeBound(self.pacer)
         # the last step's decodes and prefill cost units, for observe_step
         self._last_step: tuple[list[Request], int] = ([], 0)
         # What a prompt token whose logprobs are asked for costs in the budget, in tokens: its row of the
@@ -291,8 +297,10 @@ class Scheduler:
         plan.grant(req, num_new, min(plan.budget, math.ceil(num_new * self._token_cost(req, start))))
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        """Decodes first, then prefill chunks of running requests, each pass best key first."""
-        num_decodes_left = sum(not r.is_prefill for r in self.running)
+        """Decodes first (a group's rows bounded beside other requests: group_decode_bound.py), then
+        prefill chunks of running requests, each pass best key first."""
+        held_back = self._held_back_decodes()
+        num_decodes_left = sum(not r.is_prefill and r not in held_back for r in self.running)
         for decode_pass in (True, False):
             if not decode_pass:
                 self._pace_prefill(plan)
@@ -301,8 +309,8 @@ class Scheduler:
             for req in list(self.running):
                 if plan.available(admission=False) == 0:
                     return
-                if req.status != RequestStatus.RUNNING or req.is_prefill == decode_pass:
-                    continue  # preempted earlier in this loop, or not this pass's kind
+                if req.status != RequestStatus.RUNNING or req.is_prefill == decode_pass or req in held_back:
+                    continue  # preempted earlier in this loop, not this pass's kind, or its group's row waits
                 budget = plan.budget if decode_pass else plan.available(admission=False)
                 num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
                 spec = []
@@ -316,6 +324,16 @@ class Scheduler:
                     plan.grant(req, num_new, num_new + len(spec))  # a decode with K proposals: 1 + K
                 else:
                     self._grant(plan, req, num_new, req.num_computed_tokens)
+
+    def _held_back_decodes(self) -> set[Request]:
+        """The groups' decodes that wait this step so that the step costs the requests outside any group
+        at most max_decode_slowdown x their own (those running and those the step may admit)."""
+        crowded = crowded_groups([*self.running, *self.waiting])  # a group of one request is a single
+        running_others = sum(r.group_id not in crowded for r in self.running)
+        seats = self.config.max_num_seqs - len(self.running)
+        waiting_others = min(seats, sum(r.group_id not in crowded for r in self.waiting))
+        decodes = [r for r in self.running if not r.is_prefill and r.group_id in crowded]
+        return self.group_decode_bound.held_back(decodes, running_others + waiting_others)
 
     def _spec_tokens(self, req: Request, budget: int) -> list[int]:
         """The proposals a decode verifies this step: its own, as many as the budget leaves and as can

@@ -114,7 +114,8 @@ class AsyncEngine:
         Raises ValueError if the engine refuses it. Closing the iterator early (a client that went away)
         aborts the request; so does a cancellation while waiting for the engine's answer. A request the
         engine fails alone (finish_reason "error") raises RequestFailed from the iterator. group_id: shared
-        by the engine requests of one API request (its n choices): admitted in waves of a fair share."""
+        by the engine requests of one API request (its n choices) or one client: admitted in waves of a
+        fair share, their decodes beside other requests bounded by the step's cost."""
         await self.ready()  # a model that failed to load fails the request here, instead of a hang
         matcher = None
         if params is not None and params.structured_outputs is not None:  # compiled here, not in a step

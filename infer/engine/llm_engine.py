@@ -198,8 +198,9 @@ class LLMEngine:
         slo: its TTFT / TPOT objectives, which the "slo" scheduling policy serves; None: its class's in
         config.slo_config, if any. LateRequest (a ValueError) under slo_reject_late. matcher: its
         structured outputs' matcher, compiled off this thread (AsyncEngine.add); None: compiled here.
-        group_id: shared by the engine requests of one API request (its n choices), which the scheduler
-        then admits in waves of a fair share of the batch."""
+        group_id: shared by the engine requests of one API request (its n choices), or of one client (the
+        server's API key), which the scheduler then admits in waves of a fair share of the batch and whose
+        decodes beside other requests it bounds by the step's cost."""
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:

@@ -376,7 +376,9 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         help="a running stream's whole time beside prefills is at most about this many times its time "
         "alone: prefill chunks beside it are spent from a credit it earns as it decodes, and a prompt the "
         "credit cannot pay for runs before or after the streams, whichever keeps the bounds (a prompt's "
-        "first token within 1.5x its time alone); 0: off, every step takes the whole token budget",
+        "first token within 1.5x its time alone); and a step's decodes of a request's n choices (or, with "
+        "several API keys, of one key's requests) beside other requests cost at most this many times the "
+        "others' step; 0: off, every step takes the whole token budget",
     )
     parser.add_argument(
         "--long-prefill-token-threshold",

@@ -31,6 +31,7 @@ from fastapi import APIRouter, Request
 
 from infer.sampling_params import SamplingParams
 from infer.server import tools
+from infer.server.auth import request_owner
 from infer.server.engine_errors import engine_error
 from infer.server.fanout import Fanout, Job, answer, choice_params
 from infer.server.json_encoding import SSE_DONE, sse
@@ -86,7 +87,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     jobs = [Job(prompt_ids, choice_params(params, j), body.priority, slo) for j in range(body.n)]
     state.admit(len(jobs), fits=state.fits(len(prompt_ids), max_tokens))
     chat_id = new_id("chatcmpl")
-    fanout = Fanout(state, jobs, chat_id, arrival)
+    fanout = Fanout(state, jobs, chat_id, arrival, request_owner(request))
     chat = _Chat(state, body, chat_id, prompt_ids, reasoning)
     return await answer(request, fanout, chat, body.stream, "messages")
 

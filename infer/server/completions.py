@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 
+from infer.server.auth import request_owner
 from infer.server.engine_errors import engine_error
 from infer.server.fanout import Fanout, Job, answer, choice_params
 from infer.server.json_encoding import SSE_DONE, sse
@@ -76,7 +77,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     jobs = [Job(ids, choice_params(params, j), body.priority, slo) for ids in prompts for j in range(body.n)]
     state.admit(len(jobs), fits=all(state.fits(len(ids), params.max_tokens) for ids in prompts))
     cmpl_id = new_id("cmpl")
-    fanout = Fanout(state, jobs, cmpl_id, arrival)
+    fanout = Fanout(state, jobs, cmpl_id, arrival, request_owner(request))
     completion = _Completion(state, body, cmpl_id, prompts, echo_text)
     return await answer(request, fanout, completion, body.stream, "prompt")
 

@@ -55,6 +55,15 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, seed=seed)
 
 
+def batch_group(state: ServerState, owner: str, prefix: str, num_jobs: int) -> str | None:
+    """The engine's group of these requests, whose rows share the batch as one (infer.core.group_shares,
+    group_decode_bound): where the server tells clients apart (several API keys), all of a client's
+    requests, so that 100 requests of one client weigh as one client's; else an API request's n choices."""
+    if len(state.args.api_key_owners) > 1:
+        return "client-" + owner[:16]
+    return prefix if num_jobs > 1 else None
+
+
 _ABORTED = object()
 _ACCEPTED = object()
 
@@ -64,14 +73,14 @@ class Fanout:
     merged in arrival order, tagged with the job's index. `close()` cancels the tasks: each engine
     generator then closes, which aborts its request; the choice ends with finish_reason "abort"."""
 
-    def __init__(self, state: ServerState, jobs: list[Job], prefix: str, arrival: float):
+    def __init__(self, state: ServerState, jobs: list[Job], prefix: str, arrival: float, owner: str):
         self.state = state
         self.queue: asyncio.Queue = asyncio.Queue()
         self.pending: list[tuple[int, object]] = []  # taken by accepted(), to be yielded first
         self.num_open = len(jobs)
         self.last: dict[int, StepOutput] = {}
         self.req_ids = [f"{prefix}-{i}" for i in range(len(jobs))]
-        self.group_id = prefix if len(jobs) > 1 else None  # its n choices share the batch fairly
+        self.group_id = batch_group(state, owner, prefix, len(jobs))
         for req_id in self.req_ids:
             state.metrics.note_arrival(req_id, arrival)
         self.tasks = []

@@ -173,7 +173,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     slo = objectives(state, body)
     state.admit(1, fits=state.fits(len(prompt_ids), max_tokens))
     response_id = new_id("resp")
-    fanout = Fanout(state, [Job(prompt_ids, params, body.priority, slo)], response_id, arrival)
+    job = Job(prompt_ids, params, body.priority, slo)
+    fanout = Fanout(state, [job], response_id, arrival, owner)
     run = _Response(state, store, body, response_id, conversation, owner, reasoning)
     return await answer(request, fanout, run, body.stream, "input")
 

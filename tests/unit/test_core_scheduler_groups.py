@@ -123,3 +123,17 @@ def test_requests_without_a_group_are_admitted_as_before():
         s.add_request(make_request(f"r{i}", 3, max_tokens=4, ignore_eos=True))
     out, _ = step(s, r)
     assert len(out.scheduled) == 8
+
+
+def test_a_group_of_one_request_is_a_single():
+    s = make()
+    r = FakeRunner(s)
+    for req in group("a", 16, max_tokens=20):
+        s.add_request(req)
+    step(s, r)
+    alone = make_request("b-0", 3, max_tokens=20, ignore_eos=True)
+    alone.group_id = "b"  # a client's only request, where the server groups a client's requests
+    s.add_request(alone)
+    step(s, r)
+    assert running_of(s, "b") == 1
+    assert running_of(s, "a") == 7  # the groups' room is not split with a group of one

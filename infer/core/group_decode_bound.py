@@ -1,0 +1,94 @@
+"""How many of a group's sequences decode in a step beside other clients' requests: a bound on the step's
+cost, not on seats.
+
+group_shares.py shares the batch's seats, but a seat is not a step's cost: 128 choices of one request
+and one stream beside them make a step that costs many times the stream's step alone, and every one of
+the stream's tokens waits for it. So while requests outside any group (or alone in theirs: a client's
+only request, where the server groups a client's requests) run or wait (the others, B of them), the
+groups' decode rows in a step are limited to K, the most for which the step's decode cost
+stays within max_decode_slowdown (S) times the cost of the others' step alone:
+
+    cost(B + K) <= S x cost(B)
+
+cost(n) is a line through what decode-only steps cost, the prefill pacer's measurement
+(PrefillPacer.decode_steps, its recent (decodes, seconds)): the median of the steps of at most 2B rows
+(the others alone, or about) and of the larger ones. K is at most twice the largest size measured, so
+the bound climbs to it a doubling at a time instead of trusting a line far past its points; before any
+larger step was measured, or where the larger ones measured cheaper (a stall of a busy machine),
+K = B (a step of twice the others' rows costs at most twice theirs on any machine). When no step of
+about B rows is among the samples (the groups' steps have filled them), one
+step in PROBE_EVERY runs the others alone to measure it.
+
+The K rows are shared alike among the groups (at least one each, so every group progresses), and within
+a group go to the sequences with the fewest tokens generated: the rows rotate, every sequence progresses
+and completes. A group alone, or groups beside each other only, run at their full width (no one waits
+on them that is not one of them).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+
+from infer.core.prefill_pacer import PrefillPacer
+from infer.core.request import Request
+
+PROBE_EVERY = 32  # steps between runs of the others alone, when no step of about their size is known
+
+
+class GroupDecodeBound:
+    def __init__(self, pacer: PrefillPacer) -> None:
+        self.pacer = pacer  # its slowdown, and the decode-only steps it measured
+        self.steps_since_probe = PROBE_EVERY  # a first probe may come at once
+
+    def held_back(self, decodes: Sequence[Request], num_others: int) -> set[Request]:
+        """The grouped decodes that wait this step. decodes: the running requests ready to decode;
+        num_others: the requests outside any group, running or about to be admitted."""
+        grouped: dict[str, list[Request]] = {}
+        for req in decodes:
+            if req.group_id is not None:
+                grouped.setdefault(req.group_id, []).append(req)
+        if not self.pacer.enabled or not grouped or num_others == 0:
+            return set()
+        self.steps_since_probe += 1
+        limit = self.rows_allowed(num_others)
+        if limit is None:  # a probe: the others alone
+            self.steps_since_probe = 0
+            return {r for rows in grouped.values() for r in rows}
+        return _beyond_share(grouped.values(), limit)
+
+    def rows_allowed(self, num_others: int) -> int | None:
+        """K, the groups' decode rows beside num_others (module docstring); None: probe instead."""
+        samples = list(self.pacer.decode_steps)
+        small = [(n, t) for n, t in samples if n <= 2 * num_others]
+        large = [(n, t) for n, t in samples if n > 2 * num_others]
+        if not small:
+            if self.steps_since_probe >= PROBE_EVERY:
+                return None
+            return num_others
+        if not large:
+            return num_others
+        n0, t0 = statistics.median(n for n, _ in small), statistics.median(t for _, t in small)
+        n1, t1 = statistics.median(n for n, _ in large), statistics.median(t for _, t in large)
+        ceiling = int(2 * max(n for n, _ in large)) - num_others  # at most a doubling past what was measured
+        per_row = (t1 - t0) / (n1 - n0)
+        if per_row <= 0:  # the larger steps measured cheaper: a stall of a busy machine, no line to trust
+            return num_others
+        fixed = max(0.0, t0 - per_row * n0)
+        base = fixed + per_row * num_others
+        most = int((self.pacer.slowdown * base - fixed) / per_row)  # cost(most) <= slowdown x cost(base)
+        return max(1, min(most - num_others, ceiling))
+
+
+def _beyond_share(groups: Iterable[list[Request]], limit: int) -> set[Request]:
+    """The rows past each group's share of limit (alike, at least one each), fewest tokens generated
+    first: those that ran least wait least."""
+    groups = sorted(groups, key=len)
+    held: set[Request] = set()
+    left = limit
+    for i, rows in enumerate(groups):
+        share = max(1, left // (len(groups) - i))  # what a smaller group leaves goes to the larger ones
+        rows = sorted(rows, key=lambda r: (r.num_output_tokens, r.seq))
+        held.update(rows[share:])
+        left = max(0, left - min(share, len(rows)))
+    return held
