@@ -20,6 +20,8 @@ import argparse
 import dataclasses
 import json
 
+import torch
+
 from infer.bench.micro.harness import Context, compare, prepare_model
 from infer.bench.micro.speculative_decoding import NGRAM, WORKLOADS, run_mode, workload_specs
 from infer.runner import decode_graph
@@ -49,7 +51,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args()
+    if args.threads is not None:  # one thread: no OpenMP barrier waits on a descheduled thread
+        torch.set_num_threads(args.threads)
     decode_graph.MIN_GAIN = float("inf")
     spec = json.loads(args.speculative_config)
     model, dtype, _ = prepare_model(args.model, "auto", None, False)
@@ -57,7 +62,10 @@ def main() -> None:
     off = dataclasses.replace(on, verify_graphs=False, engines=[])
     on.warm_up()
     tokenizer = on.engine(num_kv_blocks=16).tokenizer
-    print(f"speculative config: {json.dumps(spec)}; {args.streams} stream(s), {args.max_tokens} tokens")
+    print(
+        f"speculative config: {json.dumps(spec)}; {args.streams} stream(s), {args.max_tokens} tokens, "
+        f"{torch.get_num_threads()} threads"
+    )
     print("workload | plain tok/s | eager verification | replayed verification | replayed / eager | "
           "accepted | steps | ms a step (plain, eager, replayed) | verification replays")  # fmt: skip
     for workload in args.workloads.split(","):
