@@ -139,6 +139,9 @@ class LLMEngine:
             self.kv_cache_dtype,
             None if config.enforce_eager else self.max_model_len,
             self.grammars,
+            num_speculative_tokens=config.speculative_config.num_speculative_tokens
+            if config.speculative_config is not None
+            else 0,
         )
         if ranks is not None:
             ranks.broadcast(num_blocks)
@@ -298,15 +301,19 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Ready a long-lived engine (a server or a replica does this before it reports ready): capture the
-        decode graphs of batch sizes 1..max_num_seqs now, as many as fit in decode_graph.WARM_UP_SECONDS
+        decode graphs of batch sizes 1..max_num_seqs now (with speculative decoding, its verification
+        steps' up to disable_by_batch_size after them), as many as fit in decode_graph.WARM_UP_SECONDS
         (none under enforce_eager and tensor parallelism), and a draft model's up to its
         disable_by_batch_size, then freeze the heap, as vLLM's engine core does: the ~300k objects alive
         after loading (imports, tokenizer, graphs) are out of the collector's reach, where a full
         collection of them stalled every stream at once (~150 ms on llama-50m; docs/optimizations.md,
         "The server around the engine")."""
         graphs = getattr(self.runner, "graphs", None)
-        if graphs is not None:
-            graphs.warm_up(range(1, self.scheduler_config.max_num_seqs + 1))
+        if graphs is not None:  # and verification steps' at the batch sizes that speculate
+            num_seqs = self.scheduler_config.max_num_seqs
+            spec = self.config.speculative_config
+            speculating = min(num_seqs, spec.disable_by_batch_size) if spec is not None else 0
+            graphs.warm_up(range(1, num_seqs + 1), range(1, speculating + 1))
         if isinstance(self.proposer, DraftProposer):  # it runs while at most disable_by_batch_size do
             batch = self.config.speculative_config.disable_by_batch_size
             self.proposer.warm_up(min(self.scheduler_config.max_num_seqs, batch))

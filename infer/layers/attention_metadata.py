@@ -101,6 +101,30 @@ class AttentionMetadata:
         meta._kernel_args = (seq_lens, None)
         return meta
 
+    @classmethod
+    def static_verify(
+        cls, slot_mapping, block_tables, seq_lens: torch.Tensor, query_len: int, kv_caches, query_dtype
+    ) -> AttentionMetadata:
+        """Metadata of a step in which every sequence feeds query_len tokens (speculative decoding's
+        verification: its last token and the proposals), whose per-forward tensors are the given ones,
+        for a graph that keeps reading them (infer.runner.decode_graph). No query is a lone decode, so
+        every sequence is a loop sequence, as in the eager forward of such a step: the prefill kernel
+        gets the whole width of block_tables, seq_lens (int32) as they are, and the queries' starts,
+        which query_len alone fixes."""
+        n = len(seq_lens)
+        meta = cls(
+            query_lens=[query_len] * n,
+            seq_lens=seq_lens.tolist(),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            kv_caches=kv_caches,
+            query_dtype=query_dtype,
+        )
+        assert not meta.batch_seqs, "a step of multi-token queries alone has no batched sequences"
+        starts = torch.arange(0, (n + 1) * query_len, query_len, dtype=torch.int32)
+        meta._prefill_args = (None, block_tables, seq_lens, starts)
+        return meta
+
     def __post_init__(self):
         assert len(self.query_lens) == len(self.seq_lens)
         assert all(0 < q <= s for q, s in zip(self.query_lens, self.seq_lens, strict=True))

@@ -24,7 +24,23 @@ sizes up to max_num_seqs before it reports ready (`warm_up`), as many as fit in 
 a capture during a load stalls every stream of that step. A larger size is captured once it has held,
 while MAX_GRAPHS and TABLES_MAX_BYTES allow; past them a size stays eager. The sampler runs eagerly on
 the graph's logits, so every sampling feature is unchanged. What graphs buy per model and batch, and
-what the warm-up costs: docs/optimizations.md, "Decode graphs"."""
+what the warm-up costs: docs/optimizations.md, "Decode graphs".
+
+Speculative decoding's verification steps replay the same way: a step in which every request feeds its
+last token and proposals (1 + K tokens at most, K = num_speculative_tokens) is keyed by (batch size,
+1 + K), its logits every row's. A request with fewer than K proposals (one at least) is padded to K with
+token 0 at the positions that follow its own: the queries attend causally, so no real row sees a padding
+key, and a padding key lands in a slot of the request's own table past its sequence, which no step reads
+before it writes it (a block is hashed for the prefix cache only once its tokens are computed). A step
+whose padding would leave the request's table (or the model's positions) runs eagerly, and so does a step
+in which some requests verify proposals and others decode alone: eagerly those decodes take the decode
+kernel, and a graph of such a step (a padded one) would not give its logits bit for bit. Without a lone
+decode, a step's attention is the prefill kernel's (attention_metadata), whose Python reads no value
+either, and padded or not its replay gives the eager logits. A batch size's streak counts the steps
+either graph could replay, and a capture is checked against the eager logits of the step it is captured
+on (a padded step's: the capture's own run of it, padded). Whether verification graphs pay is decided at
+their first capture, apart from decode graphs'; a verification capture that fails turns verification
+graphs off, not decode graphs."""
 
 from __future__ import annotations
 
@@ -54,18 +70,20 @@ TABLES_MAX_BYTES = 64 * 2**20  # all graphs' block tables (n x max_blocks int64)
 @dataclass
 class _Graph:
     module: torch.jit.ScriptModule | torch.fx.GraphModule | None
-    # the static inputs: [n] each, tables [n, max_blocks]
+    # the static inputs: [n * width] each, tables [n, max_blocks], seq_lens [n]
     ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
     tables: torch.Tensor
-    seq_lens: torch.Tensor  # int32, as the attention kernel takes them
+    seq_lens: torch.Tensor  # int32, as the attention kernels take them
 
 
 class DecodeGraphs:
-    """steady_steps: pure-decode steps of one batch size before it is captured. A draft model's
-    one-token forwards come K - 1 at a time between multi-token ones, so a draft captures a size at
-    first sight (1)."""
+    """Graphs keyed by (batch size, tokens per request): 1 for decode steps, verify_len (1 + K) for
+    speculative decoding's verification steps (1: none). steady_steps: steps of one such shape before it
+    is captured. A draft model's one-token forwards come K - 1 at a time between multi-token ones, so a
+    draft captures a size at first sight (1). max_len: the model's positions (a padding token's position
+    stays below it)."""
 
     def __init__(
         self,
@@ -75,73 +93,120 @@ class DecodeGraphs:
         max_blocks: int,
         dtype: torch.dtype,
         steady_steps: int = STEADY_STEPS,
+        verify_len: int = 1,
+        max_len: int | None = None,
     ):
         self.model, self.kv_caches, self.dtype = model, kv_caches, dtype
         self.steady_steps = steady_steps
         self.block_size, self.max_blocks = block_size, max_blocks
-        self.graphs: dict[int, _Graph] = {}
-        self.size = self.streak = 0
+        self.verify_len = verify_len
+        self.max_len = max_len if max_len is not None else max_blocks * block_size
+        self.graphs: dict[int, _Graph] = {}  # decode steps' graphs by batch size
+        self.verify_graphs: dict[int, _Graph] = {}  # verification steps' (width verify_len) by batch size
+        self.size = self.width = self.streak = 0  # the last replayable step's shape; steps of its size
         self.enabled = True
+        self.verify_enabled = verify_len > 1
         self.captures = self.replays = 0
+        self.verify_replays = 0  # of replays, those of verification steps
         self.pays: bool | None = None  # decided at the first capture (_check_pays)
+        self.verify_pays: bool | None = None  # likewise, at the first verification capture
         self.interpret = True  # replay through TorchScript (_interpreted)
 
     def logits(self, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
-        """The step's logits from its batch size's graph; None: run the forward eagerly (and then
-        `maybe_capture`)."""
-        if not self.enabled or not all(len(s.token_ids) == 1 and s.sample for s in reqs):
+        """The step's logits from its shape's graph (a verifying request's 1 + k rows, one for another);
+        None: run the forward eagerly (and then `maybe_capture`)."""
+        width = self._width(reqs)
+        if width is None:
             self.streak = 0
             return None
         self.streak = self.streak + 1 if len(reqs) == self.size else 1
-        self.size = len(reqs)
-        graph = self.graphs.get(len(reqs))
-        if graph is None or not self._fill(graph, reqs):
+        self.size, self.width = len(reqs), width
+        graph = self._graphs(width).get(len(reqs))
+        if graph is None or not self._fill(graph, reqs, width):
             return None
         self.replays += 1
-        return graph.module()
+        logits = graph.module()
+        if width == 1:
+            return logits
+        self.verify_replays += 1
+        if all(len(s.token_ids) == width for s in reqs):
+            return logits
+        rows = [i * width + t for i, s in enumerate(reqs) for t in range(len(s.token_ids))]
+        return logits[rows]  # the padding's rows dropped
+
+    def _width(self, reqs: list[ScheduledRequest]) -> int | None:
+        """Tokens a request that the step's graph feeds: 1 for a decode step, verify_len for a step in
+        which every request verifies proposals (padded to K); None for any other step (a prompt, a
+        chunk, lone decodes beside proposals), or graphs off."""
+        if not self.enabled or not all(s.sample and s.num_tokens == 1 + len(s.spec_token_ids) for s in reqs):
+            return None
+        if all(len(s.token_ids) == 1 for s in reqs):
+            return 1
+        if self.verify_enabled and all(1 < len(s.token_ids) <= self.verify_len for s in reqs):
+            return self.verify_len
+        return None
 
     def maybe_capture(self, reqs: list[ScheduledRequest], logits: torch.Tensor) -> None:
-        """After an eager step: capture its batch size if it has held for STEADY_STEPS pure-decode
-        steps, checked against `logits`, the eager forward's."""
-        n = len(reqs)
-        if self.streak >= self.steady_steps and n == self.size and n not in self.graphs:
-            self._capture(reqs, logits)
+        """After an eager step: capture its shape if its batch size has held for STEADY_STEPS steps
+        that a graph could replay (decoding or verifying), checked against `logits`, the eager
+        forward's; a padded verification step against the capture's own run of it, padded (the eager
+        forward's logits of the unpadded step need not be the padded one's bit for bit)."""
+        n, width = self.size, self.width
+        if self.streak < self.steady_steps or n != len(reqs) or n in self._graphs(width):
+            return
+        unpadded = all(len(s.token_ids) == width for s in reqs)
+        self._capture(reqs, width, logits if unpadded else None)
 
-    def warm_up(self, sizes) -> None:
-        """Capture these batch sizes now, on made-up decode steps, so that no step of a real load stalls
-        on a capture (the server does this before it reports ready). Row i decodes token 0 at position 0
-        of block i: the pool is fresh, those blocks hold nothing yet, and a request writes its slots
-        before it reads them."""
+    def warm_up(self, sizes, verify_sizes=()) -> None:
+        """Capture these batch sizes now, on made-up decode steps (and verify_sizes on made-up
+        verification steps), so that no step of a real load stalls on a capture (the server does this
+        before it reports ready). Row i feeds token 0 at positions 0, 1, ... of block i: the pool is
+        fresh, those blocks hold nothing yet, and a request writes its slots before it reads them."""
         start = time.perf_counter()
         num_blocks = self.kv_caches[0][0].shape[0]
-        for n in sizes:
+        shapes = [(n, 1) for n in sizes]
+        if self.verify_len <= self.block_size:  # each batch size's verification after its decode
+            shapes = sorted(shapes + [(n, self.verify_len) for n in verify_sizes])
+        greedy = SamplingParams(temperature=0)
+        for n, width in shapes:
             if not self.enabled or n > num_blocks:
                 break
-            if n not in self.graphs:
-                greedy = SamplingParams(temperature=0)
-                rows = [ScheduledRequest(f"warm-up-{i}", [0], 0, [i], True, greedy, 1) for i in range(n)]
-                self._capture(rows)
-            if time.perf_counter() - start > WARM_UP_SECONDS and n != sizes[-1]:
-                logger.info("decode graphs: warm-up out of time after size %d; larger ones are captured once "
-                            "they hold", n)  # fmt: skip
+            if n not in self._graphs(width) and (width == 1 or self.verify_enabled):
+                spec = [0] * (width - 1)
+                rows = [
+                    ScheduledRequest(f"warm-up-{i}", [0] * width, 0, [i], True, greedy, 1, None, False, spec)
+                    for i in range(n)
+                ]
+                self._capture(rows, width)
+            if time.perf_counter() - start > WARM_UP_SECONDS and (n, width) != shapes[-1]:
+                logger.info("decode graphs: warm-up out of time after size %d (width %d); the rest are "
+                            "captured once they hold", n, width)  # fmt: skip
                 break
         logger.info(
-            "decode graphs: %d batch sizes captured in %.1f s", len(self.graphs), time.perf_counter() - start
+            "decode graphs: %d batch sizes captured (%d verifying) in %.1f s",
+            len(self.graphs) + len(self.verify_graphs),
+            len(self.verify_graphs),
+            time.perf_counter() - start,
         )
 
-    def _capture(self, reqs: list[ScheduledRequest], logits: torch.Tensor | None = None) -> None:
-        """Capture len(reqs), checked against `logits` (None: those of the traced run, the eager forward)."""
+    def _capture(self, reqs: list[ScheduledRequest], width: int, logits: torch.Tensor | None = None) -> None:
+        """Capture (len(reqs), width), checked against `logits` (None: those of the traced run, the eager
+        forward)."""
         n = len(reqs)
-        tables = sum(g.tables.nbytes for g in self.graphs.values()) + n * self.max_blocks * 8
-        if len(self.graphs) >= MAX_GRAPHS or tables > TABLES_MAX_BYTES:
+        held = [*self.graphs.values(), *self.verify_graphs.values()]
+        tables = sum(g.tables.nbytes for g in held) + n * self.max_blocks * 8
+        if len(held) >= MAX_GRAPHS or tables > TABLES_MAX_BYTES:
             return
-        graph = _Graph(None, *(torch.zeros(n, dtype=torch.long) for _ in range(3)),
+        graph = _Graph(None, *(torch.zeros(n * width, dtype=torch.long) for _ in range(3)),
                        torch.zeros(n, self.max_blocks, dtype=torch.long),
                        torch.zeros(n, dtype=torch.int32))  # fmt: skip
-        if not self._fill(graph, reqs):
+        if not self._fill(graph, reqs, width):
             return
         static = (graph.slots, graph.tables, graph.seq_lens)
-        meta = AttentionMetadata.static_decode(*static, self.kv_caches, self.dtype)
+        if width == 1:
+            meta = AttentionMetadata.static_decode(*static, self.kv_caches, self.dtype)
+        else:
+            meta = AttentionMetadata.static_verify(*static, width, self.kv_caches, self.dtype)
 
         outputs = []
 
@@ -159,17 +224,22 @@ class DecodeGraphs:
                 graph.module = self._interpreted(traced)
                 replayed = graph.module()
         except Exception as exc:  # an op the tracer cannot take: this model stays eager
-            self._disable(f"capture failed: {type(exc).__name__}: {exc}")
+            self._disable(f"capture failed: {type(exc).__name__}: {exc}", width)
             return
         targets = [str(node.target) for node in traced.graph.nodes if node.op == "call_function"]
-        if not any("paged_attention" in t for t in targets):
-            self._disable("the step does not run the C++ decode attention")
+        # the kernels' Python reads no value of the step: a graph of another attention path would keep
+        # the masks and lengths of the step it was captured on
+        kernel = "paged_attention" if width == 1 else "prefill_attention"
+        if not any(kernel in t for t in targets):
+            self._disable(f"the step does not run the C++ {kernel}", width)
         elif not torch.equal(replayed, logits):
-            self._disable("the replay differs from the eager forward")
-        elif self.pays is None and not self._check_pays(forward, graph.module):
+            self._disable("the replay differs from the eager forward", width)
+        elif (self.pays if width == 1 else self.verify_pays) is None and not self._check_pays(
+            forward, graph.module, width
+        ):
             return
         else:
-            self.graphs[n] = graph
+            self._graphs(width)[n] = graph
             self.captures += 1
 
     def _interpreted(self, traced: torch.fx.GraphModule):
@@ -185,7 +255,7 @@ class DecodeGraphs:
                 self.interpret = False
         return traced
 
-    def _check_pays(self, forward, module) -> bool:
+    def _check_pays(self, forward, module, width: int = 1) -> bool:
         """At the first capture: whether a replay beats the eager forward by (1 - MIN_GAIN). A large
         model's step is its weights' reads, not the Python between its ops (Llama-3.2-1B replayed as
         Python: 91 against 93 ms), and then graphs cost their captures for nothing.
@@ -207,42 +277,69 @@ class DecodeGraphs:
                 replay.append(time.perf_counter() - start)
         ratios = sorted(r / max(e, 1e-9) for e, r in zip(eager, replay, strict=True))
         fastest, median = min(replay) / max(min(eager), 1e-9), ratios[len(ratios) // 2]
-        self.pays = min(fastest, median) < MIN_GAIN
+        pays = min(fastest, median) < MIN_GAIN
+        if width == 1:
+            self.pays = pays
+        else:
+            self.verify_pays = pays
+        what = "a replay" if width == 1 else "a verification step's replay"
         how = (
-            f"a replay takes {fastest:.2f}x the eager forward's time (fastest of {PAYS_PAIRS} each), "
+            f"{what} takes {fastest:.2f}x the eager forward's time (fastest of {PAYS_PAIRS} each), "
             f"{median:.2f}x (median of their ratios)"
         )
-        if not self.pays:
-            self._disable(f"{how}: not worth capturing", logging.INFO)
+        if not pays:
+            self._disable(f"{how}: not worth capturing", width, logging.INFO)
         else:
             logger.info("decode graphs: %s", how)
-        return self.pays
+        return pays
 
-    def _fill(self, graph: _Graph, reqs: list[ScheduledRequest]) -> bool:
+    def _fill(self, graph: _Graph, reqs: list[ScheduledRequest], width: int = 1) -> bool:
+        """Refill the graph's inputs for this step, each request's tokens padded to `width` (token 0 at
+        the positions after its own); False where a padding position is past the request's table or
+        the model's positions (the step runs eagerly)."""
         bs = self.block_size
-        width = max(len(s.block_ids) for s in reqs)
-        if width > self.max_blocks:
+        num_blocks = max(len(s.block_ids) for s in reqs)
+        if num_blocks > self.max_blocks:
             return False
-        pos = [s.start_pos for s in reqs]
+        if width == 1:
+            ids = [s.token_ids[0] for s in reqs]
+            pos = [s.start_pos for s in reqs]
+        else:
+            ends = [s.start_pos + width for s in reqs]
+            if any(e > len(s.block_ids) * bs or e > self.max_len for s, e in zip(reqs, ends, strict=True)):
+                return False
+            ids = [t for s in reqs for t in s.token_ids + [0] * (width - len(s.token_ids))]
+            pos = [p for s in reqs for p in range(s.start_pos, s.start_pos + width)]
+        per_row = [s for s in reqs for _ in range(width)]
         rows = torch.tensor([
-            [s.token_ids[0] for s in reqs],
+            ids,
             pos,
-            [s.block_ids[p // bs] * bs + p % bs for s, p in zip(reqs, pos, strict=True)],
-            [p + 1 for p in pos],
+            [s.block_ids[p // bs] * bs + p % bs for s, p in zip(per_row, pos, strict=True)],
         ])  # fmt: skip
         graph.ids.copy_(rows[0])
         graph.positions.copy_(rows[1])
         graph.slots.copy_(rows[2])
-        graph.seq_lens.copy_(rows[3])
-        # entries past a sequence's own blocks are never read: the kernel reads up to its seq_len
-        table = [s.block_ids + [0] * (width - len(s.block_ids)) for s in reqs]
-        graph.tables[:, :width].copy_(torch.tensor(table))
+        graph.seq_lens.copy_(torch.tensor([s.start_pos + width for s in reqs]))
+        # entries past a sequence's own blocks are never read: the kernels read up to its seq_len
+        table = [s.block_ids + [0] * (num_blocks - len(s.block_ids)) for s in reqs]
+        graph.tables[:, :num_blocks].copy_(torch.tensor(table))
         return True
 
-    def _disable(self, why: str, level: int = logging.WARNING) -> None:
-        logger.log(level, "decode graphs off for this engine: %s", why)
-        self.enabled = False
-        self.graphs.clear()
+    def _disable(self, why: str, width: int = 1, level: int = logging.WARNING) -> None:
+        """Graphs off for the engine; a verification graph's failure (width > 1) turns off only
+        verification graphs."""
+        if width == 1:
+            logger.log(level, "decode graphs off for this engine: %s", why)
+            self.enabled = self.verify_enabled = False
+            self.graphs.clear()
+            self.verify_graphs.clear()
+            return
+        logger.log(level, "verification graphs off for this engine: %s", why)
+        self.verify_enabled = False
+        self.verify_graphs.clear()
+
+    def _graphs(self, width: int) -> dict[int, _Graph]:
+        return self.graphs if width == 1 else self.verify_graphs
 
 
 def _one_fake_mode():

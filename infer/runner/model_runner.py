@@ -48,6 +48,7 @@ class ModelRunner:
         decode_graphs_max_len: int | None = None,
         grammars: GrammarCompiler | None = None,
         decode_graphs_steady_steps: int = STEADY_STEPS,
+        num_speculative_tokens: int = 0,
     ):
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
@@ -62,12 +63,20 @@ class ModelRunner:
         self.sampler = Sampler(seed, grammars)
         built = kernels.load() is not None  # now, not in the first step that needs it (a first build: ~10 s)
         # decode steps replayed from graphs (infer.runner.decode_graph): given the longest sequence, with a
-        # KV cache, on one rank, and the C++ kernels to run
+        # KV cache, on one rank, and the C++ kernels to run; with speculative decoding (K proposals at
+        # most), its verification steps too
         self.graphs = None
         if decode_graphs_max_len and self.kv_caches is not None and tp.size == 1 and built:
             max_blocks = -(-decode_graphs_max_len // block_size)
             self.graphs = DecodeGraphs(
-                model, self.kv_caches, block_size, max_blocks, self.dtype, decode_graphs_steady_steps
+                model,
+                self.kv_caches,
+                block_size,
+                max_blocks,
+                self.dtype,
+                decode_graphs_steady_steps,
+                verify_len=1 + num_speculative_tokens,
+                max_len=decode_graphs_max_len,
             )
         self.last_prepare_s = 0.0
         self.last_prompt_logprobs: dict | None = None  # of the last `logits` call

@@ -275,3 +275,85 @@ def test_whether_graphs_pay_is_decided_on_pairs_of_timings(monkeypatch, eager, r
     graphs = decode_graph.DecodeGraphs(None, [], 16, 1, torch.bfloat16)
     assert graphs._check_pays(clock.forward, clock.module) is pays
     assert graphs.enabled is pays
+
+
+# n-gram proposals from single tokens on: the random prompts repeat some, so most steps verify
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC_ALWAYS = {**SPEC, "disable_by_batch_size": 64}  # the six prompts speculate together
+PROPOSED = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # no logprobs: they get proposals
+
+
+def test_verification_steps_replay_and_keep_the_eager_tokens(model_dir):
+    """Steps that verify proposals replay graphs keyed by (batch size, 1 + K), padded where a request
+    has fewer than K proposals, and every token is the one without speculation."""
+    config = {"max_num_seqs": 6, "speculative_config": SPEC_ALWAYS}
+    eager, _ = generate(model_dir, True, PROPOSED, **config)
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, **config))
+    engine.warm_up()
+    graphs = engine.runner.graphs
+    assert sorted(graphs.verify_graphs) == [1, 2, 3, 4, 5, 6]
+    outputs = {engine.add_request(p, PROPOSED).req_id: [] for p in prompts()}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.req_id].extend(out.token_ids)
+    plain = [ids for ids, _ in generate(model_dir, True, PROPOSED)[0]]
+    assert list(outputs.values()) == [ids for ids, _ in eager] == plain
+    assert graphs.verify_enabled and graphs.verify_replays > 3 and graphs.captures == 12
+    assert engine.scheduler.num_spec_draft_tokens > 0
+    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
+def test_a_verification_replay_gives_the_eager_logits(model_dir):
+    """Each replayed verification step run again eagerly: bit for bit the same logits, whether every
+    request has K proposals or some are padded."""
+    config = {"max_num_seqs": 6, "speculative_config": SPEC}
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, **config))
+    engine.warm_up()
+    runner, graphs = engine.runner, engine.runner.graphs
+    assert sorted(graphs.verify_graphs) == [1, 2, 3, 4]  # up to disable_by_batch_size
+    forward, same = runner.logits, []
+
+    def replayed_then_eager(sched):
+        replays = graphs.verify_replays
+        logits, reqs = forward(sched)
+        if graphs.verify_replays > replays:  # the same step eagerly: the same keys into the same slots
+            graphs.enabled = False
+            eager, _ = forward(sched)
+            graphs.enabled = True
+            same.append(torch.equal(logits, eager))
+        return logits, reqs
+
+    runner.logits = replayed_then_eager
+    for p in prompts(3):
+        engine.add_request(p, PROPOSED)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(same) > 5 and all(same)
+
+
+def test_a_verification_capture_that_fails_leaves_decode_graphs_on(model_dir, monkeypatch, caplog):
+    real = decode_graph.AttentionMetadata.static_verify
+
+    def no_kernel(*args, **kwargs):
+        meta = real(*args, **kwargs)
+        meta._prefill_args = None  # the kernel's arguments built from the step's values: not replayable
+        return meta
+
+    monkeypatch.setattr(decode_graph.AttentionMetadata, "static_verify", no_kernel)
+    monkeypatch.setattr(attention_kernels, "prefill_kernel_for", lambda *args, **kwargs: None)  # SDPA
+    config = {"max_num_seqs": 6, "speculative_config": SPEC_ALWAYS}
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, **config))
+    with caplog.at_level("WARNING", logger="infer.runner"):
+        engine.warm_up()
+    graphs = engine.runner.graphs
+    assert not graphs.verify_enabled and not graphs.verify_graphs
+    assert graphs.enabled and sorted(graphs.graphs) == [1, 2, 3, 4, 5, 6]
+    assert [r.getMessage() for r in caplog.records] == [
+        "verification graphs off for this engine: the step does not run the C++ prefill_attention"
+    ]
+    outputs = {engine.add_request(p, PROPOSED).req_id: [] for p in prompts()}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.req_id].extend(out.token_ids)
+    assert graphs.verify_replays == 0 and engine.scheduler.num_spec_draft_tokens > 0
+    assert list(outputs.values()) == [ids for ids, _ in generate(model_dir, True, PROPOSED)[0]]
