@@ -1,6 +1,5 @@
 """Which architectures are pooling models, and which task a model serves under --runner: read from
-config.json alone, without torch, so that a server can know it before torch starts its threads
-(infer.server.omp_wait)."""
+config.json alone, without torch."""
 
 from __future__ import annotations
 

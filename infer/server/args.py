@@ -29,7 +29,6 @@ from infer.config import (
 )
 from infer.server.auth import check_keys, owner_of, read_key_file, split_keys
 from infer.server.model_specs import ModelSetArgs, add_model_set_args, model_set_args
-from infer.server.omp_wait import prefer_passive_wait
 from infer.server.reasoning import REASONING_PARSERS
 from infer.server.tool_parsers import TOOL_PARSERS
 
@@ -466,13 +465,11 @@ def api_key_owners(args: argparse.Namespace) -> tuple[str, ...]:
 
 def parse_server_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> ServerArgs:
     """Parse argv, with the defaults taken from --config first so that flags override the file.
-    Raises ValueError for a bad file, a bad value or an impossible combination. In a server process not
-    yet running torch, a pooling model's sets OMP_WAIT_POLICY=PASSIVE first (infer.server.omp_wait)."""
+    Raises ValueError for a bad file, a bad value or an impossible combination."""
     args = parser.parse_args(argv)
     if args.config:
         parser.set_defaults(**read_config_file(Path(args.config), parser))
         args = parser.parse_args(argv)
-    prefer_passive_wait(getattr(args, "model_arg", None) or args.model, args.runner, args.hf_overrides)
     return to_server_args(args)
 
 

@@ -89,8 +89,7 @@ def log_config(args: ServerArgs, state: ServerState) -> None:
     llm = state.llm
     if state.pooling is not None:
         logger.info(
-            "model %s (%s, %s): a pooling model (%s), max_model_len %d, %s; batches of at most %d tokens; "
-            "OMP_WAIT_POLICY %s",
+            "model %s (%s, %s): a pooling model (%s), max_model_len %d, %s; batches of at most %d tokens",
             args.model_name,
             llm.model_config.architecture,
             str(llm.dtype).removeprefix("torch."),
@@ -98,7 +97,6 @@ def log_config(args: ServerArgs, state: ServerState) -> None:
             llm.max_model_len,
             llm.pooler,
             llm.max_num_batched_tokens,
-            os.environ.get("OMP_WAIT_POLICY", "unset (spin, then sleep)"),
         )
         logger.info("ready on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
         return
