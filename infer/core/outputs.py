@@ -104,8 +104,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[Any] | None = None
-    # req_id -> (position p, entries for the prompt tokens at p + 1, p + 2, ...): see ModelRunner
-    prompt_logprobs: dict[str, tuple[int, list[Any]]] | None = None
+    # req_id -> the runner's logprobs of the prompt tokens this step computed (a PromptLogprobChunk)
+    prompt_logprobs: dict[str, Any] | None = None
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 

@@ -42,6 +42,7 @@ from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unser
 from infer.runner.model_runner import ModelRunner
 from infer.runner.ngram_proposer import NgramProposer
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
+from infer.runner.prompt_logprobs import PromptLogprobChunk, PromptLogprobs
 from infer.sampling_params import MAX_BAD_WORDS, SamplingParams, Unsatisfiable
 from infer.structured_outputs.compiler import GrammarCompiler
 
@@ -62,8 +63,8 @@ class StepOutput:
     num_cached_tokens: int
     logprobs: Any = None  # (sampled token's logprob, [(token_id, logprob)] top-N) when asked for
     # with the request's first tokens (or its end), when asked for: per prompt token, None for the first,
-    # then (token id, logprob, rank, [(token id, logprob)] top-N)
-    prompt_logprobs: list | None = None
+    # then (token id, logprob, rank, [(token id, logprob)] top-N): a sequence read lazily
+    prompt_logprobs: PromptLogprobs | None = None
     # the finished Request (timestamps, preemptions, prefill tokens computed), on the last output only
     request: Request | None = None
     error: str | None = None  # with finish_reason "error": what failed (for logs, not for clients)
@@ -152,7 +153,7 @@ class LLMEngine:
         self.proposer = self._proposer(config, num_blocks)
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.prompt_logprobs: dict[str, dict[int, tuple]] = {}  # req_id -> prompt position -> entry
+        self.prompt_logprobs: dict[str, list[PromptLogprobChunk]] = {}  # req_id -> computed chunks
         self.last_stats = StepStats()
         self.last_timing = StepTiming()
         self._ids = itertools.count()
@@ -256,7 +257,7 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.grammars.reserve(req.req_id, params.structured_outputs, matcher)
         if params.prompt_logprobs is not None:
-            self.prompt_logprobs[req.req_id] = {}
+            self.prompt_logprobs[req.req_id] = []
         self.requests[req.req_id] = req
         self.detokenizers[req.req_id] = IncrementalDetokenizer(
             self.tokenizer,
@@ -327,11 +328,10 @@ class LLMEngine:
         scheduled = time.perf_counter()
         runner_out, failures = self._execute(sched)
         executed = time.perf_counter()
-        for req_id, (first, entries) in (runner_out.prompt_logprobs or {}).items():
+        for req_id, chunk in (runner_out.prompt_logprobs or {}).items():
             found = self.prompt_logprobs.get(req_id)
-            if found is not None:  # a recomputed position keeps its first value
-                for position, entry in enumerate(entries, start=first + 1):
-                    found.setdefault(position, entry)
+            if found is not None:  # a recomputed position keeps its first value (PromptLogprobs)
+                found.append(chunk)
         outputs = [self._fail(req_id, exc) for req_id, exc in failures.items()]
         updates = self.scheduler.update(sched, runner_out)
         updated = time.perf_counter()
@@ -458,8 +458,7 @@ class LLMEngine:
         req = self.requests[req_id]
         prompt_logprobs = None
         if req_id in self.prompt_logprobs and (token_ids or reason is not None):  # once, when complete
-            found = self.prompt_logprobs.pop(req_id)
-            prompt_logprobs = [None] + [found.get(p) for p in range(1, req.num_prompt_tokens)]
+            prompt_logprobs = PromptLogprobs(req.num_prompt_tokens, self.prompt_logprobs.pop(req_id))
         if reason is not None:
             del self.requests[req_id], self.detokenizers[req_id]
         return StepOutput(

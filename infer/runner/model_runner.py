@@ -19,6 +19,7 @@ from infer.layers.attention_metadata import AttentionMetadata
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.runner.decode_graph import STEADY_STEPS, DecodeGraphs
 from infer.runner.kv_cache import allocate_kv_cache
+from infer.runner.prompt_logprobs import PromptLogprobChunk
 from infer.runner.rejection_sampler import verify
 from infer.runner.sampler import Sampler
 from infer.structured_outputs.compiler import GrammarCompiler
@@ -154,10 +155,10 @@ class ModelRunner:
         return out
 
     def _prompt_logprobs(self, reqs, hidden: torch.Tensor, query_lens: list[int]) -> dict:
-        """req_id -> (p, entries): the rows this step computed at prompt positions p, p + 1, ... predict
-        the prompt tokens at p + 1, ...; each entry is (token id, its logprob, its rank in the row (1 =
-        the likeliest), [(token id, logprob)] the top-N). Logits are computed PROMPT_LOGPROBS_ROWS rows at
-        a time, not [prompt, vocab] at once."""
+        """req_id -> PromptLogprobChunk: the rows this step computed at prompt positions p, p + 1, ...
+        predict the prompt tokens at p + 1, ...; kept as tensors (prompt_logprobs.py: read where the
+        response is written, not in the step). Logits are computed PROMPT_LOGPROBS_ROWS rows at a time,
+        not [prompt, vocab] at once."""
         found, end = {}, 0
         for s, num_rows in zip(reqs, query_lens, strict=True):
             row0, end = end, end + num_rows
@@ -168,20 +169,18 @@ class ModelRunner:
                 continue
             rows = hidden[row0 + first - pos0 : row0 + last - pos0]
             targets = torch.tensor(s.history[first + 1 : last + 1])
-            entries = []
+            parts = []
             for i in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
                 part = targets[i : i + PROMPT_LOGPROBS_ROWS]
                 logits = self.model.compute_logits(rows[i : i + len(part)])  # float32 [rows, vocab]
                 # logprob = logit - logsumexp: one pass, where log_softmax writes a second [rows, vocab]
                 norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [rows, 1]
                 chosen = logits.gather(1, part.unsqueeze(1))  # [rows, 1]
-                ranks = ((logits > chosen).sum(dim=-1, dtype=torch.int32) + 1).tolist()  # int32: 4x a bool
+                ranks = (logits > chosen).sum(dim=-1, dtype=torch.int32) + 1  # int32: 4x a bool
                 top_values, top_ids = logits.topk(top_n, dim=-1)
-                logprobs, top_values = (chosen - norm).squeeze(1).tolist(), (top_values - norm).tolist()
-                for j, token_id in enumerate(part.tolist()):
-                    top = list(zip(top_ids[j].tolist(), top_values[j], strict=True))
-                    entries.append((token_id, logprobs[j], ranks[j], top))
-            found[s.req_id] = (first, entries)
+                parts.append(((chosen - norm).squeeze(1), ranks, top_ids, top_values - norm))
+            logprobs, ranks, top_ids, top_values = (torch.cat(t) for t in zip(*parts, strict=True))
+            found[s.req_id] = PromptLogprobChunk(first, targets, logprobs, ranks, top_ids, top_values)
         return found
 
     def _ban_early_stops(self, logits: torch.Tensor, reqs) -> None:

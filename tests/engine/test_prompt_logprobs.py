@@ -133,3 +133,17 @@ def test_a_prompt_with_logprobs_is_prefilled_in_chunks_not_a_token_a_step(quanti
     assert num_prompt > 300
     budget = engine.scheduler_config.max_num_batched_tokens
     assert len(steps) <= 2 + num_prompt * cost / budget
+
+
+def test_the_step_keeps_tensors_and_the_reader_builds_the_entries(tiny, tiny_reference):
+    """A step holds the engine thread: it keeps each chunk's tensors, and the entries (tens of thousands
+    of Python objects for a long prompt) are built only where they are read."""
+    path, prompts, _ = tiny
+    llm = LLM(path, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=16, prefill_chunk_size=16)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=TOP_N)
+    result = llm.generate(prompts[:1], params)[0]
+    got = result.prompt_logprobs
+    assert got._entries is None and len(got.chunks) > 1  # several chunks, none turned into entries yet
+    assert all(isinstance(chunk.logprobs, torch.Tensor) for chunk in got.chunks)
+    check(got, tiny_reference[0])
+    assert got._entries is not None and got == list(got) and got[1:] == list(got)[1:]
