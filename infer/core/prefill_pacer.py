@@ -52,7 +52,15 @@ overshoot, and while the price is such a guess, the smaller chunk the credit buy
 measure it; a decode-only step comes first when no decode step was measured yet, and one
 every PROBE_EVERY paced steps refreshes it (a stream that joined while a long prompt was prefilled has
 never been seen alone). Steps without decodes are not paced (the scheduler runs a short newcomer's
-prefill before a running prompt's next chunk, so its first token does not wait for it).
+prefill alone before the running prompts' next chunks and the queued long prompts, so its first token
+does not wait for them).
+
+A crowded group (one client's several requests in flight, where the server tells clients apart, or one
+request's n choices) is one client flooding the server: its prompts' chunks are cut to `group_chunk`, a
+step that costs at most max_decode_slowdown x a decode-only one, whoever else runs. Other clients' gaps
+and first tokens then wait at most about one such step, and the flood's prefill runs at the per-token
+cost of that chunk size instead of the largest's. A lone long prompt keeps its whole chunks and the
+order above (its time to first token is bounded too).
 docs/robustness.md, "Long prompts: the streams' gaps against the prompt's first token", has what no
 schedule can do and how to measure the tradeoff.
 """
@@ -77,6 +85,7 @@ SPEND_SHARE = 0.8  # of a credit a chunk may be priced at
 STALL_FACTOR = 2.0  # a chunk is charged at most this many times its price
 RATE_SAMPLES = 3  # the latest chunks of about a size whose median cost per token prices the next
 PROMPT_SLOWDOWN = 1.5  # a prompt's time to first token held behind streams, at most this x its time alone
+GROUP_CHUNK_FLOOR = 128  # a crowded group's chunk at least: smaller ones cost more per token than they save
 
 
 class NextPrompt(NamedTuple):
@@ -134,6 +143,18 @@ class PrefillPacer:
             n, t = max(self.prefill_steps)
             guess = min(guess, t / n)
         return guess, False
+
+    def group_chunk(self, num_decodes: int) -> int:
+        """The largest prefill chunk of a crowded group's prompt (one client's several requests in flight,
+        or one request's n choices): a step carrying it costs at most max_decode_slowdown x a decode-only
+        step of num_decodes (at least one), so that other clients' streams keep their pace beside a
+        client's flood of long prompts and a newcomer's first token waits at most about that long for
+        the step under way; at least GROUP_CHUNK_FLOOR."""
+        decode = self.decode_seconds(max(1, num_decodes))
+        price = self.seconds_per_unit(GROUP_CHUNK_FLOOR, num_decodes)
+        if decode is None or price is None:
+            return GROUP_CHUNK_FLOOR
+        return max(GROUP_CHUNK_FLOOR, int((self.slowdown - 1) * decode / price[0]))
 
     def credit_of(self, req: Request, decode: float) -> float:
         """req's credit now, after earning for the tokens it has made and those it may still make (up to

@@ -92,6 +92,7 @@ class _StepPlan:
         # a prompt held behind the streams, and the units of whole short prompts that may pass it
         self.held: Request | None = None
         self.spare: int | None = None
+        self.crowded_units: int | None = None  # prefill tokens left to the crowded groups' chunks
         self.spec_token_ids: dict[Request, list[int]] = {}  # the proposals a decode feeds after its token
 
     def available(self, admission: bool) -> int:
@@ -155,6 +156,8 @@ class Scheduler:
         self._finished_req_ids: list[str] = []  # since the last schedule()
         self._last_decodes: list[Request] = []  # "slo": the decodes of the last step, for observe_step
         self.pacer = PrefillPacer(scheduler_config.max_decode_slowdown)
+        self._crowded: set[str] = set()  # this step's groups of several requests (group_shares.py)
+        self._group_chunk = 0  # this step's cap on their prompts' chunks (0: none)
         self.group_decode_bound = GroupDecodeBound(self.pacer)
         # the last step's decodes and prefill cost units, for observe_step
         self._last_step: tuple[list[Request], int] = ([], 0)
@@ -272,21 +275,39 @@ class Scheduler:
         if self._static and not self.running:
             self._wave_slots = self.config.max_num_seqs  # the previous wave is done: open a new one
         num_evictions = self.kv_cache_manager.num_evictions
-        plan = _StepPlan(self.config.max_num_batched_tokens)
-        self._schedule_running(plan)
-        if not plan.preempted_req_ids:  # memory is short: admitting more would only preempt more
-            self._schedule_waiting(plan)
+        self._crowded = crowded_groups([*self.running, *self.waiting])  # a group of one request is a single
+        num_decodes = sum(not r.is_prefill for r in self.running)
+        self._group_chunk = self.pacer.group_chunk(num_decodes) if self.pacer.enabled and self._crowded else 0
+        plan = self._plan(paced=True)
+        if not plan.num_new_tokens and not plan.preempted_req_ids and self.running:
+            # what pacing left (a short newcomer that could not get in, a decode-only step whose rows
+            # the group bound held back) would idle the step: it runs unpaced instead
+            plan = self._plan(paced=False)
         return self._emit(plan, self.kv_cache_manager.num_evictions - num_evictions)
 
-    def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
+    def _plan(self, paced: bool) -> _StepPlan:
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        plan.crowded_units = self._group_chunk or None
+        self._schedule_running(plan, paced)
+        if not plan.preempted_req_ids:  # memory is short: admitting more would only preempt more
+            self._schedule_waiting(plan)
+        return plan
+
+    def _num_new_tokens(
+        self, req: Request, num_computed: int, budget: int, crowded_units: int | None = None
+    ) -> int:
         """Tokens req may feed now (0 = none): a chunk if chunking, else all remaining or nothing. A long
-        prompt's chunk is at most long_prefill_token_threshold; prompt-logprob tokens cost more."""
+        prompt's chunk is at most long_prefill_token_threshold; the crowded groups' long prompts' chunks
+        of a step together at most crowded_units (what is left of the pacer's group_chunk);
+        prompt-logprob tokens cost more."""
         num_new = req.num_tokens - num_computed
         budget = int(budget // self._token_cost(req, num_computed))
         if self.config.enable_chunked_prefill:
             threshold = self.config.long_prefill_token_threshold
             if 0 < threshold < num_new:
                 num_new = threshold
+            if crowded_units is not None and self._cut(req, num_computed):
+                num_new = min(num_new, crowded_units)
             return min(num_new, self.config.prefill_chunk_size, budget)
         return num_new if num_new <= budget else 0
 
@@ -295,15 +316,24 @@ class Scheduler:
 
     def _grant(self, plan: _StepPlan, req: Request, num_new: int, start: int) -> None:
         plan.grant(req, num_new, min(plan.budget, math.ceil(num_new * self._token_cost(req, start))))
+        if plan.crowded_units is not None and self._cut(req, start):
+            plan.crowded_units = max(0, plan.crowded_units - num_new)
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _cut(self, req: Request, num_computed: int) -> bool:
+        """Whether req's chunks count in the crowded groups' share of a step: a crowded group's prompt
+        longer than the group chunk (its whole short prompts go in whole, as anyone's)."""
+        return req.group_id in self._crowded and req.num_tokens - num_computed > self._group_chunk
+
+    def _schedule_running(self, plan: _StepPlan, paced: bool) -> None:
         """Decodes first (a group's rows bounded beside other requests: group_decode_bound.py), then
-        prefill chunks of running requests, each pass best key first."""
-        held_back = self._held_back_decodes()
+        prefill chunks of running requests, each pass best key first. paced: False leaves both bounds
+        and the pacer out."""
+        held_back = self._held_back_decodes() if paced else set()
         num_decodes_left = sum(not r.is_prefill and r not in held_back for r in self.running)
         for decode_pass in (True, False):
             if not decode_pass:
-                self._pace_prefill(plan)
+                if paced:
+                    self._pace_prefill(plan)
                 if self._slo:
                     self._cap_prefill(plan)
             for req in list(self.running):
@@ -312,7 +342,7 @@ class Scheduler:
                 if req.status != RequestStatus.RUNNING or req.is_prefill == decode_pass or req in held_back:
                     continue  # preempted earlier in this loop, not this pass's kind, or its group's row waits
                 budget = plan.budget if decode_pass else plan.available(admission=False)
-                num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+                num_new = self._num_new_tokens(req, req.num_computed_tokens, budget, plan.crowded_units)
                 spec = []
                 if decode_pass:
                     num_decodes_left -= 1  # the decodes after this one keep a token each
@@ -328,7 +358,7 @@ class Scheduler:
     def _held_back_decodes(self) -> set[Request]:
         """The groups' decodes that wait this step so that the step costs the requests outside any group
         at most max_decode_slowdown x their own (those running and those the step may admit)."""
-        crowded = crowded_groups([*self.running, *self.waiting])  # a group of one request is a single
+        crowded = self._crowded
         running_others = sum(r.group_id not in crowded for r in self.running)
         seats = self.config.max_num_seqs - len(self.running)
         waiting_others = min(seats, sum(r.group_id not in crowded for r in self.waiting))
@@ -358,11 +388,18 @@ class Scheduler:
                     # held behind the streams, the prompt does not hold up a newcomer the credit pays for
                     plan.held, plan.spare = prompt.req, self.pacer.spare
         elif self.waiting and len(self.running) < self.config.max_num_seqs:
-            # a short newcomer's prefill first, alone, so that its first token does not wait for a
-            # long prompt's whole chunk (it is paced like any stream once it decodes); a long one shares
-            head = self.waiting[0]
-            units = math.ceil(head.num_tokens * self._token_cost(head, 0))
-            plan.paced = 0 if units <= plan.budget // 2 else plan.budget // 2
+            # a short newcomer's prefill first, alone, so that its first token waits neither for a long
+            # prompt's chunk nor for the long prompts queued before it (it is paced like any stream once
+            # it decodes); else a long head shares the step with the running prompts' chunks
+            short = [
+                math.ceil(r.num_tokens * self._token_cost(r, 0)) <= plan.budget // 2 for r in self.waiting
+            ]
+            if short[0]:
+                plan.paced = 0
+            elif any(short):
+                plan.paced, plan.spare = 0, plan.budget  # only whole short prompts pass the long ones
+            else:
+                plan.paced = plan.budget // 2
 
     def _next_prompt(self) -> NextPrompt | None:
         """The prompt this step's prefill serves first (a running prompt's chunk, else the head of the
@@ -377,13 +414,15 @@ class Scheduler:
     def _unpaced_prefill_units(self, plan: _StepPlan) -> int:
         """The cost units of the prefill chunks this step would carry unpaced: running prompts' next
         chunks, then the waiting requests' first ones, up to the budget left."""
-        units = 0
+        units, crowded_left = 0, plan.crowded_units
         for req in (*(r for r in self.running if r.is_prefill), *self.waiting):
             if units >= plan.budget:
                 break
             start = req.num_computed_tokens
-            num_new = self._num_new_tokens(req, start, plan.budget - units)
+            num_new = self._num_new_tokens(req, start, plan.budget - units, crowded_left)
             units += math.ceil(num_new * self._token_cost(req, start))
+            if crowded_left is not None and self._cut(req, start):
+                crowded_left = max(0, crowded_left - num_new)
         return min(units, plan.budget)
 
     def _cap_prefill(self, plan: _StepPlan) -> None:
@@ -437,7 +476,10 @@ class Scheduler:
                 i += 1  # its group holds its share of the batch: the next wave waits, others may pass
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
-            num_new = self._num_new_tokens(req, num_hit, plan.available(admission=True))
+            num_new = self._num_new_tokens(req, num_hit, plan.available(admission=True), plan.crowded_units)
+            if num_new == 0 and plan.crowded_units == 0 and self._cut(req, num_hit):
+                i += 1  # its group's chunks for this step are spent: others may pass
+                continue
             if plan.spare is not None and (req is plan.held or num_hit + num_new < req.num_tokens):
                 i += 1  # only whole short prompts pass a prompt held behind the streams
                 continue

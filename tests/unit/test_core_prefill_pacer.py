@@ -10,6 +10,7 @@ import pytest
 from infer.config import CacheConfig, SchedulerConfig
 from infer.core.prefill_pacer import (
     CREDIT_TOKENS,
+    GROUP_CHUNK_FLOOR,
     MIN_PREFILL_TOKENS,
     PRIOR_TOKENS_PER_DECODE,
     NextPrompt,
@@ -325,6 +326,68 @@ def test_a_request_arriving_behind_a_long_prompt_gets_room_in_the_next_step():
     s.add_request(make_request("short", list(range(20_000, 20_100)), max_tokens=4))
     out, _ = step(s, runner)
     assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("short", 100)]
+
+
+def test_a_short_newcomer_passes_the_long_prompts_queued_before_it_alone():
+    """No decodes running, three long prompts waiting behind a running one: a short request arriving
+    last is prefilled in the next step, alone (no long chunk in its step)."""
+    s = scheduler(slowdown=2)
+    runner = FakeRunner(s)
+    for i in range(4):
+        s.add_request(make_request(f"long{i}", list(range(1000 * i, 1000 * i + 5000)), max_tokens=1))
+    step(s, runner)
+    s.add_request(make_request("short", list(range(20_000, 20_100)), max_tokens=4))
+    out, _ = step(s, runner)
+    assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("short", 100)]
+
+
+def test_no_step_is_empty_while_requests_run():
+    """A group's short requests beside a running long prompt, some past the group's share of the batch:
+    whatever pacing holds back (the group's rows, the prompt's chunks), no step is empty, and the prompt
+    and every request complete."""
+    group = [
+        make_request(f"g{i}", list(range(30_000 + 10 * i, 30_010 + 10 * i)), max_tokens=3) for i in range(12)
+    ]
+    for req in group:
+        req.group_id = "g"
+    steps = steps_of(scheduler(slowdown=2), {0: [make_request("long", 5000, max_tokens=1)], 1: group})
+    assert all(steps) and sum(step.get("long", 0) for step in steps) == 5000
+
+
+def crowded(name: str, n: int, prompt: int, max_tokens: int = 1) -> list:
+    reqs = [make_request(f"{name}{i}", list(range(prompt * i, prompt * (i + 1))), max_tokens=max_tokens)
+            for i in range(n)]  # fmt: skip
+    for req in reqs:
+        req.group_id = name
+    return reqs
+
+
+def test_a_crowded_groups_prompts_run_in_small_chunks_and_a_lone_prompt_in_whole_ones():
+    """One client's several long prompts (a group) are cut to the pacer's group chunk, so a step with
+    them stays short for everyone else; a lone long prompt keeps the whole budget."""
+    flood = steps_of(scheduler(slowdown=2), {0: crowded("heavy", 3, 3000)})
+    while len(flood[-1]) == 1 and sum(flood[-1].values()) > GROUP_CHUNK_FLOOR:
+        flood.pop()  # the group's last request, alone: a single again
+    # a cut chunk, and at most the last piece of another prompt (a piece under the cut goes in whole)
+    assert max(sum(step.values()) for step in flood) <= 2 * GROUP_CHUNK_FLOOR
+    assert len(flood) > 40
+    lone = steps_of(scheduler(slowdown=2), {0: [make_request("long", 5000, max_tokens=1)]})
+    assert lone[0] == {"long": 2048}
+    off = steps_of(scheduler(slowdown=0), {0: crowded("heavy", 3, 3000)})
+    assert max(sum(step.values()) for step in off) == 2048  # unpaced: whole budgets
+
+
+def test_a_stream_beside_a_crowded_groups_prompts_keeps_its_gaps():
+    """A bystander stream beside one client's flood of long prompts: each of its gaps stays within about
+    max_decode_slowdown x its decode step (it would wait for 2,048-token chunks otherwise), and every
+    request completes."""
+    stream = make_request("b", 16, max_tokens=100, ignore_eos=True)
+    s = scheduler(slowdown=2)
+    steps = steps_of(s, {0: crowded("heavy", 4, 3000), 3: [stream]})
+    beside = [step for step in steps if step.get("b") == 1]
+    assert len(beside) == 99
+    assert max(sum(step.values()) - 1 for step in beside) <= 2 * GROUP_CHUNK_FLOOR  # 2,048 unpaced
+    assert {"heavy0", "heavy1", "heavy2", "heavy3"} <= {r for step in steps for r in step}
 
 
 def test_every_request_completes_beside_several_streams_and_prompts():
