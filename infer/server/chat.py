@@ -32,6 +32,7 @@ from fastapi import APIRouter, Request
 from infer.sampling_params import SamplingParams
 from infer.server import tools
 from infer.server.auth import request_owner
+from infer.server.bulk_answers import build_in_background
 from infer.server.engine_errors import engine_error
 from infer.server.fanout import Fanout, Job, answer, choice_params
 from infer.server.json_encoding import SSE_DONE, sse
@@ -304,7 +305,7 @@ class _Chat:
             response["prompt_token_ids"] = self.prompt_ids
         entries = prompt_logprobs_of(outputs[0])
         if entries is not None:  # vLLM's: once for the prompt, beside the choices (decoded off the loop)
-            response["prompt_logprobs"] = await asyncio.to_thread(prompt_logprobs_json, self.state, entries)
+            response["prompt_logprobs"] = await build_in_background(prompt_logprobs_json, self.state, entries)
         return response
 
     async def stream(self, fanout: Fanout) -> AsyncIterator[str]:

@@ -31,6 +31,7 @@ from fastapi.responses import Response, StreamingResponse
 from infer.core.slo import Objectives
 from infer.engine.llm_engine import StepOutput
 from infer.sampling_params import INT64_MIN, SamplingParams
+from infer.server.bulk_answers import build_in_background
 from infer.server.engine_errors import engine_error
 from infer.server.json_encoding import json_body
 from infer.server.server_state import ServerState
@@ -234,8 +235,8 @@ async def answer(request: Request, fanout: Fanout, handler, stream: bool, param:
         fanout.close()  # also when the collecting task was cancelled before it started
     if result is None:
         return Response(status_code=499)
-    if _has_prompt_logprobs(result):  # megabytes of JSON: written off the event loop, whose streams go on
-        return Response(await asyncio.to_thread(json_body, result), media_type="application/json")
+    if _has_prompt_logprobs(result):  # megabytes of JSON: off the event loop, behind the engine
+        return Response(await build_in_background(json_body, result), media_type="application/json")
     return Response(json_body(result), media_type="application/json")
 
 
