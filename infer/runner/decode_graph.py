@@ -21,8 +21,10 @@ model's step is its weights' reads). Only with a KV cache on one rank (the runne
 
 A capture takes a fraction of a second, once per batch size, at most MAX_GRAPHS; a server captures the
 sizes up to max_num_seqs before it reports ready (`warm_up`), as many as fit in WARM_UP_SECONDS, because
-a capture during a load stalls every stream of that step. A larger size is captured once it has held,
-while MAX_GRAPHS and TABLES_MAX_BYTES allow; past them a size stays eager. The sampler runs eagerly on
+a capture during a load stalls every stream of that step (up to a second for a 135M model on 2 cores,
+where a replay saves ~1.5 ms a step). After a warm-up the sizes it did not reach run eagerly; without one (the offline `LLM`)
+a size is captured once it has held, while MAX_GRAPHS and TABLES_MAX_BYTES allow; past them a size stays
+eager. The sampler runs eagerly on
 the graph's logits, so every sampling feature is unchanged. What graphs buy per model and batch, and
 what the warm-up costs: docs/optimizations.md, "Decode graphs".
 
@@ -107,6 +109,9 @@ class DecodeGraphs:
         self.enabled = True
         self.verify_enabled = verify_len > 1
         self.captures = self.replays = 0
+        # a capture stalls every stream of its step for a fraction of a second: after a warm-up (a
+        # server's), the sizes it did not reach run eagerly instead of stalling a load
+        self.capture_under_load = True
         self.verify_replays = 0  # of replays, those of verification steps
         self.pays: bool | None = None  # decided at the first capture (_check_pays)
         self.verify_pays: bool | None = None  # likewise, at the first verification capture
@@ -152,7 +157,9 @@ class DecodeGraphs:
         forward's; a padded verification step against the capture's own run of it, padded (the eager
         forward's logits of the unpadded step need not be the padded one's bit for bit)."""
         n, width = self.size, self.width
-        if self.streak < self.steady_steps or n != len(reqs) or n in self._graphs(width):
+        if not self.capture_under_load or self.streak < self.steady_steps or n != len(reqs):
+            return
+        if n in self._graphs(width):
             return
         unpadded = all(len(s.token_ids) == width for s in reqs)
         self._capture(reqs, width, logits if unpadded else None)
@@ -179,9 +186,10 @@ class DecodeGraphs:
                 ]
                 self._capture(rows, width)
             if time.perf_counter() - start > WARM_UP_SECONDS and (n, width) != shapes[-1]:
-                logger.info("decode graphs: warm-up out of time after size %d (width %d); the rest are "
-                            "captured once they hold", n, width)  # fmt: skip
+                logger.info("decode graphs: warm-up out of time after size %d (width %d); larger sizes "
+                            "run eagerly", n, width)  # fmt: skip
                 break
+        self.capture_under_load = False
         logger.info(
             "decode graphs: %d batch sizes captured (%d verifying) in %.1f s",
             len(self.graphs) + len(self.verify_graphs),
