@@ -7,8 +7,11 @@ grammar (structured outputs: infer.structured_outputs) and its allowed ids, logi
 (`Adjustment`); both kept per request and applied to a float32 copy of the logits, only in a step that
 has such a request.
 
-Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i,
-so greedy and random rows share one argmax and no multinomial call is needed.
+Sampling is inverse transform sampling: one uniform u a row, and the first token whose cumulative
+probability exceeds u x the row's total. A greedy row beside them is one-hot (top-k 1), so it draws its
+argmax. One uniform a row, where the exponential race (argmax(p / E), E ~ Exp(1)) drew one number per
+token: 128 sampled rows of a 49,152-token vocabulary took ~150 ms a step for the noise alone, the inverse
+transform ~4 ms, and a seeded row's draw stays one number of its own generator a step.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ class Sampler:
             token_ids = argmax(logits)
         else:
             probs = self._filtered_probs(logits.float(), params)
-            token_ids = (probs / self._noise(probs.shape, req_ids, params)).argmax(dim=-1)
+            token_ids = self._draw(probs, req_ids, params)
         return SampleResult(token_ids.tolist(), self._logprobs(raw, token_ids, params))
 
     def _grammar_bans(self, req_ids, params, histories, num_logits: int):
@@ -177,15 +180,24 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
 
-    def _noise(self, shape, req_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
-        noise = torch.empty(shape).exponential_(generator=self.generator)
+    def _draw(self, probs: torch.Tensor, req_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
+        """A token a row, with probability proportional to the row's probs (module docstring)."""
+        uniform = torch.rand(probs.shape[0], 1, generator=self.generator, dtype=torch.float64)
         for row, (req_id, p) in enumerate(zip(req_ids, params, strict=True)):
             if p.seed is not None:
                 gen = self.request_generators.get(req_id)
                 if gen is None:
                     gen = self.request_generators[req_id] = torch.Generator().manual_seed(p.seed)
-                noise[row].exponential_(generator=gen)
-        return noise
+                uniform[row] = torch.rand(1, generator=gen, dtype=torch.float64)
+        cdf = probs.cumsum(dim=-1)
+        # "right": the first token whose cumulative sum exceeds the draw, so a token without mass (its
+        # sum equal to the one before) is never drawn
+        ids = torch.searchsorted(cdf, (uniform * cdf[:, -1:].double()).float(), right=True).squeeze(1)
+        ids = ids.clamp(max=probs.shape[1] - 1)
+        empty = probs.gather(1, ids.unsqueeze(1)).squeeze(1) == 0  # a draw rounded up to the total
+        if bool(empty.any()):
+            ids[empty] = probs.shape[1] - 1 - (probs[empty].flip(-1) > 0).int().argmax(dim=-1)
+        return ids
 
     def _logprobs(self, logits, token_ids, params):
         wanted = [p.logprobs for p in params]

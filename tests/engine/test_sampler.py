@@ -127,6 +127,37 @@ def test_sampling_follows_the_distribution():
         assert abs(got / 3000 - p) < 0.04
 
 
+def test_a_token_without_mass_is_never_drawn():
+    """Banned tokens (logit -inf) first, in the middle and last: 4,000 draws in a batch of one row each
+    way never land on them, and the rest follow their probabilities."""
+    inf = float("-inf")
+    rows = torch.tensor([[inf, inf, 0.0, inf, math.log(3.0), inf], [0.0, inf, inf, inf, inf, inf]])
+    sampler = Sampler(0)
+    counts = [0] * 6
+    for _ in range(4000):
+        got = sampler(rows, ["a", "b"], [SamplingParams(), SamplingParams()]).token_ids
+        counts[got[0]] += 1
+        assert got[1] == 0
+    assert counts[0] == counts[1] == counts[3] == counts[5] == 0
+    assert abs(counts[4] / 4000 - 0.75) < 0.03
+
+
+def test_a_draw_rounded_up_to_the_total_takes_the_last_token_with_mass(monkeypatch):
+    rows = torch.tensor([[0.0, 1.0, float("-inf")]])
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape, dtype=kw.get("dtype")))
+    assert Sampler(0)(rows, ["r"], [SamplingParams()]).token_ids == [1]
+
+
+def test_a_seeded_row_draws_one_number_of_its_generator_a_step():
+    """One uniform a row and step (the exponential race drew one per token of the vocabulary)."""
+    sampler = Sampler(0)
+    for _ in range(3):
+        sampler(logits_rows(2, vocab=1000), ["s", "o"], [SamplingParams(seed=5), SamplingParams()])
+    expected = torch.Generator().manual_seed(5)
+    torch.rand(3, generator=expected, dtype=torch.float64)
+    assert torch.equal(sampler.request_generators["s"].get_state(), expected.get_state())
+
+
 def test_logprobs_of_sampled_and_top_tokens():
     logits = logits_rows(2)
     params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)]
