@@ -9,9 +9,9 @@ has such a request.
 
 Sampling is inverse transform sampling: one uniform u a row, and the first token whose cumulative
 probability exceeds u x the row's total. A greedy row beside them is one-hot (top-k 1), so it draws its
-argmax. One uniform a row, where the exponential race (argmax(p / E), E ~ Exp(1)) drew one number per
-token: 128 sampled rows of a 49,152-token vocabulary took ~150 ms a step for the noise alone, the inverse
-transform ~4 ms, and a seeded row's draw stays one number of its own generator a step.
+argmax. One number a row, where the exponential race (argmax(p / E), E ~ Exp(1)) drew one a token of the
+vocabulary, which cost more than the model's step at a hundred sampled rows (docs/optimizations.md,
+"Sampling"); a seeded row's draw is one number of its own generator a step.
 """
 
 from __future__ import annotations
