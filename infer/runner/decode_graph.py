@@ -25,7 +25,8 @@ a capture during a load stalls every stream of that step (up to a second for a 1
 where a replay saves ~1.5 ms a step). After a warm-up the sizes it did not reach run eagerly; without
 one (the offline `LLM`) a size is captured once it has held, while MAX_GRAPHS and TABLES_MAX_BYTES
 allow; past them a size stays eager. The sampler runs eagerly on the graph's logits, so every sampling
-feature is unchanged. What graphs buy per model and batch, and what the warm-up costs: docs/optimizations.md, "Decode graphs".
+feature is unchanged. What graphs buy per model and batch, and what the warm-up costs:
+docs/optimizations.md, "Decode graphs".
 
 Speculative decoding's verification steps replay the same way: a step in which every request feeds its
 last token and proposals (1 + K tokens at most, K = num_speculative_tokens) is keyed by (batch size,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from infer.core.outputs import ScheduledRequest
-from infer.runner.sampler import Sampler, adjusted, argmax, check_grammar
+from infer.runner.sampler import Sampler, adjusted, argmax, check_grammar, inverse_transform
 from infer.structured_outputs.matcher import Grammar, banned
 
 
@@ -125,10 +125,10 @@ def accept_sampled(draft: list[int], probs: torch.Tensor, gen: torch.Generator) 
 
 
 def _draw(weights: torch.Tensor, gen: torch.Generator) -> int:
-    """A token with probability proportional to weights (the sampler's exponential race: no need to
-    normalise)."""
-    noise = torch.empty(weights.shape).exponential_(generator=gen)
-    return int((weights / noise).argmax())
+    """A token with probability proportional to weights (the sampler's draw: no need to normalise)."""
+    return int(
+        inverse_transform(weights.unsqueeze(0), torch.rand(1, 1, generator=gen, dtype=torch.float64))[0]
+    )
 
 
 def _generator(sampler: Sampler, s: ScheduledRequest) -> torch.Generator:

@@ -189,15 +189,7 @@ class Sampler:
                 if gen is None:
                     gen = self.request_generators[req_id] = torch.Generator().manual_seed(p.seed)
                 uniform[row] = torch.rand(1, generator=gen, dtype=torch.float64)
-        cdf = probs.cumsum(dim=-1)
-        # "right": the first token whose cumulative sum exceeds the draw, so a token without mass (its
-        # sum equal to the one before) is never drawn
-        ids = torch.searchsorted(cdf, (uniform * cdf[:, -1:].double()).float(), right=True).squeeze(1)
-        ids = ids.clamp(max=probs.shape[1] - 1)
-        empty = probs.gather(1, ids.unsqueeze(1)).squeeze(1) == 0  # a draw rounded up to the total
-        if bool(empty.any()):
-            ids[empty] = probs.shape[1] - 1 - (probs[empty].flip(-1) > 0).int().argmax(dim=-1)
-        return ids
+        return inverse_transform(probs, uniform)
 
     def _logprobs(self, logits, token_ids, params):
         wanted = [p.logprobs for p in params]
@@ -372,3 +364,17 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     ):
         return ops.argmax_rows(logits)
     return logits.argmax(dim=-1)
+
+
+def inverse_transform(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """A token a row of weights [rows, vocab] (not normalised), with probability proportional to its
+    weight, from uniform [rows, 1] (float64, in [0, 1)): the first token whose cumulative weight exceeds
+    uniform x the row's total. "right": a token without weight (its sum equal to the one before) is never
+    drawn."""
+    cdf = weights.cumsum(dim=-1)
+    ids = torch.searchsorted(cdf, (uniform * cdf[:, -1:].double()).to(cdf.dtype), right=True).squeeze(1)
+    ids = ids.clamp(max=weights.shape[1] - 1)
+    empty = weights.gather(1, ids.unsqueeze(1)).squeeze(1) == 0  # a draw rounded up to the total
+    if bool(empty.any()):
+        ids[empty] = weights.shape[1] - 1 - (weights[empty].flip(-1) > 0).int().argmax(dim=-1)
+    return ids
