@@ -147,14 +147,15 @@ class PrefillPacer:
     def group_chunk(self, num_decodes: int) -> int:
         """The largest prefill chunk of a crowded group's prompt (one client's several requests in flight,
         or one request's n choices): a step carrying it costs at most max_decode_slowdown x a decode-only
-        step of num_decodes (at least one), so that other clients' streams keep their pace beside a
-        client's flood of long prompts and a newcomer's first token waits at most about that long for
-        the step under way; at least GROUP_CHUNK_FLOOR."""
+        step of num_decodes (at least one; SPEND_SHARE of it: a margin for what the price misses), so
+        that other clients' streams keep their pace beside a client's flood of long prompts and a
+        newcomer's first token waits at most about that long for the step under way; at least
+        GROUP_CHUNK_FLOOR."""
         decode = self.decode_seconds(max(1, num_decodes))
         price = self.seconds_per_unit(GROUP_CHUNK_FLOOR, num_decodes)
         if decode is None or price is None:
             return GROUP_CHUNK_FLOOR
-        return max(GROUP_CHUNK_FLOOR, int((self.slowdown - 1) * decode / price[0]))
+        return max(GROUP_CHUNK_FLOOR, int(SPEND_SHARE * (self.slowdown - 1) * decode / price[0]))
 
     def credit_of(self, req: Request, decode: float) -> float:
         """req's credit now, after earning for the tokens it has made and those it may still make (up to
