@@ -354,6 +354,19 @@ def test_no_step_is_empty_while_requests_run():
     assert all(steps) and sum(step.get("long", 0) for step in steps) == 5000
 
 
+def test_the_group_chunk_costs_a_step_of_the_allowed_slowdown_at_the_measured_price():
+    """A decode step of 10 ms and a prefill unit of 10 us: a chunk worth 80% of one decode step (800
+    units) at max_decode_slowdown 2, 2,400 at 4; never under the floor; the floor before any measure."""
+    assert PrefillPacer(max_decode_slowdown=2).group_chunk(1) == GROUP_CHUNK_FLOOR
+    pacer = pacer_with_decode(0.010)
+    pacer.observe([make_request("x", 4)], 1000, 0.010 + 0.010)  # 1,000 units beside it: 10 ms more
+    assert pacer.group_chunk(1) == 800
+    pacer.slowdown = 4
+    assert pacer.group_chunk(1) == 2400
+    pacer.slowdown = 1.01
+    assert pacer.group_chunk(1) == GROUP_CHUNK_FLOOR
+
+
 def crowded(name: str, n: int, prompt: int, max_tokens: int = 1) -> list:
     reqs = [make_request(f"{name}{i}", list(range(prompt * i, prompt * (i + 1))), max_tokens=max_tokens)
             for i in range(n)]  # fmt: skip
