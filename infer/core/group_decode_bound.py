@@ -22,7 +22,9 @@ step in PROBE_EVERY runs the others alone to measure it.
 The K rows are shared alike among the groups (at least one each, so every group progresses), and within
 a group go to the sequences with the fewest tokens generated: the rows rotate, every sequence progresses
 and completes. A group alone, or groups beside each other only, run at their full width (no one waits
-on them that is not one of them).
+on them that is not one of them). The groups' admissions count in K too (the scheduler admits a
+group's new sequences only into the rows its decodes left): 128 new choices prefilled at once cost the
+others' step as much as 128 decodes.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class GroupDecodeBound:
     def __init__(self, pacer: PrefillPacer) -> None:
         self.pacer = pacer  # its slowdown, and the decode-only steps it measured
         self.steps_since_probe = PROBE_EVERY  # a first probe may come at once
+        self.last_limit: int | None = None  # the last step's K (0: a probe), None where unbounded
 
     def held_back(self, decodes: Sequence[Request], num_others: int) -> set[Request]:
         """The grouped decodes that wait this step. decodes: the running requests ready to decode;
@@ -48,13 +51,16 @@ class GroupDecodeBound:
         for req in decodes:
             if req.group_id is not None:
                 grouped.setdefault(req.group_id, []).append(req)
-        if not self.pacer.enabled or not grouped or num_others == 0:
+        self.last_limit = None
+        if not self.pacer.enabled or num_others == 0:
             return set()
         self.steps_since_probe += 1
         limit = self.rows_allowed(num_others)
         if limit is None:  # a probe: the others alone
             self.steps_since_probe = 0
+            self.last_limit = 0
             return {r for rows in grouped.values() for r in rows}
+        self.last_limit = limit
         return _beyond_share(grouped.values(), limit)
 
     def rows_allowed(self, num_others: int) -> int | None:

@@ -158,6 +158,7 @@ class Scheduler:
         self.pacer = PrefillPacer(scheduler_config.max_decode_slowdown)
         self._crowded: set[str] = set()  # this step's groups of several requests (group_shares.py)
         self._group_chunk = 0  # this step's cap on their prompts' chunks (0: none)
+        self._group_rows_left: int | None = None  # this step's rows left to their admissions (None: any)
         self.group_decode_bound = GroupDecodeBound(self.pacer)
         # the last step's decodes and prefill cost units, for observe_step
         self._last_step: tuple[list[Request], int] = ([], 0)
@@ -328,6 +329,7 @@ class Scheduler:
         """Decodes first (a group's rows bounded beside other requests: group_decode_bound.py), then
         prefill chunks of running requests, each pass best key first. paced: False leaves both bounds
         and the pacer out."""
+        self._group_rows_left = None
         held_back = self._held_back_decodes() if paced else set()
         num_decodes_left = sum(not r.is_prefill and r not in held_back for r in self.running)
         for decode_pass in (True, False):
@@ -359,11 +361,16 @@ class Scheduler:
         """The groups' decodes that wait this step so that the step costs the requests outside any group
         at most max_decode_slowdown x their own (those running and those the step may admit)."""
         crowded = self._crowded
+        if not crowded:
+            return set()
         running_others = sum(r.group_id not in crowded for r in self.running)
         seats = self.config.max_num_seqs - len(self.running)
         waiting_others = min(seats, sum(r.group_id not in crowded for r in self.waiting))
         decodes = [r for r in self.running if not r.is_prefill and r.group_id in crowded]
-        return self.group_decode_bound.held_back(decodes, running_others + waiting_others)
+        held = self.group_decode_bound.held_back(decodes, running_others + waiting_others)
+        limit = self.group_decode_bound.last_limit
+        self._group_rows_left = None if limit is None else max(0, limit - (len(decodes) - len(held)))
+        return held
 
     def _spec_tokens(self, req: Request, budget: int) -> list[int]:
         """The proposals a decode verifies this step: its own, as many as the budget leaves and as can
@@ -472,8 +479,8 @@ class Scheduler:
                     order = self._slo_order() if self._slo else list(self.waiting)
                     continue
                 return
-            if not groups.may_admit(req):
-                i += 1  # its group holds its share of the batch: the next wave waits, others may pass
+            if not groups.may_admit(req) or (self._group_rows_left == 0 and req.group_id in self._crowded):
+                i += 1  # its group holds its share of the batch or of the step: others may pass
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = self._num_new_tokens(req, num_hit, plan.available(admission=True), plan.crowded_units)
@@ -506,6 +513,8 @@ class Scheduler:
             insort(self.running, req, key=self._key)
             self._grant(plan, req, num_new, num_hit)
             groups.admitted(req)
+            if self._group_rows_left is not None and req.group_id in self._crowded:
+                self._group_rows_left -= 1
             if num_hit + num_new < req.num_tokens:
                 partial += 1
                 long_partial += self._is_long(req)

@@ -139,3 +139,19 @@ def test_a_small_step_measured_slower_than_the_large_ones_keeps_the_safe_guess()
     for _ in range(8):
         pacer.decode_steps.append((129, 0.3))
     assert GroupDecodeBound(pacer).rows_allowed(1) == 1  # not all 128: the line is not to be trusted
+
+
+def test_a_groups_new_sequences_beside_a_stream_enter_within_the_step_bound():
+    """A stream running, then a group of 64 arrives: its admissions count in the step's rows like its
+    decodes, so no step carries all 64 prefills at once beside the stream, and all complete."""
+    s = scheduler()
+    stream = make_request("stream", 4, max_tokens=400, ignore_eos=True)
+    widths = []
+
+    def on_step(k, out):
+        if any(x.req_id == "stream" for x in out.scheduled):
+            widths.append(sum(x.req_id != "stream" for x in out.scheduled))
+
+    done = run(s, {0: [stream], 40: group("n", 64, max_tokens=4)}, on_step)
+    assert len(done) == 65
+    assert 0 < max(widths) < 64
