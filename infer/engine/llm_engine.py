@@ -305,10 +305,10 @@ class LLMEngine:
         decode graphs of batch sizes 1..max_num_seqs now (with speculative decoding, its verification
         steps' up to disable_by_batch_size after them), as many as fit in decode_graph.WARM_UP_SECONDS
         (none under enforce_eager and tensor parallelism), and a draft model's up to its
-        disable_by_batch_size, then freeze the heap, as vLLM's engine core does: the ~300k objects alive
-        after loading (imports, tokenizer, graphs) are out of the collector's reach, where a full
-        collection of them stalled every stream at once (~150 ms on llama-50m; docs/optimizations.md,
-        "The server around the engine")."""
+        disable_by_batch_size; build llguidance's tokenizer for grammars; then freeze the heap, as
+        vLLM's engine core does: the ~300k objects alive after loading (imports, tokenizer, graphs) are
+        out of the collector's reach, where a full collection of them stalled every stream at once
+        (~150 ms on llama-50m; docs/optimizations.md, "The server around the engine")."""
         graphs = getattr(self.runner, "graphs", None)
         if graphs is not None:  # and verification steps' at the batch sizes that speculate
             num_seqs = self.scheduler_config.max_num_seqs
@@ -318,6 +318,7 @@ class LLMEngine:
         if isinstance(self.proposer, DraftProposer):  # it runs while at most disable_by_batch_size do
             batch = self.config.speculative_config.disable_by_batch_size
             self.proposer.warm_up(min(self.scheduler_config.max_num_seqs, batch))
+        self.grammars.warm_up()  # llguidance's tables here, not beside the streams of the first grammar
         gc.collect()
         gc.freeze()
 

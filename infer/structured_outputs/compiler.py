@@ -118,6 +118,12 @@ class GrammarCompiler:
                 self._tokenizer = tokenizer
             return self._tokenizer
 
+    def warm_up(self) -> None:
+        """Build llguidance's tokenizer now (a long-lived engine's warm-up), not at the first grammar:
+        writing the tokenizer's JSON and building its tables hold the GIL for hundreds of ms at a time,
+        which would stall every running stream's decode steps."""
+        self.tokenizer  # noqa: B018 (built once)
+
     def compiled(self, spec: StructuredOutputs) -> concurrent.futures.Future:
         """The spec's compiled matcher, done (cached) or to come; ValueError (a grammar that does not
         compile) from the future. CompileQueueFull at once when too many are compiling. Cheap."""

@@ -284,6 +284,25 @@ def test_the_grammar_tokenizer_is_written_at_the_first_grammar_not_at_load(monke
     assert written == [1]
 
 
+def test_a_warmed_up_engine_builds_the_grammar_tokenizer_before_any_request(monkeypatch):
+    """A server's engine (LLMEngine.warm_up) writes and builds llguidance's tokenizer before it reports
+    ready: its first grammar request, beside other streams, holds the GIL for neither."""
+    from infer.engine.tokenizer import Tokenizer
+
+    written = []
+    to_json = Tokenizer.to_json
+    monkeypatch.setattr(Tokenizer, "to_json", lambda self: written.append(1) or to_json(self))
+    llm = LLM(str(EMBEDDED_MODEL), dtype="float32", enforce_eager=True)
+    assert written == [] and llm.engine.grammars._tokenizer is None
+    llm.engine.warm_up()
+    assert written == [1] and llm.engine.grammars._tokenizer is not None
+    [result] = llm.generate(
+        ["Say"], SamplingParams(temperature=0, max_tokens=8, structured_outputs=SPECS["choice"])
+    )
+    assert result.text in ("alpha", "beta gamma", "delta")
+    assert written == [1]
+
+
 def test_a_model_without_eos_refuses_structured_outputs(tmp_path):
     from tests.models.tiny_models import save_byte_tokenizer, save_tiny_model
 
