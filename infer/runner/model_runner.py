@@ -173,8 +173,7 @@ class ModelRunner:
             for i in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
                 part = targets[i : i + PROMPT_LOGPROBS_ROWS]
                 logits = self.model.compute_logits(rows[i : i + len(part)])  # float32 [rows, vocab]
-                # logprob = logit - logsumexp: one pass, where log_softmax writes a second [rows, vocab]
-                norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # [rows, 1]
+                norm = logsumexp_rows(logits)  # [rows, 1]; logprob = logit - norm
                 chosen = logits.gather(1, part.unsqueeze(1))  # [rows, 1]
                 ranks = (logits > chosen).sum(dim=-1, dtype=torch.int32) + 1  # int32: 4x a bool
                 top_values, top_ids = logits.topk(top_n, dim=-1)
@@ -229,3 +228,12 @@ class ModelRunner:
         input_ids = torch.tensor([t for seq in sequences for t in seq])
         positions = torch.cat([torch.arange(len(seq)) for seq in sequences])
         return input_ids, positions, AttentionMetadata.prefill_only([len(seq) for seq in sequences])
+
+
+def logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp over the last dim, [rows, 1], ~8x faster on logits that spread wide: x86 exp takes a
+    slow path for inputs below about -88, where its result underflows (torch's logsumexp over a random
+    model's [256, 49,152] logits, spread over +-135: 240 ms against 31 ms). Terms below e^-80 of the
+    largest are clamped to e^-80: at most vocab x 2e-35 of the sum."""
+    top = logits.amax(dim=-1, keepdim=True)
+    return top + (logits - top).clamp_(min=-80.0).exp_().sum(dim=-1, keepdim=True).log_()

@@ -147,3 +147,14 @@ def test_the_step_keeps_tensors_and_the_reader_builds_the_entries(tiny, tiny_ref
     assert all(isinstance(chunk.logprobs, torch.Tensor) for chunk in got.chunks)
     check(got, tiny_reference[0])
     assert got._entries is not None and got == list(got) and got[1:] == list(got)[1:]
+
+
+@pytest.mark.parametrize("spread", [1.0, 50.0, 1000.0])
+def test_logsumexp_rows_equals_torchs_on_logits_of_any_spread(spread):
+    from infer.runner.model_runner import logsumexp_rows
+
+    logits = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0)) * spread
+    logits[0] = 0.0  # a flat row
+    logits[1, 7] = 1e4  # one token far above the rest
+    want = torch.logsumexp(logits, dim=-1, keepdim=True)
+    assert torch.allclose(logsumexp_rows(logits), want, rtol=1e-6, atol=1e-5)
