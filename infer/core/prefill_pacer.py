@@ -56,11 +56,13 @@ prefill alone before the running prompts' next chunks and the queued long prompt
 does not wait for them).
 
 A crowded group (one client's several requests in flight, where the server tells clients apart, or one
-request's n choices) is one client flooding the server: its prompts' chunks are cut to `group_chunk`, a
-step that costs at most max_decode_slowdown x a decode-only one, whoever else runs. Other clients' gaps
-and first tokens then wait at most about one such step, and the flood's prefill runs at the per-token
-cost of that chunk size instead of the largest's. A lone long prompt keeps its whole chunks and the
-order above (its time to first token is bounded too).
+request's n choices) is one client flooding the server: its prompts' chunks in a step are cut together
+to `group_chunk`. Beside anyone else, that is a step of at most about max_decode_slowdown x a decode-only
+one at the latest chunks' price (a few dozen tokens for a 135M model at a 4k context, where a chunk's
+attention costs more than its weights), so other clients' gaps keep their bound; the flood's prefill
+then runs at that chunk's cost per token. Alone, the flood gets GROUP_ALONE_CHUNK tokens a step: near
+the largest chunks' cost per token, and a newcomer waits for one such step, not a 2,048-token one. A lone
+long prompt keeps its whole chunks and the order above (its time to first token is bounded too).
 docs/robustness.md, "Long prompts: the streams' gaps against the prompt's first token", has what no
 schedule can do and how to measure the tradeoff.
 """
@@ -85,7 +87,8 @@ SPEND_SHARE = 0.8  # of a credit a chunk may be priced at
 STALL_FACTOR = 2.0  # a chunk is charged at most this many times its price
 RATE_SAMPLES = 3  # the latest chunks of about a size whose median cost per token prices the next
 PROMPT_SLOWDOWN = 1.5  # a prompt's time to first token held behind streams, at most this x its time alone
-GROUP_CHUNK_FLOOR = 128  # a crowded group's chunk at least: smaller ones cost more per token than they save
+GROUP_CHUNK_FLOOR = 32  # a crowded group's chunk beside others at least: a step still reads every weight
+GROUP_ALONE_CHUNK = 256  # a crowded group's chunk while no one else runs or waits (module docstring)
 
 
 class NextPrompt(NamedTuple):
@@ -144,13 +147,14 @@ class PrefillPacer:
             guess = min(guess, t / n)
         return guess, False
 
-    def group_chunk(self, num_decodes: int) -> int:
-        """The largest prefill chunk of a crowded group's prompt (one client's several requests in flight,
-        or one request's n choices): a step carrying it costs at most max_decode_slowdown x a decode-only
-        step of num_decodes (at least one; SPEND_SHARE of it: a margin for what the price misses), so
-        that other clients' streams keep their pace beside a client's flood of long prompts and a
-        newcomer's first token waits at most about that long for the step under way; at least
-        GROUP_CHUNK_FLOOR."""
+    def group_chunk(self, num_decodes: int, others: bool) -> int:
+        """The cost units of a crowded group's prompt chunks in one step (one client's several requests
+        in flight, or one request's n choices). Beside others (requests outside the group, running or
+        waiting): a step that costs at most about max_decode_slowdown x a decode-only step of
+        num_decodes (at least one; SPEND_SHARE of it, a margin for what the price misses), at the
+        latest chunks' price, at least GROUP_CHUNK_FLOOR; alone, GROUP_ALONE_CHUNK."""
+        if not others:
+            return GROUP_ALONE_CHUNK
         decode = self.decode_seconds(max(1, num_decodes))
         price = self.seconds_per_unit(GROUP_CHUNK_FLOOR, num_decodes)
         if decode is None or price is None:

@@ -277,8 +277,11 @@ class Scheduler:
             self._wave_slots = self.config.max_num_seqs  # the previous wave is done: open a new one
         num_evictions = self.kv_cache_manager.num_evictions
         self._crowded = crowded_groups([*self.running, *self.waiting])  # a group of one request is a single
-        num_decodes = sum(not r.is_prefill for r in self.running)
-        self._group_chunk = self.pacer.group_chunk(num_decodes) if self.pacer.enabled and self._crowded else 0
+        self._group_chunk = 0
+        if self.pacer.enabled and self._crowded:
+            num_decodes = sum(not r.is_prefill for r in self.running)
+            others = any(r.group_id not in self._crowded for r in (*self.running, *self.waiting))
+            self._group_chunk = self.pacer.group_chunk(num_decodes, others)
         plan = self._plan(paced=True)
         if not plan.num_new_tokens and not plan.preempted_req_ids and self.running:
             # what pacing left (a short newcomer that could not get in, a decode-only step whose rows
@@ -308,7 +311,7 @@ class Scheduler:
             if 0 < threshold < num_new:
                 num_new = threshold
             if crowded_units is not None and self._cut(req, num_computed):
-                num_new = min(num_new, crowded_units)
+                num_new = min(num_new, int(crowded_units // self._token_cost(req, num_computed)))
             return min(num_new, self.config.prefill_chunk_size, budget)
         return num_new if num_new <= budget else 0
 
@@ -318,7 +321,9 @@ class Scheduler:
     def _grant(self, plan: _StepPlan, req: Request, num_new: int, start: int) -> None:
         plan.grant(req, num_new, min(plan.budget, math.ceil(num_new * self._token_cost(req, start))))
         if plan.crowded_units is not None and self._cut(req, start):
-            plan.crowded_units = max(0, plan.crowded_units - num_new)
+            plan.crowded_units = max(
+                0, plan.crowded_units - math.ceil(num_new * self._token_cost(req, start))
+            )
 
     def _cut(self, req: Request, num_computed: int) -> bool:
         """Whether req's chunks count in the crowded groups' share of a step: a crowded group's prompt
@@ -429,7 +434,7 @@ class Scheduler:
             num_new = self._num_new_tokens(req, start, plan.budget - units, crowded_left)
             units += math.ceil(num_new * self._token_cost(req, start))
             if crowded_left is not None and self._cut(req, start):
-                crowded_left = max(0, crowded_left - num_new)
+                crowded_left = max(0, crowded_left - math.ceil(num_new * self._token_cost(req, start)))
         return min(units, plan.budget)
 
     def _cap_prefill(self, plan: _StepPlan) -> None:
@@ -484,7 +489,7 @@ class Scheduler:
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = self._num_new_tokens(req, num_hit, plan.available(admission=True), plan.crowded_units)
-            if num_new == 0 and plan.crowded_units == 0 and self._cut(req, num_hit):
+            if num_new == 0 and plan.crowded_units is not None and self._cut(req, num_hit):
                 i += 1  # its group's chunks for this step are spent: others may pass
                 continue
             if plan.spare is not None and (req is plan.held or num_hit + num_new < req.num_tokens):

@@ -10,6 +10,7 @@ import pytest
 from infer.config import CacheConfig, SchedulerConfig
 from infer.core.prefill_pacer import (
     CREDIT_TOKENS,
+    GROUP_ALONE_CHUNK,
     GROUP_CHUNK_FLOOR,
     MIN_PREFILL_TOKENS,
     PRIOR_TOKENS_PER_DECODE,
@@ -355,16 +356,18 @@ def test_no_step_is_empty_while_requests_run():
 
 
 def test_the_group_chunk_costs_a_step_of_the_allowed_slowdown_at_the_measured_price():
-    """A decode step of 10 ms and a prefill unit of 10 us: a chunk worth 80% of one decode step (800
-    units) at max_decode_slowdown 2, 2,400 at 4; never under the floor; the floor before any measure."""
-    assert PrefillPacer(max_decode_slowdown=2).group_chunk(1) == GROUP_CHUNK_FLOOR
+    """Beside others, a decode step of 10 ms and a prefill unit of 10 us: a chunk worth 80% of one decode
+    step (800 units) at max_decode_slowdown 2, 2,400 at 4; never under the floor; the floor before any
+    measure. A group alone gets GROUP_ALONE_CHUNK."""
+    assert PrefillPacer(max_decode_slowdown=2).group_chunk(1, others=True) == GROUP_CHUNK_FLOOR
     pacer = pacer_with_decode(0.010)
     pacer.observe([make_request("x", 4)], 1000, 0.010 + 0.010)  # 1,000 units beside it: 10 ms more
-    assert pacer.group_chunk(1) == 800
+    assert pacer.group_chunk(1, others=True) == 800
+    assert pacer.group_chunk(1, others=False) == GROUP_ALONE_CHUNK
     pacer.slowdown = 4
-    assert pacer.group_chunk(1) == 2400
+    assert pacer.group_chunk(1, others=True) == 2400
     pacer.slowdown = 1.01
-    assert pacer.group_chunk(1) == GROUP_CHUNK_FLOOR
+    assert pacer.group_chunk(1, others=True) == GROUP_CHUNK_FLOOR
 
 
 def crowded(name: str, n: int, prompt: int, max_tokens: int = 1) -> list:
@@ -376,14 +379,14 @@ def crowded(name: str, n: int, prompt: int, max_tokens: int = 1) -> list:
 
 
 def test_a_crowded_groups_prompts_run_in_small_chunks_and_a_lone_prompt_in_whole_ones():
-    """One client's several long prompts (a group) are cut to the pacer's group chunk, so a step with
-    them stays short for everyone else; a lone long prompt keeps the whole budget."""
+    """One client's several long prompts (a group) are cut to the pacer's group chunk (alone: 256 tokens
+    a step), so that a newcomer waits for a short step; a lone long prompt keeps the whole budget."""
     flood = steps_of(scheduler(slowdown=2), {0: crowded("heavy", 3, 3000)})
-    while len(flood[-1]) == 1 and sum(flood[-1].values()) > GROUP_CHUNK_FLOOR:
+    while len(flood[-1]) == 1 and sum(flood[-1].values()) > GROUP_ALONE_CHUNK:
         flood.pop()  # the group's last request, alone: a single again
     # a cut chunk, and at most the last piece of another prompt (a piece under the cut goes in whole)
-    assert max(sum(step.values()) for step in flood) <= 2 * GROUP_CHUNK_FLOOR
-    assert len(flood) > 40
+    assert max(sum(step.values()) for step in flood) <= 2 * GROUP_ALONE_CHUNK
+    assert len(flood) > 20
     lone = steps_of(scheduler(slowdown=2), {0: [make_request("long", 5000, max_tokens=1)]})
     assert lone[0] == {"long": 2048}
     off = steps_of(scheduler(slowdown=0), {0: crowded("heavy", 3, 3000)})
