@@ -37,10 +37,13 @@ Why no request is preempted forever:
       of blocks preempts the worst-keyed running request (itself, if it is the worst), and under
       "priority" a waiting request preempts a running one only if that one's priority value is larger;
   (b) the waiting queue is served strictly in key order with head-of-line blocking: when the head
-      cannot be admitted, nothing behind it is, so the running set drains and the head gets in. Two
+      cannot be admitted, nothing behind it is, so the running set drains and the head gets in. The
       exceptions pass a head that waits for its own kind to progress: a long prompt held back by
-      max_long_partial_prefills, and a group's sequence while its group holds its share of the batch
-      (at least one sequence, which runs to its end, and then the next wave gets in);
+      max_long_partial_prefills; a group's sequence while its group holds its share of the batch (at
+      least one sequence, which runs to its end, and then the next wave gets in) or of the step's
+      rows and chunks (prefill_pacer.py, group_decode_bound.py); and, by the pacer (module
+      prefill_pacer.py), a long prompt that whole short prompts pass in a step (at most one such step
+      per arriving short prompt);
   (c) the best-keyed running request is never a victim, always gets budget (the others' decodes take at
       most max_num_seqs - 1 <= max_num_batched_tokens - 1 tokens), and can always get blocks, since
       add_request refused any request that the whole pool cannot hold. A group's decode that the step-cost
@@ -92,7 +95,7 @@ class _StepPlan:
         # a prompt held behind the streams, and the units of whole short prompts that may pass it
         self.held: Request | None = None
         self.spare: int | None = None
-        self.crowded_units: int | None = None  # prefill tokens left to the crowded groups' chunks
+        self.crowded_units: int | None = None  # cost units left to the crowded groups' long chunks
         self.spec_token_ids: dict[Request, list[int]] = {}  # the proposals a decode feeds after its token
 
     def available(self, admission: bool) -> int:
