@@ -96,6 +96,7 @@ class _StepPlan:
         self.held: Request | None = None
         self.spare: int | None = None
         self.crowded_units: int | None = None  # cost units left to the crowded groups' long chunks
+        self.group_rows_left: int | None = None  # rows left to the groups' admissions (None: any)
         self.spec_token_ids: dict[Request, list[int]] = {}  # the proposals a decode feeds after its token
 
     def available(self, admission: bool) -> int:
@@ -161,7 +162,6 @@ class Scheduler:
         self.pacer = PrefillPacer(scheduler_config.max_decode_slowdown)
         self._crowded: set[str] = set()  # this step's groups of several requests (group_shares.py)
         self._group_chunk = 0  # this step's cap on their prompts' chunks (0: none)
-        self._group_rows_left: int | None = None  # this step's rows left to their admissions (None: any)
         self.group_decode_bound = GroupDecodeBound(self.pacer)
         # the last step's decodes and prefill cost units, for observe_step
         self._last_step: tuple[list[Request], int] = ([], 0)
@@ -322,11 +322,14 @@ class Scheduler:
         return self.prompt_logprob_token_cost if _wants_prompt_logprobs(req, start) else 1.0
 
     def _grant(self, plan: _StepPlan, req: Request, num_new: int, start: int) -> None:
-        plan.grant(req, num_new, min(plan.budget, math.ceil(num_new * self._token_cost(req, start))))
+        units = self._units(req, num_new, start)
+        plan.grant(req, num_new, min(plan.budget, units))
         if plan.crowded_units is not None and self._cut(req, start):
-            plan.crowded_units = max(
-                0, plan.crowded_units - math.ceil(num_new * self._token_cost(req, start))
-            )
+            plan.crowded_units = max(0, plan.crowded_units - units)
+
+    def _units(self, req: Request, num_tokens: int, start: int) -> int:
+        """The cost units of req's num_tokens from position start (prompt-logprob tokens cost more)."""
+        return math.ceil(num_tokens * self._token_cost(req, start))
 
     def _cut(self, req: Request, num_computed: int) -> bool:
         """Whether req's chunks count in the crowded groups' share of a step: a crowded group's prompt
@@ -337,8 +340,7 @@ class Scheduler:
         """Decodes first (a group's rows bounded beside other requests: group_decode_bound.py), then
         prefill chunks of running requests, each pass best key first. paced: False leaves both bounds
         and the pacer out."""
-        self._group_rows_left = None
-        held_back = self._held_back_decodes() if paced else set()
+        held_back = self._held_back_decodes(plan) if paced else set()
         num_decodes_left = sum(not r.is_prefill and r not in held_back for r in self.running)
         for decode_pass in (True, False):
             if not decode_pass:
@@ -365,9 +367,10 @@ class Scheduler:
                 else:
                     self._grant(plan, req, num_new, req.num_computed_tokens)
 
-    def _held_back_decodes(self) -> set[Request]:
+    def _held_back_decodes(self, plan: _StepPlan) -> set[Request]:
         """The groups' decodes that wait this step so that the step costs the requests outside any group
-        at most max_decode_slowdown x their own (those running and those the step may admit)."""
+        at most max_decode_slowdown x their own (those running and those the step may admit); the rows
+        that bound leaves to the groups' admissions go to plan.group_rows_left."""
         crowded = self._crowded
         if not crowded:
             return set()
@@ -377,7 +380,7 @@ class Scheduler:
         decodes = [r for r in self.running if not r.is_prefill and r.group_id in crowded]
         held = self.group_decode_bound.held_back(decodes, running_others + waiting_others)
         limit = self.group_decode_bound.last_limit
-        self._group_rows_left = None if limit is None else max(0, limit - (len(decodes) - len(held)))
+        plan.group_rows_left = None if limit is None else max(0, limit - (len(decodes) - len(held)))
         return held
 
     def _spec_tokens(self, req: Request, budget: int) -> list[int]:
@@ -406,9 +409,7 @@ class Scheduler:
             # a short newcomer's prefill first, alone, so that its first token waits neither for a long
             # prompt's chunk nor for the long prompts queued before it (it is paced like any stream once
             # it decodes); else a long head shares the step with the running prompts' chunks
-            short = [
-                math.ceil(r.num_tokens * self._token_cost(r, 0)) <= plan.budget // 2 for r in self.waiting
-            ]
+            short = [self._units(r, r.num_tokens, 0) <= plan.budget // 2 for r in self.waiting]
             if short[0]:
                 plan.paced = 0
             elif any(short):
@@ -422,8 +423,8 @@ class Scheduler:
         req = next((r for r in self.running if r.is_prefill), None) or next(iter(self.waiting), None)
         if req is None:
             return None
-        total = math.ceil(req.num_tokens * self._token_cost(req, 0))
-        done = math.ceil(req.num_computed_tokens * self._token_cost(req, 0))
+        total = self._units(req, req.num_tokens, 0)
+        done = self._units(req, req.num_computed_tokens, 0)
         return NextPrompt(req, max(1, total - done), total, self.clock() - req.arrival_time)
 
     def _unpaced_prefill_units(self, plan: _StepPlan) -> int:
@@ -435,9 +436,9 @@ class Scheduler:
                 break
             start = req.num_computed_tokens
             num_new = self._num_new_tokens(req, start, plan.budget - units, crowded_left)
-            units += math.ceil(num_new * self._token_cost(req, start))
+            units += self._units(req, num_new, start)
             if crowded_left is not None and self._cut(req, start):
-                crowded_left = max(0, crowded_left - math.ceil(num_new * self._token_cost(req, start)))
+                crowded_left = max(0, crowded_left - self._units(req, num_new, start))
         return min(units, plan.budget)
 
     def _cap_prefill(self, plan: _StepPlan) -> None:
@@ -487,7 +488,7 @@ class Scheduler:
                     order = self._slo_order() if self._slo else list(self.waiting)
                     continue
                 return
-            if not groups.may_admit(req) or (self._group_rows_left == 0 and req.group_id in self._crowded):
+            if not groups.may_admit(req) or (plan.group_rows_left == 0 and req.group_id in self._crowded):
                 i += 1  # its group holds its share of the batch or of the step: others may pass
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
@@ -521,8 +522,8 @@ class Scheduler:
             insort(self.running, req, key=self._key)
             self._grant(plan, req, num_new, num_hit)
             groups.admitted(req)
-            if self._group_rows_left is not None and req.group_id in self._crowded:
-                self._group_rows_left -= 1
+            if plan.group_rows_left is not None and req.group_id in self._crowded:
+                plan.group_rows_left -= 1
             if num_hit + num_new < req.num_tokens:
                 partial += 1
                 long_partial += self._is_long(req)

@@ -157,9 +157,12 @@ class DecodeGraphs:
         forward's; a padded verification step against the capture's own run of it, padded (the eager
         forward's logits of the unpadded step need not be the padded one's bit for bit)."""
         n, width = self.size, self.width
-        if not self.capture_under_load or self.streak < self.steady_steps or n != len(reqs):
-            return
-        if n in self._graphs(width):
+        if (
+            not self.capture_under_load
+            or self.streak < self.steady_steps
+            or n != len(reqs)
+            or n in self._graphs(width)
+        ):
             return
         unpadded = all(len(s.token_ids) == width for s in reqs)
         self._capture(reqs, width, logits if unpadded else None)

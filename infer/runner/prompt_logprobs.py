@@ -57,7 +57,6 @@ class PromptLogprobs(Sequence):
                 for position, entry in enumerate(chunk.entries(), start=chunk.first + 1):
                     if position < self.num_prompt_tokens and entries[position] is None:
                         entries[position] = entry
-            entries[0] = None
             self._entries, self.chunks = entries, []
         return self._entries
 
