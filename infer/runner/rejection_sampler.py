@@ -56,7 +56,7 @@ def verify(
         if s.sampling_params.greedy:
             out.append(accept_greedy(draft, targets[row : row + len(draft) + 1]))
         else:
-            gen = _generator(sampler, s)
+            gen = sampler.generator_of(s.req_id, s.sampling_params.seed)
             out.append(accept_sampled(draft, probs[row : row + len(draft) + 1], gen))
         row += len(s.spec_token_ids) + 1
     return out
@@ -129,17 +129,6 @@ def _draw(weights: torch.Tensor, gen: torch.Generator) -> int:
     return int(
         inverse_transform(weights.unsqueeze(0), torch.rand(1, 1, generator=gen, dtype=torch.float64))[0]
     )
-
-
-def _generator(sampler: Sampler, s: ScheduledRequest) -> torch.Generator:
-    """The request's own generator under a seed (as the sampler keeps it), else the sampler's."""
-    seed = s.sampling_params.seed
-    if seed is None:
-        return sampler.generator
-    gen = sampler.request_generators.get(s.req_id)
-    if gen is None:
-        gen = sampler.request_generators[s.req_id] = torch.Generator().manual_seed(seed)
-    return gen
 
 
 def _ban_early_stops(logits: torch.Tensor, reqs: list[ScheduledRequest], eos_token_ids: list[int]) -> None:

@@ -185,11 +185,17 @@ class Sampler:
         uniform = torch.rand(probs.shape[0], 1, generator=self.generator, dtype=torch.float64)
         for row, (req_id, p) in enumerate(zip(req_ids, params, strict=True)):
             if p.seed is not None:
-                gen = self.request_generators.get(req_id)
-                if gen is None:
-                    gen = self.request_generators[req_id] = torch.Generator().manual_seed(p.seed)
-                uniform[row] = torch.rand(1, generator=gen, dtype=torch.float64)
+                uniform[row] = torch.rand(1, generator=self.generator_of(req_id, p.seed), dtype=torch.float64)
         return inverse_transform(probs, uniform)
+
+    def generator_of(self, req_id: str, seed: int | None) -> torch.Generator:
+        """The request's own generator under a seed (kept until it finishes), else the sampler's."""
+        if seed is None:
+            return self.generator
+        gen = self.request_generators.get(req_id)
+        if gen is None:
+            gen = self.request_generators[req_id] = torch.Generator().manual_seed(seed)
+        return gen
 
     def _logprobs(self, logits, token_ids, params):
         wanted = [p.logprobs for p in params]
