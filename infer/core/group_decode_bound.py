@@ -42,26 +42,23 @@ class GroupDecodeBound:
     def __init__(self, pacer: PrefillPacer) -> None:
         self.pacer = pacer  # its slowdown, and the decode-only steps it measured
         self.steps_since_probe = PROBE_EVERY  # a first probe may come at once
-        self.last_limit: int | None = None  # the last step's K (0: a probe), None where unbounded
 
-    def held_back(self, decodes: Sequence[Request], num_others: int) -> set[Request]:
-        """The grouped decodes that wait this step. decodes: the running requests ready to decode;
-        num_others: the requests outside any group, running or about to be admitted."""
+    def held_back(self, decodes: Sequence[Request], num_others: int) -> tuple[set[Request], int | None]:
+        """The grouped decodes that wait this step, and K (0 on a probe; None: unbounded). decodes: the
+        running requests ready to decode; num_others: the requests outside any group, running or about
+        to be admitted."""
         grouped: dict[str, list[Request]] = {}
         for req in decodes:
             if req.group_id is not None:
                 grouped.setdefault(req.group_id, []).append(req)
-        self.last_limit = None
         if not self.pacer.enabled or num_others == 0:
-            return set()
+            return set(), None
         self.steps_since_probe += 1
         limit = self.rows_allowed(num_others)
         if limit is None:  # a probe: the others alone
             self.steps_since_probe = 0
-            self.last_limit = 0
-            return {r for rows in grouped.values() for r in rows}
-        self.last_limit = limit
-        return _beyond_share(grouped.values(), limit)
+            return {r for rows in grouped.values() for r in rows}, 0
+        return _beyond_share(grouped.values(), limit), limit
 
     def rows_allowed(self, num_others: int) -> int | None:
         """K, the groups' decode rows beside num_others (module docstring); None: probe instead."""

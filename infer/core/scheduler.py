@@ -378,8 +378,7 @@ class Scheduler:
         seats = self.config.max_num_seqs - len(self.running)
         waiting_others = min(seats, sum(r.group_id not in crowded for r in self.waiting))
         decodes = [r for r in self.running if not r.is_prefill and r.group_id in crowded]
-        held = self.group_decode_bound.held_back(decodes, running_others + waiting_others)
-        limit = self.group_decode_bound.last_limit
+        held, limit = self.group_decode_bound.held_back(decodes, running_others + waiting_others)
         plan.group_rows_left = None if limit is None else max(0, limit - (len(decodes) - len(held)))
         return held
 

@@ -116,7 +116,7 @@ def test_the_rows_are_shared_alike_among_groups_and_go_to_those_that_ran_least()
     a, b = group("a", 20, max_tokens=10), group("b", 3, max_tokens=10)
     for i, req in enumerate(a):
         req.output_token_ids = [1] * (i % 4)
-    held = bound.held_back(a + b, num_others=1)
+    held, _ = bound.held_back(a + b, num_others=1)
     assert not held & set(b)  # the smaller group's 3 rows, the rest of 11 to the larger
     running_a = [r for r in a if r not in held]
     assert len(running_a) == 8
@@ -129,8 +129,8 @@ def test_no_measurement_of_the_others_alone_probes_them():
         pacer.decode_steps.append((64, 0.074))
     bound = GroupDecodeBound(pacer)
     rows = group("a", 64, max_tokens=10)
-    assert bound.held_back(rows, num_others=1) == set(rows)  # the others alone: measures them
-    assert len(bound.held_back(rows, num_others=1)) == 63  # till the next probe, twice their rows
+    assert bound.held_back(rows, num_others=1)[0] == set(rows)  # the others alone: measures them
+    assert len(bound.held_back(rows, num_others=1)[0]) == 63  # till the next probe, twice their rows
 
 
 def test_a_small_step_measured_slower_than_the_large_ones_keeps_the_safe_guess():
