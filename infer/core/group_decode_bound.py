@@ -10,14 +10,14 @@ stays within max_decode_slowdown (S) times the cost of the others' step alone:
 
     cost(B + K) <= S x cost(B)
 
-cost(n) is a line through what decode-only steps cost, the prefill pacer's measurement
-(PrefillPacer.decode_steps, its recent (decodes, seconds)): the median of the steps of at most 2B rows
-(the others alone, or about) and of the larger ones. K is at most twice the largest size measured, so
-the bound climbs to it a doubling at a time instead of trusting a line far past its points; before any
-larger step was measured, or where the larger ones measured cheaper (a stall of a busy machine),
-K = B (a step of twice the others' rows costs at most twice theirs on any machine). When no step of
-about B rows is among the samples (the groups' steps have filled them), one
-step in PROBE_EVERY runs the others alone to measure it.
+cost(n) is what a decode-only step of n rows measured, the prefill pacer's table by batch size
+(PrefillPacer.decode_costs, decode_costs.py): K runs up to where that cost first crosses the bound
+(between two sizes measured, on the line through them, so that one slow wide step stops it early,
+never late). K is at most twice the largest size measured, so the bound climbs to it a doubling at a
+time instead of trusting costs far past what was measured; before any larger step was measured, or
+where the largest measured no dearer than the others' (a stall of a busy machine), K = B (a step of
+twice the others' rows costs at most twice theirs on any machine). When no step of about B rows was
+ever measured, one step in PROBE_EVERY runs the others alone to measure it.
 
 The K rows are shared alike among the groups (at least one each, so every group progresses), and within
 a group go to the sequences with the fewest tokens generated: the rows rotate, every sequence progresses
@@ -29,7 +29,6 @@ others' step as much as 128 decodes.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable, Sequence
 
 from infer.core.prefill_pacer import PrefillPacer
@@ -62,24 +61,22 @@ class GroupDecodeBound:
 
     def rows_allowed(self, num_others: int) -> int | None:
         """K, the groups' decode rows beside num_others (module docstring); None: probe instead."""
-        samples = list(self.pacer.decode_steps)
-        small = [(n, t) for n, t in samples if n <= 2 * num_others]
-        large = [(n, t) for n, t in samples if n > 2 * num_others]
-        if not small:
-            if self.steps_since_probe >= PROBE_EVERY:
-                return None
-            return num_others
-        if not large:
-            return num_others
-        n0, t0 = statistics.median(n for n, _ in small), statistics.median(t for _, t in small)
-        n1, t1 = statistics.median(n for n, _ in large), statistics.median(t for _, t in large)
-        ceiling = int(2 * max(n for n, _ in large)) - num_others  # at most a doubling past what was measured
-        per_row = (t1 - t0) / (n1 - n0)
-        if per_row <= 0:  # the larger steps measured cheaper: a stall of a busy machine, no line to trust
-            return num_others
-        fixed = max(0.0, t0 - per_row * n0)
-        base = fixed + per_row * num_others
-        most = int((self.pacer.slowdown * base - fixed) / per_row)  # cost(most) <= slowdown x cost(base)
+        costs = self.pacer.decode_costs
+        if not costs or not costs.measured(num_others / 2, 2 * num_others):
+            return None if self.steps_since_probe >= PROBE_EVERY else num_others
+        base = costs.seconds(num_others)
+        larger = costs.above(2 * num_others)
+        if not larger or larger[-1][1] <= base:
+            return num_others  # no wider step measured, or none dearer: no cost to trust past 2B
+        limit = self.pacer.slowdown * base
+        ceiling = 2 * larger[-1][0] - num_others  # at most a doubling past what was measured
+        n0, t0 = num_others, base
+        for n, t in costs.above(num_others):
+            if t > limit:  # the bound is crossed between n0 and n
+                most = n0 + int((limit - t0) * (n - n0) / (t - t0) + 1e-9) if t > t0 else n0
+                return max(1, min(most - num_others, ceiling))
+            n0, t0 = n, t
+        most = int(n0 * limit / t0)  # past the largest: its cost scaled by rows (decode_costs.py)
         return max(1, min(most - num_others, ceiling))
 
 

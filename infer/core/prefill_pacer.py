@@ -75,13 +75,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from infer.core.decode_costs import DecodeCosts
 from infer.core.request import Request
 
 MIN_PREFILL_TOKENS = 8  # a chunk at least: smaller ones cost a step's overhead for little progress
 CREDIT_TOKENS = 256  # a stream's credit looks this many tokens ahead, and holds at most their worth
 PRIOR_TOKENS_PER_DECODE = 8  # before a chunk was measured: a prefill token costs a decode step / this
 PROBE_EVERY = 32  # paced steps between decode-only steps that refresh the decode cost
-DECODE_SAMPLES = 32  # recent decode-only steps kept
 PREFILL_SAMPLES = 8  # recent chunks kept
 SPEND_SHARE = 0.8  # of a credit a chunk may be priced at
 STALL_FACTOR = 2.0  # a chunk is charged at most this many times its price
@@ -108,7 +108,7 @@ class PrefillPacer:
 
     def __init__(self, max_decode_slowdown: float) -> None:
         self.slowdown = max_decode_slowdown
-        self.decode_steps: deque[tuple[int, float]] = deque(maxlen=DECODE_SAMPLES)  # (decodes, seconds)
+        self.decode_costs = DecodeCosts()  # decode-only steps' cost by batch size
         # (prefill cost units, seconds over a decode-only step) of recent steps that carried a chunk
         self.prefill_steps: deque[tuple[int, float]] = deque(maxlen=PREFILL_SAMPLES)
         self.steps_since_decode_only = 0  # paced steps since the last decode-only one
@@ -121,14 +121,8 @@ class PrefillPacer:
         return self.slowdown > 1
 
     def decode_seconds(self, num_decodes: int) -> float | None:
-        """What a decode-only step of num_decodes costs: the median of recent ones of about that size."""
-        if not self.decode_steps:
-            return None
-        near = [t for n, t in self.decode_steps if num_decodes / 2 <= n <= num_decodes * 2]
-        if near:
-            return statistics.median(near)
-        n, t = min(self.decode_steps, key=lambda s: abs(s[0] - num_decodes))
-        return t * num_decodes / n if n < num_decodes else t
+        """What a decode-only step of num_decodes costs (decode_costs.py); None before one was measured."""
+        return self.decode_costs.seconds(num_decodes)
 
     def seconds_per_unit(self, units: int, num_decodes: int) -> tuple[float, bool] | None:
         """A chunk of `units`' time per unit, and whether chunks of about that size priced it: the median
@@ -244,7 +238,7 @@ class PrefillPacer:
         if not self.enabled or seconds <= 0 or (not decodes and not prefill_units):
             return
         if not prefill_units:
-            self.decode_steps.append((len(decodes), seconds))
+            self.decode_costs.add(len(decodes), seconds)
             return
         # over a decode-only step: a prompt alone also reads the weights once (before any decode step
         # was measured, its whole time: a price on the safe side)

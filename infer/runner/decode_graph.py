@@ -250,6 +250,11 @@ class DecodeGraphs:
         ):
             return
         else:
+            if isinstance(graph.module, torch.jit.ScriptModule):
+                # TorchScript's executor profiles a graph's first run and optimizes it on the second
+                # (~50 ms for a 135M model): here, and not on the first step of this size under load
+                with torch.inference_mode():
+                    graph.module()
             self._graphs(width)[n] = graph
             self.captures += 1
 

@@ -110,7 +110,7 @@ def test_the_step_that_admits_a_stream_is_bounded_too():
 def test_the_rows_are_shared_alike_among_groups_and_go_to_those_that_ran_least():
     pacer = PrefillPacer(2.0)
     for n, t in [(1, 0.011)] * 4 + [(21, 0.031)] * 4:
-        pacer.decode_steps.append((n, t))
+        pacer.decode_costs.add(n, t)
     bound = GroupDecodeBound(pacer)
     assert bound.rows_allowed(1) == 11  # 0.010 + 0.001 x 12 <= 2 x 0.011
     a, b = group("a", 20, max_tokens=10), group("b", 3, max_tokens=10)
@@ -126,7 +126,7 @@ def test_the_rows_are_shared_alike_among_groups_and_go_to_those_that_ran_least()
 def test_no_measurement_of_the_others_alone_probes_them():
     pacer = PrefillPacer(2.0)
     for _ in range(8):
-        pacer.decode_steps.append((64, 0.074))
+        pacer.decode_costs.add(64, 0.074)
     bound = GroupDecodeBound(pacer)
     rows = group("a", 64, max_tokens=10)
     assert bound.held_back(rows, num_others=1)[0] == set(rows)  # the others alone: measures them
@@ -135,9 +135,9 @@ def test_no_measurement_of_the_others_alone_probes_them():
 
 def test_a_small_step_measured_slower_than_the_large_ones_keeps_the_safe_guess():
     pacer = PrefillPacer(2.0)
-    pacer.decode_steps.append((2, 1.3))  # a stall of a busy machine
+    pacer.decode_costs.add(2, 1.3)  # a stall of a busy machine
     for _ in range(8):
-        pacer.decode_steps.append((129, 0.3))
+        pacer.decode_costs.add(129, 0.3)
     assert GroupDecodeBound(pacer).rows_allowed(1) == 1  # not all 128: the line is not to be trusted
 
 
