@@ -3,8 +3,8 @@ SiLU-and-multiply, the KV cache write) against the torch code of the layers they
 and whole engine steps with the ops on and off. `--switch` times engine steps with another of the step's
 kernels on and off instead: the greedy argmax over bf16 logits (off: float32 logits, torch's argmax, as
 before it), the small-batch linear (infer/kernels/small_linear.cpp; off: an engine whose every linear is
-oneDNN's), its AMX tiles (off: an engine with a oneDNN copy of every weight, the kernel up to 6 rows and
-oneDNN for the rest; AMX only), the prefill-attention kernel (off: SDPA, one call
+oneDNN's), its AMX tiles (off: an engine with a oneDNN copy of every weight, the kernel up to 6 rows (on
+tiles from 2) and oneDNN for the rest; AMX only), the prefill-attention kernel (off: SDPA, one call
 per prompt or long chunk, its fallback), or the gate_up projection with SiLU-and-multiply in its epilogue
 (off: an engine loaded without it, two ops; AMX only).
 

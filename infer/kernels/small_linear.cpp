@@ -8,7 +8,7 @@
 // sends only weights of up to SMALL_WEIGHT_BYTES here, and steps of more than SMALL_ROWS rows (prefill)
 // to oneDNN's GEMM.
 //
-// With AMX (Sapphire Rapids and later), 7+ rows go to the tiles (run_amx below), which beat oneDNN's
+// With AMX (Sapphire Rapids and later), 2+ rows go to the tiles (run_amx below), which beat oneDNN's
 // prepacked path at every row count measured on a Sapphire Rapids, weights from DRAM
 // (docs/optimizations.md, "The small-batch linear"; `bench_layer_ops.py --switch tiles`).
 // Only 2048-row prefills of small-K weights stay faster in oneDNN (3072x512: 2.4-2.6 vs 2.9-3.4 ms;
@@ -43,7 +43,7 @@ namespace {
 constexpr int64_t kBlock = 16;     // output channels per block: one float32 vector
 constexpr int64_t kPrefetch = 16;  // input pairs ahead (1 KB of each block's stream)
 constexpr int64_t kChunkRows = 8;
-constexpr int64_t kAmxMinRows = 6;  // up to here vdpbf16ps (at 1 row 10% faster than tiles), tiles beyond
+constexpr int64_t kAmxMinRows = 1;  // one row on vdpbf16ps; 2+ on tiles, ~as fast as 1 row up to 8
 
 struct Problem {
   const c10::BFloat16* x;

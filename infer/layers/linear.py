@@ -15,7 +15,7 @@ from infer.kernels import hugepages
 
 # Weights of up to this many bytes also get the small-batch kernel's copy (infer/kernels/small_linear.cpp),
 # used for steps of up to SMALL_ROWS rows: there oneDNN's cost per call, not the bytes, set the time.
-# Without AMX the kernel's vdpbf16ps wins up to 32 rows. With AMX the kernel runs 7+ rows on tiles and
+# Without AMX the kernel's vdpbf16ps wins up to 32 rows. With AMX the kernel runs 2+ rows on tiles and
 # beats oneDNN's prepacked linears up to 128 rows, so decodes and mixed steps go to it and long prefills
 # stay on oneDNN, whose blocked GEMM is still faster for small-K weights at 2048 rows. Larger weights keep
 # the kernel's copy alone (PrepackedLinear). Figures: docs/optimizations.md, "The small-batch linear".

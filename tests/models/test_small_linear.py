@@ -36,7 +36,7 @@ def assert_within_a_bf16_unit(got, expected, unit=2**-8):
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_row_count_matches_float32(out_features, in_features, bias):
     """1-4 rows (tiles of 4 blocks), 5-8 (tiles of 2), more (chunks of 8 rows and a remainder); tiles
-    with 1-4 blocks (48 = 3 blocks, 80 = one tile and 1 block). Built with AMX, 7+ rows of weights whose
+    with 1-4 blocks (48 = 3 blocks, 80 = one tile and 1 block). Built with AMX, 2+ rows of weights whose
     sizes divide by 32 (64 x 64, 1024 x 512, 512 x 1376) run on tiles: passes of 32 rows, the last one
     partial (its own tile shapes), one or two 16-row halves."""
     ops = bf16_ops()
