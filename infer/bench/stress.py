@@ -96,6 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fairness-concurrency", type=int, default=4, help="the heavy client's requests at once")
     p.add_argument("--fairness-lead", type=float, default=1.0, help="seconds the heavy client starts first")
     p.add_argument("--fairness-bound", type=float, default=2.0, help="bystander TTFT / ITL p99 vs alone")
+    p.add_argument(
+        "--fairness-repeat", type=int, default=1, help="bystander runs beside each kind; the median judged"
+    )
     p.add_argument("--settle-timeout", type=float, default=30.0, help="seconds for /metrics to reach idle")
     p.add_argument("--timeout", type=float, default=120.0, help="client timeout per request, seconds")
     p.add_argument("--start-timeout", type=float, default=300.0, help="seconds for a launched server")

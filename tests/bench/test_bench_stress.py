@@ -168,7 +168,7 @@ def test_fairness_runs_a_bystander_beside_each_kind(bench_server, tmp_path):
     named runs beside a bystander, the heavy client's answers are counted, none is a 5xx."""
     argv = ["--server", bench_server.url, "--phases", "fairness", "--fairness-kinds",
             "long_prompt,n,stop_lists", "--fairness-tokens", "8", "--fairness-concurrency", "1",
-            "--fairness-lead", "0.2", "--fairness-bound", "1000"]  # fmt: skip
+            "--fairness-lead", "0.2", "--fairness-bound", "1000", "--fairness-repeat", "2"]  # fmt: skip
     report = stress.run(parse([*argv, "--out", str(tmp_path / "fair.json")]), out=io.StringIO())
     fairness = report["phases"]["fairness"]
     assert fairness["problems"] == [] and set(fairness["kinds"]) == {"long_prompt", "n", "stop_lists"}
@@ -176,7 +176,8 @@ def test_fairness_runs_a_bystander_beside_each_kind(bench_server, tmp_path):
         assert sum(row["heavy_statuses"].values()) >= 1, kind
         assert all(s.isdigit() and not s.startswith("5") for s in row["heavy_statuses"]), row
         assert row["beside"]["total_ms"] > 0 and row["ratios"]["ttft_ms"] > 0
-    assert fairness["alone"]["ttft_ms"] > 0
+        assert len(row["runs"]) == 2  # the median of two runs, each beside a heavy client of its own
+    assert fairness["alone"]["ttft_ms"] > 0 and fairness["counts"]["bystander runs"] == 2 + 3 * 2
 
 
 def test_fairness_requests_are_what_the_server_allows():
