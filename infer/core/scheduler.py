@@ -64,6 +64,7 @@ Why no request is preempted forever:
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from bisect import insort
@@ -428,9 +429,11 @@ class Scheduler:
 
     def _unpaced_prefill_units(self, plan: _StepPlan) -> int:
         """The cost units of the prefill chunks this step would carry unpaced: running prompts' next
-        chunks, then the waiting requests' first ones, up to the budget left."""
+        chunks, then the first ones of the waiting requests the batch has seats for, up to the budget
+        left (the seats bound the walk: a flood of 512 short requests is not walked every step)."""
         units, crowded_left = 0, plan.crowded_units
-        for req in (*(r for r in self.running if r.is_prefill), *self.waiting):
+        seats = max(0, self.config.max_num_seqs - len(self.running))
+        for req in (*(r for r in self.running if r.is_prefill), *itertools.islice(self.waiting, seats)):
             if units >= plan.budget:
                 break
             start = req.num_computed_tokens
