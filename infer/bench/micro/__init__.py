@@ -8,7 +8,7 @@ ours as `reference`. Results: docs/engine.md.
     python -m infer.bench.micro {kv-cache,continuous-batching,chunked-prefill,scheduling,prefix-caching,
                                  speculative-decoding,all}
         [--model toy|embedded|FOLDER|PRESET] [--load-format dummy] [--dtype auto] [--json FILE]
-        [--scale small] [--repeats N] [--speculative-config JSON]
+        [--scale small] [--repeats N] [--speculative-config JSON] [--oracle] [--streams 1,8,32]
 
 Each benchmark prints the reference's table per case (baseline and optimized rows, its columns), the
 ratio columns, a summary table, and one PASS/MISS verdict line per case against the expectation its
@@ -99,6 +99,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: n-gram, K = 3, prompt lookup 2-4)",
     )
     p.add_argument(
+        "--oracle",
+        action="store_true",
+        help="speculative-decoding: propose the target's own greedy continuation, right with probability "
+        "0, 0.5, 0.8 and 1.0 at each position, K = 1..4, beside plain decoding (a verification's cost and "
+        "the speed-up at each acceptance, on any model: random weights too)",
+    )
+    p.add_argument(
+        "--streams",
+        default=None,
+        help="speculative-decoding: the concurrent streams, comma-separated (default 1,8,32; small: 1,8)",
+    )
+    p.add_argument(
         "--trace",
         metavar="DIR",
         type=Path,
@@ -146,6 +158,8 @@ def cmd_micro(args) -> int:
     )
     ctx = Context(model, dtype, args.load_format, repeats, min_seconds, args.scale, trace_dir=args.trace)
     ctx.speculative_config = speculative_config(args.speculative_config)
+    ctx.oracle = args.oracle
+    ctx.streams = streams(args.streams)
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
     names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
@@ -176,6 +190,7 @@ def cmd_micro(args) -> int:
             "scale": args.scale,
             "trace_dir": str(args.trace) if args.trace is not None else None,
             "speculative_config": ctx.speculative_config,
+            "oracle": ctx.oracle,
         }
         doc = record(meta, results)
     if args.json:
@@ -199,6 +214,16 @@ def speculative_config(text: str | None) -> dict | None:
 
     SpeculativeConfig.from_value(text)
     return json.loads(text)
+
+
+def streams(text: str | None) -> tuple[int, ...]:
+    """--streams' comma-separated counts (ValueError unless each is >= 1)."""
+    if text is None:
+        return ()
+    found = tuple(int(n) for n in text.split(","))
+    if not found or min(found) < 1:
+        raise ValueError(f"--streams must be counts >= 1, got {text!r}")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
