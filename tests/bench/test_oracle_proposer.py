@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from infer.bench.micro import main
+from infer.bench.micro import counts, main
 from infer.bench.micro.oracle_proposer import OracleProposer
 from infer.models.toy import build_toy
 
@@ -75,7 +75,7 @@ def test_oracle_bench_accepts_all_at_one_none_at_zero_and_keeps_greedy_output(tm
         args += ["--oracle", "--streams", "1,3", "--no-report", "--json", str(tmp_path / "r.json")]
         assert main(args) == 0
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["meta"]["oracle"] is True
+    assert doc["meta"]["oracle"] == [1, 2, 3, 4]
     found = {c["name"]: c for c in doc["benchmarks"]["speculative-decoding"]["cases"]}
     assert set(found) == {f"oracle_k{k}@{n}" for k in (1, 2, 3, 4) for n in (1, 3)}
     for name, case in found.items():
@@ -94,3 +94,11 @@ def test_oracle_bench_accepts_all_at_one_none_at_zero_and_keeps_greedy_output(tm
         assert 0 < modes["a=0.5"]["accepted"] < modes["a=0.5"]["drafted"], name
     assert "oracle" in out.getvalue()
     assert all(v["passed"] for v in doc["benchmarks"]["speculative-decoding"]["verdicts"])
+
+
+def test_oracle_and_streams_take_comma_separated_counts():
+    assert counts("--oracle", "1,2,3,4") == (1, 2, 3, 4) and counts("--streams", None) == ()
+    for bad in ("0", "1,x", ""):
+        with pytest.raises(ValueError, match="--streams takes"):
+            counts("--streams", bad)
+    assert main(["speculative-decoding", "--oracle", "2,0", "--no-report"]) == 2

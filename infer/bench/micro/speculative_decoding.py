@@ -22,12 +22,13 @@ draft model the milliseconds per engine step and the draft's share of them.
 Expectation: on the embedded model, repeat_text accepts and one stream decodes faster; free_text does
 not lose more than the proposals' extra tokens cost; 8 and 32 streams are no slower than plain.
 
-With --oracle, instead: what a verification step costs and what speculation buys at a chosen acceptance,
-on any model (random weights too, which accept nothing). Per K in 1..4 one engine proposes the target's
-own greedy continuation (OracleProposer, taken from a plain run on that engine first), right at each
-position with probability a until the first wrong proposal, for a in 0, 0.5, 0.8, 1.0, alternated with
-plain decoding on the same engine, speculating whatever the batch (repeat_text's prompts, --streams).
-Reported: decode speed-up over plain per (K, a) and whether every stream's greedy output was plain's.
+With --oracle [KS], instead: what a verification step costs and what speculation buys at a chosen
+acceptance, on any model (random weights too, which accept nothing). Per K in 1..4 (or KS) one engine
+proposes the target's own greedy continuation (OracleProposer, taken from a plain run on that engine
+first), right at each position with probability a until the first wrong proposal, for a in 0, 0.5, 0.8,
+1.0, alternated with plain decoding on the same engine, speculating whatever the batch (repeat_text's
+prompts, --streams). Reported: decode speed-up over plain per (K, a), and whether every stream's greedy
+output was plain's.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
 STREAMS = (1, 8, 32)
 SMALL_STREAMS = (1, 8)
 WORKLOADS = ("repeat_text", "code", "free_text")
-ORACLE_KS = (1, 2, 3, 4)
 ORACLE_ACCEPTANCES = (0.0, 0.5, 0.8, 1.0)
 ORACLE_SAME = ("streams = plain", "same_as_plain", "")
 MAX_TOKENS, SMALL_MAX_TOKENS = 128, 24
@@ -279,6 +279,16 @@ def oracle_mode(engine, oracle: OracleProposer, specs: list[RequestSpec], accept
     return once
 
 
+def graphs_state(engine) -> str:
+    """Whether the engine replays decode and verification steps from graphs: each pays or not by a
+    timing taken at its capture, so a loaded machine may turn either off."""
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is None:
+        return "eager"
+    on = {True: "replayed", False: "eager"}
+    return f"decode {on[graphs.enabled]}, verification {on[graphs.enabled and graphs.verify_enabled]}"
+
+
 def acceptance_name(a: float | None) -> str:
     return "plain" if a is None else f"a={a:g}"
 
@@ -290,9 +300,11 @@ def run_oracle_case(ctx: Context, specs: list[RequestSpec], k: int, acceptances)
     plain = best["plain"]["decode_tok_s"]
     ratios = {f"{m}_speedup": ratio(v["decode_tok_s"], plain) for m, v in best.items() if m != "plain"}
     name = f"oracle_k{k}@{len(specs)}"
-    ctx.print(f"\n=== {name} ===")
+    graphs = graphs_state(engine)
+    ctx.print(f"\n=== {name} ({graphs}) ===")
     ctx.print(mode_table(best, [*COLUMNS[:5], ("per position", "per_pos", "s"), ORACLE_SAME]))
     knobs = {"workload": "repeat_text", "streams": len(specs), "max_tokens": specs[0].max_tokens, "k": k}
+    knobs["graphs"] = graphs
     return CaseResult(name, knobs, best, ratios)
 
 
@@ -313,7 +325,7 @@ def run_oracle(ctx: Context, tokenizer, streams_list, max_tokens: int) -> BenchR
     cases = []
     for streams in streams_list:
         specs = workload_specs(ctx, "repeat_text", tokenizer, streams, max_tokens)
-        for k in ORACLE_KS:
+        for k in ctx.oracle:
             cases.append(run_oracle_case(ctx, specs, k, ORACLE_ACCEPTANCES))
     ctx.print("\n=== Speculative decoding with the oracle: decode speed-up over plain, per acceptance ===")
     rows = [
