@@ -66,13 +66,14 @@ def test_acceptance_is_geometric_and_the_same_on_every_call():
     assert 160 < right[0] < 240 and 70 < right[1] < 130 and 25 < right[2] < 75 and 25 < right[3] < 75
 
 
-@pytest.mark.slow  # trains a toy, then runs K = 1..4 at five acceptances each, one and three streams
+@pytest.mark.slow  # trains a toy, then runs K = 1..4 at five acceptances twice each, one and three streams
 def test_oracle_bench_accepts_all_at_one_none_at_zero_and_keeps_greedy_output(tmp_path):
     toy = build_toy(tmp_path / "toy", train_seconds=1.0)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         args = ["speculative-decoding", "--model", str(toy), "--dtype", "float32", "--scale", "small"]
-        args += ["--oracle", "--streams", "1,3", "--no-report", "--json", str(tmp_path / "r.json")]
+        args += ["--oracle", "--streams", "1,3", "--repeats", "2", "--no-report"]
+        args += ["--json", str(tmp_path / "r.json")]
         assert main(args) == 0
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["meta"]["oracle"] == [1, 2, 3, 4]
@@ -89,6 +90,7 @@ def test_oracle_bench_accepts_all_at_one_none_at_zero_and_keeps_greedy_output(tm
         assert one["drafts"] > 0 and one["accepted"] == one["drafted"] <= k * one["drafts"], name
         # nothing accepted: K proposals a step, fewer only in a stream's last K - 1 (max_tokens is near)
         assert zero["drafts"] > 0 and zero["accepted"] == 0, name
+        assert zero["per_pos"] == ", ".join(["0.00"] * k) and one["per_pos"].startswith("1.00"), name
         assert zero["drafted"] == k * zero["drafts"] - streams * k * (k - 1) // 2, name
         assert one["steps"] < modes["plain"]["steps"] or k == 0, name  # accepted tokens save steps
         assert 0 < modes["a=0.5"]["accepted"] < modes["a=0.5"]["drafted"], name

@@ -262,7 +262,8 @@ def oracle_mode(engine, oracle: OracleProposer, specs: list[RequestSpec], accept
         run = drive(engine, specs)
         after = spec_counts(engine.scheduler)
         drafts, drafted, accepted = (a - b for a, b in zip(after[:3], before[:3], strict=True))
-        per_pos = [a - b for a, b in zip(after[3], before[3] + (0,) * len(after[3]), strict=False)]
+        # every position of the K, counted or not yet (the engine's list grows with the first accept there)
+        per_pos = [at(after[3], j) - at(before[3], j) for j in range(oracle.k)]
         learned = [oracle.continuation(s.prompt_ids)[1] for s in specs]
         run.extra = {
             "drafts": drafts,
@@ -277,6 +278,10 @@ def oracle_mode(engine, oracle: OracleProposer, specs: list[RequestSpec], accept
         return run
 
     return once
+
+
+def at(counts: tuple, j: int) -> int:
+    return counts[j] if j < len(counts) else 0
 
 
 def graphs_state(engine) -> str:
