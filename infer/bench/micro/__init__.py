@@ -8,7 +8,7 @@ ours as `reference`. Results: docs/engine.md.
     python -m infer.bench.micro {kv-cache,continuous-batching,chunked-prefill,scheduling,prefix-caching,
                                  speculative-decoding,all}
         [--model toy|embedded|FOLDER|PRESET] [--load-format dummy] [--dtype auto] [--json FILE]
-        [--scale small] [--repeats N] [--speculative-config JSON]
+        [--scale small] [--repeats N] [--speculative-config JSON] [--oracle [KS]] [--streams 1,8,32]
 
 Each benchmark prints the reference's table per case (baseline and optimized rows, its columns), the
 ratio columns, a summary table, and one PASS/MISS verdict line per case against the expectation its
@@ -99,6 +99,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: n-gram, K = 3, prompt lookup 2-4)",
     )
     p.add_argument(
+        "--oracle",
+        nargs="?",
+        const="1,2,3,4",
+        default=None,
+        metavar="KS",
+        help="speculative-decoding: propose the target's own greedy continuation, right with probability "
+        "0, 0.5, 0.8 and 1.0 at each position, K = 1..4 (or the comma-separated KS), beside plain decoding "
+        "(a verification's cost and the speed-up at each acceptance, on any model: random weights too)",
+    )
+    p.add_argument(
+        "--streams",
+        default=None,
+        help="speculative-decoding: the concurrent streams, comma-separated (default 1,8,32; small: 1,8)",
+    )
+    p.add_argument(
         "--trace",
         metavar="DIR",
         type=Path,
@@ -137,6 +152,7 @@ def cmd_micro(args) -> int:
 
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    oracle, streams = counts("--oracle", args.oracle), counts("--streams", args.streams)
     model, dtype, threads = prepare_model(args.model, args.dtype, args.threads, args.retrain)
     repeats = args.repeats or (1 if args.scale == "small" else 5)
     if repeats < 1:
@@ -146,6 +162,7 @@ def cmd_micro(args) -> int:
     )
     ctx = Context(model, dtype, args.load_format, repeats, min_seconds, args.scale, trace_dir=args.trace)
     ctx.speculative_config = speculative_config(args.speculative_config)
+    ctx.oracle, ctx.streams = oracle, streams
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
     names = list(BENCHMARKS) if args.benchmark == "all" else [args.benchmark]
@@ -176,6 +193,7 @@ def cmd_micro(args) -> int:
             "scale": args.scale,
             "trace_dir": str(args.trace) if args.trace is not None else None,
             "speculative_config": ctx.speculative_config,
+            "oracle": list(ctx.oracle),
         }
         doc = record(meta, results)
     if args.json:
@@ -199,6 +217,19 @@ def speculative_config(text: str | None) -> dict | None:
 
     SpeculativeConfig.from_value(text)
     return json.loads(text)
+
+
+def counts(flag: str, text: str | None) -> tuple[int, ...]:
+    """A flag's comma-separated counts (ValueError unless each is >= 1); () when not given."""
+    if text is None:
+        return ()
+    try:
+        found = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        found = ()
+    if not found or min(found) < 1:
+        raise ValueError(f"{flag} takes comma-separated counts >= 1, got {text!r}")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

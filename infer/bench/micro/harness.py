@@ -109,6 +109,8 @@ class Context:
     trace_dir: Path | None = None  # `--trace DIR`: each engine configuration's trace, its last run's
     benchmark: str = ""  # the benchmark running (names its traces)
     speculative_config: dict | None = None  # speculative-decoding's proposals (None: its n-gram default)
+    oracle: tuple[int, ...] = ()  # speculative-decoding: these K with proposals of chosen acceptances
+    streams: tuple[int, ...] = ()  # speculative-decoding's concurrent streams (empty: its default)
 
     def engine(self, **knobs) -> LLMEngine:
         trace = None

@@ -21,6 +21,14 @@ plain, the acceptance rate per proposal position (accepted at position j / verif
 draft model the milliseconds per engine step and the draft's share of them.
 Expectation: on the embedded model, repeat_text accepts and one stream decodes faster; free_text does
 not lose more than the proposals' extra tokens cost; 8 and 32 streams are no slower than plain.
+
+With --oracle [KS], instead: what a verification step costs and what speculation buys at a chosen
+acceptance, on any model (random weights too, which accept nothing). Per K in 1..4 (or KS) one engine
+proposes the target's own greedy continuation (OracleProposer, taken from a plain run on that engine
+first), right at each position with probability a until the first wrong proposal, for a in 0, 0.5, 0.8,
+1.0, alternated with plain decoding on the same engine, speculating whatever the batch (repeat_text's
+prompts, --streams). Reported: decode speed-up over plain per (K, a), and whether every stream's greedy
+output was plain's.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import json
 
 from infer.bench.micro.harness import Context, RequestSpec, compare, drive, mean, num_blocks_for, ratio
+from infer.bench.micro.oracle_proposer import OracleProposer
 from infer.bench.micro.report import BenchResult, CaseResult, Verdict, mode_table, render_table
 from infer.bench.prompts import CORPUS
 
@@ -36,6 +45,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
 STREAMS = (1, 8, 32)
 SMALL_STREAMS = (1, 8)
 WORKLOADS = ("repeat_text", "code", "free_text")
+ORACLE_ACCEPTANCES = (0.0, 0.5, 0.8, 1.0)
+ORACLE_SAME = ("streams = plain", "same_as_plain", "")
 MAX_TOKENS, SMALL_MAX_TOKENS = 128, 24
 PASSAGE_LINES = 6
 COLUMNS = [
@@ -221,16 +232,130 @@ def verdicts(cases: list[CaseResult]) -> list[Verdict]:
     return out
 
 
+def oracle_engine(ctx: Context, specs: list[RequestSpec], k: int):
+    """An engine that verifies K proposals whatever the batch, its proposer an OracleProposer that has
+    learned the target's greedy continuation of every prompt from a plain run on this engine (which
+    also captures its decode graph; the verification graph is captured here too)."""
+    config = {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": 1024}
+    engine = ctx.engine(
+        num_kv_blocks=num_blocks_for(specs, 16) + len(specs),
+        max_num_seqs=len(specs),
+        speculative_config=config,
+        enable_prefix_caching=False,
+    )
+    oracle = OracleProposer(k, engine.model_config.vocab_size, acceptance=None)
+    engine.proposer = oracle  # the bench's own proposer, in place of the n-gram lookup
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is not None:
+        graphs.warm_up([len(specs)], [len(specs)])
+    for spec, req in zip(specs, drive(engine, specs).requests, strict=True):
+        oracle.learn(spec.prompt_ids, req.output_token_ids)
+    return engine, oracle
+
+
+def oracle_mode(engine, oracle: OracleProposer, specs: list[RequestSpec], acceptance: float | None):
+    """A run of the workload with the oracle at this acceptance (None: plain decoding), its counts."""
+
+    def once():
+        oracle.acceptance = acceptance
+        before = spec_counts(engine.scheduler)
+        run = drive(engine, specs)
+        after = spec_counts(engine.scheduler)
+        drafts, drafted, accepted = (a - b for a, b in zip(after[:3], before[:3], strict=True))
+        # every position of the K, counted or not yet (the engine's list grows with the first accept there)
+        per_pos = [at(after[3], j) - at(before[3], j) for j in range(oracle.k)]
+        learned = [oracle.continuation(s.prompt_ids)[1] for s in specs]
+        run.extra = {
+            "drafts": drafts,
+            "drafted": drafted,
+            "accepted": accepted,
+            "acceptance": ratio(accepted, drafted) if drafted else 0.0,
+            "per_pos": ", ".join(f"{a / max(drafts, 1):.2f}" for a in per_pos) or "-",
+            "decode_tok_s": decode_rate(run.requests),
+            "step_ms": 1e3 * run.wall_s / max(len(run.stats), 1),
+            "same_as_plain": sum(r.output_token_ids == t for r, t in zip(run.requests, learned, strict=True)),
+        }
+        return run
+
+    return once
+
+
+def at(counts: tuple, j: int) -> int:
+    return counts[j] if j < len(counts) else 0
+
+
+def graphs_state(engine) -> str:
+    """Whether the engine replays decode and verification steps from graphs: each pays or not by a
+    timing taken at its capture, so a loaded machine may turn either off."""
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is None:
+        return "eager"
+    on = {True: "replayed", False: "eager"}
+    return f"decode {on[graphs.enabled]}, verification {on[graphs.enabled and graphs.verify_enabled]}"
+
+
+def acceptance_name(a: float | None) -> str:
+    return "plain" if a is None else f"a={a:g}"
+
+
+def run_oracle_case(ctx: Context, specs: list[RequestSpec], k: int, acceptances) -> CaseResult:
+    engine, oracle = oracle_engine(ctx, specs, k)
+    modes = {acceptance_name(a): oracle_mode(engine, oracle, specs, a) for a in (None, *acceptances)}
+    best, _ = compare(ctx, modes)
+    plain = best["plain"]["decode_tok_s"]
+    ratios = {f"{m}_speedup": ratio(v["decode_tok_s"], plain) for m, v in best.items() if m != "plain"}
+    name = f"oracle_k{k}@{len(specs)}"
+    graphs = graphs_state(engine)
+    ctx.print(f"\n=== {name} ({graphs}) ===")
+    ctx.print(mode_table(best, [*COLUMNS[:5], ("per position", "per_pos", "s"), ORACLE_SAME]))
+    knobs = {"workload": "repeat_text", "streams": len(specs), "max_tokens": specs[0].max_tokens, "k": k}
+    knobs["graphs"] = graphs
+    return CaseResult(name, knobs, best, ratios)
+
+
+def oracle_verdicts(cases: list[CaseResult]) -> list[Verdict]:
+    """One per case: every stream's greedy output is the plain run's at every acceptance (the oracle
+    only chooses what is proposed, never what is emitted)."""
+    out = []
+    for c in cases:
+        streams = c.knobs["streams"]
+        same = min(m["same_as_plain"] for m in c.modes.values())
+        detail = f"{same}/{streams} streams' greedy output equal to plain decoding's at every acceptance"
+        out.append(Verdict(c.name, same == streams, detail))
+    return out
+
+
+def run_oracle(ctx: Context, tokenizer, streams_list, max_tokens: int) -> BenchResult:
+    ctx.print("\n##### Speculative decoding: plain vs proposals of a chosen acceptance (oracle) #####")
+    cases = []
+    for streams in streams_list:
+        specs = workload_specs(ctx, "repeat_text", tokenizer, streams, max_tokens)
+        for k in ctx.oracle:
+            cases.append(run_oracle_case(ctx, specs, k, ORACLE_ACCEPTANCES))
+    ctx.print("\n=== Speculative decoding with the oracle: decode speed-up over plain, per acceptance ===")
+    rows = [
+        [str(c.knobs["streams"]), str(c.knobs["k"]), f"{c.modes['plain']['decode_tok_s']:.2f}"]
+        + [f"{c.ratios[f'{acceptance_name(a)}_speedup']:.2f}x" for a in ORACLE_ACCEPTANCES]
+        for c in cases
+    ]
+    names = [acceptance_name(a) for a in ORACLE_ACCEPTANCES]
+    ctx.print(render_table(["streams", "K", "plain tok/s/stream", *names], rows))
+    return BenchResult(NAME, cases, oracle_verdicts(cases), {})
+
+
 def run(ctx: Context) -> BenchResult:
     small = ctx.scale == "small"
     tokenizer = ctx.engine(num_kv_blocks=16).tokenizer
     max_tokens = SMALL_MAX_TOKENS if small else MAX_TOKENS
+    streams_list = ctx.streams or (SMALL_STREAMS if small else STREAMS)
+    if ctx.oracle:
+        return run_oracle(ctx, tokenizer, streams_list, max_tokens)
     spec_config = ctx.speculative_config or NGRAM
     method = method_of(spec_config)
     ctx.print(f"\n##### Speculative decoding: plain vs {method} ({json.dumps(spec_config)}) #####")
     cases = [
         run_case(ctx, tokenizer, workload, streams, max_tokens, spec_config)
-        for streams in (SMALL_STREAMS if small else STREAMS)
+        for streams in streams_list
         for workload in WORKLOADS
     ]
     ctx.print("\n=== Speculative decoding summary (decode speed-up over plain; acceptance) ===")
