@@ -125,18 +125,9 @@ def run_mode(ctx: Context, specs: list[RequestSpec], spec_config: dict | None):
         before = spec_counts(scheduler) + (getattr(proposer, "propose_s", 0.0),)
         run = drive(engine, specs)
         after = spec_counts(scheduler) + (getattr(proposer, "propose_s", 0.0),)
-        drafts, drafted, accepted = (a - b for a, b in zip(after[:3], before[:3], strict=True))
-        per_pos = [a - b for a, b in zip(after[3], before[3] + (0,) * len(after[3]), strict=False)]
-        steps = max(len(run.stats), 1)
         run.extra = {
-            "drafts": drafts,
-            "drafted": drafted,
-            "accepted": accepted,
-            "acceptance": ratio(accepted, drafted) if drafted else 0.0,
-            "per_pos": ", ".join(f"{a / max(drafts, 1):.2f}" for a in per_pos) or "-",
-            "decode_tok_s": decode_rate(run.requests),
-            "step_ms": 1e3 * run.wall_s / steps,
-            "draft_step_ms": 1e3 * (after[4] - before[4]) / steps,
+            **spec_figures(run, before, after, len(after[3])),
+            "draft_step_ms": 1e3 * (after[4] - before[4]) / max(len(run.stats), 1),
         }
         return run
 
@@ -261,23 +252,31 @@ def oracle_mode(engine, oracle: OracleProposer, specs: list[RequestSpec], accept
         before = spec_counts(engine.scheduler)
         run = drive(engine, specs)
         after = spec_counts(engine.scheduler)
-        drafts, drafted, accepted = (a - b for a, b in zip(after[:3], before[:3], strict=True))
-        # every position of the K, counted or not yet (the engine's list grows with the first accept there)
-        per_pos = [at(after[3], j) - at(before[3], j) for j in range(oracle.k)]
         learned = [oracle.continuation(s.prompt_ids)[1] for s in specs]
         run.extra = {
-            "drafts": drafts,
-            "drafted": drafted,
-            "accepted": accepted,
-            "acceptance": ratio(accepted, drafted) if drafted else 0.0,
-            "per_pos": ", ".join(f"{a / max(drafts, 1):.2f}" for a in per_pos) or "-",
-            "decode_tok_s": decode_rate(run.requests),
-            "step_ms": 1e3 * run.wall_s / max(len(run.stats), 1),
+            # every position of the K, counted or not yet (the engine's list grows with the first accept)
+            **spec_figures(run, before, after, oracle.k),
             "same_as_plain": sum(r.output_token_ids == t for r, t in zip(run.requests, learned, strict=True)),
         }
         return run
 
     return once
+
+
+def spec_figures(run, before: tuple, after: tuple, positions: int) -> dict:
+    """A run's speculation figures from the scheduler's counters before and after it (spec_counts), the
+    acceptance at each of the first `positions` positions among them."""
+    drafts, drafted, accepted = (a - b for a, b in zip(after[:3], before[:3], strict=True))
+    per_pos = [at(after[3], j) - at(before[3], j) for j in range(positions)]
+    return {
+        "drafts": drafts,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": ratio(accepted, drafted) if drafted else 0.0,
+        "per_pos": ", ".join(f"{a / max(drafts, 1):.2f}" for a in per_pos) or "-",
+        "decode_tok_s": decode_rate(run.requests),
+        "step_ms": 1e3 * run.wall_s / max(len(run.stats), 1),
+    }
 
 
 def at(counts: tuple, j: int) -> int:
