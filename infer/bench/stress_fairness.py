@@ -199,6 +199,7 @@ async def run_fairness(
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     heavy_key = args.heavy_api_key or args.api_key
     heavy_headers = {"Authorization": f"Bearer {heavy_key}"} if heavy_key else {}
+    repeat = max(1, args.fairness_repeat)
     context = multiprocessing.get_context("spawn")  # no copy of this process's event loop and threads
     started = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout) as http:
@@ -210,7 +211,7 @@ async def run_fairness(
             concurrency, share = FLOODS.get(kind, (args.fairness_concurrency, 1.0))
             bound = share * args.fairness_bound
             runs, statuses = [], {}
-            for _ in range(max(1, args.fairness_repeat)):
+            for _ in range(repeat):
                 beside, seen = await _beside(http, url, context, args, kind, model, concurrency, bounds,
                                              heavy_headers)  # fmt: skip
                 runs.append(beside)
@@ -226,7 +227,7 @@ async def run_fairness(
                 problems.append(f"{kind}: " + ", ".join(f"{k} {ratios[k]:.1f}x" for k in bad))
             if any(not s.isdigit() or s.startswith("5") for s in statuses):
                 problems.append(f"{kind}: the heavy client saw {json.dumps(statuses)}")
-    counts = {"bystander runs": 2 + len(kinds) * max(1, args.fairness_repeat)}
+    counts = {"bystander runs": 2 + len(kinds) * repeat}
     own_key = bool(args.heavy_api_key) and args.heavy_api_key != args.api_key
     return {"num_requests": num_requests, "duration_s": time.perf_counter() - started, "counts": counts,
             "alone": base, "kinds": rows, "bound": args.fairness_bound, "problems": problems,

@@ -35,10 +35,6 @@ class DecodeCosts:
     def __bool__(self) -> bool:
         return bool(self._sizes)
 
-    @property
-    def largest(self) -> int:
-        return self._sizes[-1]
-
     def measured(self, lo: float, hi: float) -> bool:
         """Whether a size in [lo, hi] was measured."""
         i = bisect.bisect_left(self._sizes, lo)

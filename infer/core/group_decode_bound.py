@@ -65,13 +65,13 @@ class GroupDecodeBound:
         if not costs or not costs.measured(num_others / 2, 2 * num_others):
             return None if self.steps_since_probe >= PROBE_EVERY else num_others
         base = costs.seconds(num_others)
-        larger = costs.above(2 * num_others)
-        if not larger or larger[-1][1] <= base:
+        above = costs.above(num_others)
+        if not above or above[-1][0] <= 2 * num_others or above[-1][1] <= base:
             return num_others  # no wider step measured, or none dearer: no cost to trust past 2B
         limit = self.pacer.slowdown * base
-        ceiling = 2 * larger[-1][0] - num_others  # at most a doubling past what was measured
+        ceiling = 2 * above[-1][0] - num_others  # at most a doubling past what was measured
         n0, t0 = num_others, base
-        for n, t in costs.above(num_others):
+        for n, t in above:
             if t > limit:  # the bound is crossed between n0 and n
                 most = n0 + int((limit - t0) * (n - n0) / (t - t0) + 1e-9) if t > t0 else n0
                 return max(1, min(most - num_others, ceiling))

@@ -438,9 +438,10 @@ class Scheduler:
                 break
             start = req.num_computed_tokens
             num_new = self._num_new_tokens(req, start, plan.budget - units, crowded_left)
-            units += self._units(req, num_new, start)
+            chunk = self._units(req, num_new, start)
+            units += chunk
             if crowded_left is not None and self._cut(req, start):
-                crowded_left = max(0, crowded_left - self._units(req, num_new, start))
+                crowded_left = max(0, crowded_left - chunk)
         return min(units, plan.budget)
 
     def _cap_prefill(self, plan: _StepPlan) -> None:

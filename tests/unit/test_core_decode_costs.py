@@ -19,7 +19,7 @@ def test_sizes_measured_interpolated_and_extrapolated():
     assert costs.seconds(6) == pytest.approx(0.0165)  # on the line between 2 and 10
     assert costs.seconds(1) == pytest.approx(0.012125)  # the line through the two smallest, extended
     assert costs.seconds(60) == pytest.approx(0.080)  # past the largest: scaled by rows
-    assert costs.largest == 30
+    assert costs.above(0)[-1][0] == 30  # the largest size measured
     assert costs.measured(8, 12) and not costs.measured(11, 29)
     assert costs.above(10) == [(30, pytest.approx(0.040))]
 

@@ -247,12 +247,13 @@ def oracle_engine(ctx: Context, specs: list[RequestSpec], k: int):
 def oracle_mode(engine, oracle: OracleProposer, specs: list[RequestSpec], acceptance: float | None):
     """A run of the workload with the oracle at this acceptance (None: plain decoding), its counts."""
 
+    learned = [oracle.continuation(s.prompt_ids)[1] for s in specs]
+
     def once():
         oracle.acceptance = acceptance
         before = spec_counts(engine.scheduler)
         run = drive(engine, specs)
         after = spec_counts(engine.scheduler)
-        learned = [oracle.continuation(s.prompt_ids)[1] for s in specs]
         run.extra = {
             # every position of the K, counted or not yet (the engine's list grows with the first accept)
             **spec_figures(run, before, after, oracle.k),
