@@ -14,6 +14,8 @@
 // slots are read front to back (head by head over the whole tile read each slot 4 times, 2 lines at a
 // time for a kv head of 64 dims: 2-8% slower a step at long contexts). GQA: the group of query heads of
 // a kv head reads each of its keys once, together.
+// A sequence without queries (query_starts[s] == query_starts[s + 1]) must have seq_len 0 and is skipped:
+// the padding of a decode graph's arguments, sized for one sequence per row (infer/runner/decode_graph.py).
 // Threads (at::parallel_for: torch's OpenMP pool, torch.get_num_threads()) take items from a shared
 // counter, longest first, each claiming its next item before it runs one (Prefetcher). A part of a split
 // context leaves (max, sum, unnormalized output) per row, merged when all are done. Accumulation is
@@ -685,6 +687,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   std::vector<int64_t> begins(num_seqs);
   int64_t total_keys = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
+    if (P.query_len(s) == 0) {  // padding: a decode graph's arguments are sized for its every row
+      TORCH_CHECK(P.seq_lens[s] == 0, "a sequence without queries must have seq_len 0");
+      continue;
+    }
     begins[s] = P.checked_first_key(s);
     total_keys += P.seq_lens[s] - begins[s];
   }
@@ -697,6 +703,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   int64_t partial_floats = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t seq_len = P.seq_lens[s], rows = num_heads * P.query_len(s);
+    if (rows == 0) continue;
     const int64_t num_parts = (seq_len - begins[s] + part_len - 1) / part_len;
     if (num_parts == 1) {
       items.push_back({s, begins[s], seq_len, -1});

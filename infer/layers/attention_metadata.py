@@ -55,6 +55,25 @@ def put_rows(out: torch.Tensor, rows: Rows, x: torch.Tensor) -> None:
         out.index_copy_(0, rows, x)
 
 
+def batched_seqs(
+    query_lens: list[int], seq_lens: list[int], key_cache: torch.Tensor, query_dtype=None
+) -> list[int]:
+    """The sequences of a step that one batched call serves: its decodes, and with them its chunks (where
+    the prefill kernel serves, those shorter than PREFILL_KERNEL_MIN_QUERY_LEN) when padding them to the
+    longest query would waste at most MAX_PADDED_SCORES scores. A step without a decode has none."""
+    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    if not decodes or len(decodes) == len(query_lens):
+        return decodes
+    riders = list(range(len(query_lens)))
+    if attention_kernels.prefill_kernel_for(key_cache, query_dtype) is not None:
+        riders = [i for i, q in enumerate(query_lens) if q < PREFILL_KERNEL_MIN_QUERY_LEN]
+    lens = [query_lens[i] for i in riders]
+    block_size = key_cache.shape[1]
+    padded_keys = -(-max(seq_lens[i] for i in riders) // block_size) * block_size
+    wasted_queries = len(riders) * max(lens) - sum(lens)
+    return riders if wasted_queries * padded_keys <= MAX_PADDED_SCORES else decodes
+
+
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]
@@ -83,22 +102,24 @@ class AttentionMetadata:
 
     @classmethod
     def static_decode(
-        cls, slot_mapping, block_tables, seq_lens: torch.Tensor, kv_caches, query_dtype
+        cls, slot_mapping, block_tables, seq_lens: torch.Tensor, query_starts, kv_caches, query_dtype
     ) -> AttentionMetadata:
-        """Metadata of a decode step (one query per sequence) whose per-forward tensors are the given ones,
-        for a graph that keeps reading them (infer.runner.decode_graph): the kernel gets the whole width
-        of block_tables (a later step may need more of it than this one) and seq_lens (int32) as they are,
-        so that refilling them in place changes what the next replay reads."""
+        """Metadata of a step of the C++ decode kernel's batched call alone, whose per-forward tensors are
+        the given ones, for a graph that keeps reading them (infer.runner.decode_graph): the kernel gets
+        the whole width of block_tables (a later step may need more of it than this one), seq_lens and
+        query_starts (int32) as they are, so that refilling them in place changes what the next replay
+        reads. One row per token: a step of fewer sequences (decodes with short chunks) leaves the rest
+        without queries and seq_len 0."""
         meta = cls(
             query_lens=[1] * len(seq_lens),
-            seq_lens=seq_lens.tolist(),
+            seq_lens=[1] * len(seq_lens),
             slot_mapping=slot_mapping,
             block_tables=block_tables,
             kv_caches=kv_caches,
             query_dtype=query_dtype,
         )
         meta.batch_tables = block_tables
-        meta._kernel_args = (seq_lens, None)
+        meta._kernel_args = (seq_lens, query_starts)
         return meta
 
     @classmethod
@@ -135,19 +156,8 @@ class AttentionMetadata:
             return
         num_seqs = len(self.query_lens)
         block_size = self.kv_caches[0][0].shape[1]
-        decodes = [i for i, q in enumerate(self.query_lens) if q == 1]
-        if decodes and len(decodes) < num_seqs:
-            # the chunks that may ride with the decodes: all, or with the prefill kernel the short ones
-            riders = list(range(num_seqs))
-            if attention_kernels.prefill_kernel_for(self.kv_caches[0][0], self.query_dtype) is not None:
-                riders = [i for i, q in enumerate(self.query_lens) if q < PREFILL_KERNEL_MIN_QUERY_LEN]
-            query_lens = [self.query_lens[i] for i in riders]
-            padded_keys = -(-max(self.seq_lens[i] for i in riders) // block_size) * block_size
-            wasted_queries = len(riders) * max(query_lens) - sum(query_lens)
-            if wasted_queries * padded_keys <= MAX_PADDED_SCORES:
-                decodes = riders
-        self.batch_seqs = decodes
-        batched = set(decodes)
+        self.batch_seqs = batched_seqs(self.query_lens, self.seq_lens, self.kv_caches[0][0], self.query_dtype)
+        batched = set(self.batch_seqs)
         self.loop_seqs = [i for i in range(num_seqs) if i not in batched]
         if not self.batch_seqs:
             return

@@ -4,13 +4,21 @@ A decode step of a small model spends ~30% of its time in the Python around its 
 views, dispatch checks). In a step where every request decodes one token, what that Python does depends
 on the batch size alone: the same ops on the same shapes, only the values differ (token ids, positions,
 cache slots, block tables, context lengths). So once a batch size has held for STEADY_STEPS such steps,
-`make_fx` records the forward, embedding to logits, run on real tensors, as a flat graph of the C++
-kernels and torch ops (infer/kernels registers its ops per dispatch key so that a tracer records each
-call as the op). The graph reads those values from static buffers that every later step of that size
-refills, and the caches and weights by reference, as a CUDA graph does. TorchScript's C++ interpreter
-then runs that graph (`torch.jit.trace` of the FX module, which holds no Python to lose): replayed as
-Python, one line per op, a step would still pay about half the cost it sets out to remove. TorchScript
-is deprecated; a torch that cannot trace the graph replays the FX module.
+`make_fx` records the forward, embedding to final hidden states, run on real tensors, as a flat graph
+of the C++ kernels and torch ops (infer/kernels registers its ops per dispatch key so that a tracer
+records each call as the op). The graph reads those values from static buffers that every later step
+of that size refills, and the caches and weights by reference, as a CUDA graph does. TorchScript's C++
+interpreter then runs that graph (`torch.jit.trace` of the FX module, which holds no Python to lose):
+replayed as Python, one line per op, a step would still pay about half the cost it sets out to remove.
+TorchScript is deprecated; a torch that cannot trace the graph replays the FX module.
+
+The same holds for a step whose attention is the decode kernel's one batched call with short prompts or
+chunks riding with the decodes (attention_metadata.batched_seqs), as a new request's first step beside
+running streams is: its rows are tokens, and the kernel reads which rows belong to which sequence from
+query_starts, a value like the others. So a decode graph is keyed by its rows, one per token, and holds
+arguments for as many sequences: a step of fewer sequences leaves the rest without queries (seq_len 0),
+which the kernel skips. The graph ends at the final hidden states; the LM head runs after the replay on
+the rows that sample, as in the eager forward (its kernel's path depends on the row count).
 
 A capture is kept only if its replay gives exactly the logits the eager forward gave for the step it was
 captured on and it runs the C++ decode attention (whose Python does not look at the values); otherwise, or
@@ -47,6 +55,7 @@ graphs off, not decode graphs."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 import warnings
@@ -56,7 +65,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from infer.core.outputs import ScheduledRequest
-from infer.layers.attention_metadata import AttentionMetadata
+from infer.layers.attention_metadata import AttentionMetadata, batched_seqs
 from infer.sampling_params import SamplingParams
 
 logger = logging.getLogger("infer.runner")
@@ -78,6 +87,7 @@ class _Graph:
     slots: torch.Tensor
     tables: torch.Tensor
     seq_lens: torch.Tensor  # int32, as the attention kernels take them
+    starts: torch.Tensor | None  # int32 [n + 1]: each row's query start (decode graphs only)
 
 
 class DecodeGraphs:
@@ -117,36 +127,43 @@ class DecodeGraphs:
         self.verify_pays: bool | None = None  # likewise, at the first verification capture
         self.interpret = True  # replay through TorchScript (_interpreted)
 
-    def logits(self, reqs: list[ScheduledRequest]) -> torch.Tensor | None:
-        """The step's logits from its shape's graph (a verifying request's 1 + k rows, one for another);
-        None: run the forward eagerly (and then `maybe_capture`)."""
+    def logits(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor | None, list] | None:
+        """The step's logits from its shape's graph, and the requests they sample for (a verifying
+        request's 1 + k rows, one for another); None: run the forward eagerly (and then `maybe_capture`).
+        The LM head runs after the replay, on the rows that sample, as in the eager forward."""
         width = self._width(reqs)
         if width is None:
             self.streak = 0
             return None
-        self.streak = self.streak + 1 if len(reqs) == self.size else 1
-        self.size, self.width = len(reqs), width
-        graph = self._graphs(width).get(len(reqs))
+        size = _size(reqs, width)
+        self.streak = self.streak + 1 if size == self.size and width == self.width else 1
+        self.size, self.width = size, width
+        graph = self._graphs(width).get(size)
         if graph is None or not self._fill(graph, reqs, width):
             return None
         self.replays += 1
-        logits = graph.module()
-        if width == 1:
-            return logits
-        self.verify_replays += 1
-        if all(len(s.token_ids) == width for s in reqs):
-            return logits
-        rows = [i * width + t for i, s in enumerate(reqs) for t in range(len(s.token_ids))]
-        return logits[rows]  # the padding's rows dropped
+        self.verify_replays += width > 1
+        hidden = graph.module()
+        sampled = [s for s in reqs if s.sample]
+        if not sampled:
+            return None, []
+        return self.model.compute_logits(hidden[_sampled_rows(reqs, width)], float32=False), sampled
 
     def _width(self, reqs: list[ScheduledRequest]) -> int | None:
-        """Tokens a request that the step's graph feeds: 1 for a decode step, verify_len for a step in
-        which every request verifies proposals (padded to K); None for any other step (a prompt, a
-        chunk, lone decodes beside proposals), or graphs off."""
-        if not self.enabled or not all(s.sample and s.num_tokens == 1 + len(s.spec_token_ids) for s in reqs):
+        """Tokens a request that the step's graph feeds: 1 for a step that the decode kernel's batched
+        call serves whole (decodes, short chunks riding with them: attention_metadata.batched_seqs), a
+        row per token; verify_len for a step in which every request verifies proposals (padded to K);
+        None for any other step (a prompt, a long chunk, prompt logprobs, lone decodes beside
+        proposals), or graphs off."""
+        if not self.enabled or any(s.prompt_logprobs for s in reqs):
             return None
-        if all(len(s.token_ids) == 1 for s in reqs):
-            return 1
+        if not any(s.spec_token_ids for s in reqs):
+            query_lens = [s.num_tokens for s in reqs]
+            seq_lens = [s.start_pos + s.num_tokens for s in reqs]
+            whole = len(batched_seqs(query_lens, seq_lens, self.kv_caches[0][0], self.dtype)) == len(reqs)
+            return 1 if whole else None
+        if not all(s.sample and s.num_tokens == 1 + len(s.spec_token_ids) for s in reqs):
+            return None
         if self.verify_enabled and all(1 < len(s.token_ids) <= self.verify_len for s in reqs):
             return self.verify_len
         return None
@@ -156,15 +173,15 @@ class DecodeGraphs:
         that a graph could replay (decoding or verifying), checked against `logits`, the eager
         forward's; a padded verification step against the capture's own run of it, padded (the eager
         forward's logits of the unpadded step need not be the padded one's bit for bit)."""
-        n, width = self.size, self.width
+        size, width = self.size, self.width
         if (
             not self.capture_under_load
             or self.streak < self.steady_steps
-            or n != len(reqs)
-            or n in self._graphs(width)
+            or size != _size(reqs, width)
+            or size in self._graphs(width)
         ):
             return
-        unpadded = all(len(s.token_ids) == width for s in reqs)
+        unpadded = width == 1 or all(len(s.token_ids) == width for s in reqs)
         self._capture(reqs, width, logits if unpadded else None)
 
     def warm_up(self, sizes, verify_sizes=()) -> None:
@@ -201,39 +218,40 @@ class DecodeGraphs:
         )
 
     def _capture(self, reqs: list[ScheduledRequest], width: int, logits: torch.Tensor | None = None) -> None:
-        """Capture (len(reqs), width), checked against `logits` (None: those of the traced run, the eager
-        forward)."""
-        n = len(reqs)
+        """Capture the step's shape (_size, width), checked against `logits`, the eager forward's of the
+        rows that sample (None: those of the traced run, the eager forward)."""
+        n = _size(reqs, width)  # sequences a graph has room for: a row each for a decode graph
         held = [*self.graphs.values(), *self.verify_graphs.values()]
         tables = sum(g.tables.nbytes for g in held) + n * self.max_blocks * 8
         if len(held) >= MAX_GRAPHS or tables > TABLES_MAX_BYTES:
             return
+        starts = torch.zeros(n + 1, dtype=torch.int32) if width == 1 else None
         graph = _Graph(None, *(torch.zeros(n * width, dtype=torch.long) for _ in range(3)),
                        torch.zeros(n, self.max_blocks, dtype=torch.long),
-                       torch.zeros(n, dtype=torch.int32))  # fmt: skip
+                       torch.zeros(n, dtype=torch.int32), starts)  # fmt: skip
         if not self._fill(graph, reqs, width):
             return
         static = (graph.slots, graph.tables, graph.seq_lens)
         if width == 1:
-            meta = AttentionMetadata.static_decode(*static, self.kv_caches, self.dtype)
+            meta = AttentionMetadata.static_decode(*static, graph.starts, self.kv_caches, self.dtype)
         else:
             meta = AttentionMetadata.static_verify(*static, width, self.kv_caches, self.dtype)
 
         outputs = []
 
         def forward():
-            hidden = self.model(graph.ids, graph.positions, meta)
-            outputs.append(self.model.compute_logits(hidden, float32=False))
+            outputs.append(self.model(graph.ids, graph.positions, meta))
             return outputs[-1]
 
         try:  # the capture runs the forward once more: the same keys and values into the same slots
             with torch.inference_mode():  # as the runner's forward runs (layer ops are off under autograd)
                 with _one_fake_mode():
                     traced = make_fx(forward)()
+                rows = _sampled_rows(reqs, width)
                 if logits is None:  # make_fx ran every op for real: its logits are the eager forward's
-                    logits = outputs[-1]
+                    logits = self.model.compute_logits(outputs[-1][rows], float32=False)
                 graph.module = self._interpreted(traced)
-                replayed = graph.module()
+                replayed = self.model.compute_logits(graph.module()[rows], float32=False)
         except Exception as exc:  # an op the tracer cannot take: this model stays eager
             self._disable(f"capture failed: {type(exc).__name__}: {exc}", width)
             return
@@ -317,16 +335,22 @@ class DecodeGraphs:
         num_blocks = max(len(s.block_ids) for s in reqs)
         if num_blocks > self.max_blocks:
             return False
-        if width == 1:
-            ids = [s.token_ids[0] for s in reqs]
-            pos = [s.start_pos for s in reqs]
+        if width == 1:  # a row per token; the rows past the step's sequences are padding without queries
+            ids = [t for s in reqs for t in s.token_ids]
+            pos = [p for s in reqs for p in range(s.start_pos, s.start_pos + s.num_tokens)]
+            per_row = [s for s in reqs for _ in range(s.num_tokens)]
+            padding = len(ids) - len(reqs)
+            starts = [0, *itertools.accumulate(s.num_tokens for s in reqs)] + [len(ids)] * padding
+            graph.starts.copy_(torch.tensor(starts, dtype=torch.int32))
+            seq_lens = [s.start_pos + s.num_tokens for s in reqs] + [0] * padding
         else:
             ends = [s.start_pos + width for s in reqs]
             if any(e > len(s.block_ids) * bs or e > self.max_len for s, e in zip(reqs, ends, strict=True)):
                 return False
             ids = [t for s in reqs for t in s.token_ids + [0] * (width - len(s.token_ids))]
             pos = [p for s in reqs for p in range(s.start_pos, s.start_pos + width)]
-        per_row = [s for s in reqs for _ in range(width)]
+            per_row = [s for s in reqs for _ in range(width)]
+            seq_lens = [s.start_pos + width for s in reqs]
         rows = torch.tensor([
             ids,
             pos,
@@ -335,10 +359,10 @@ class DecodeGraphs:
         graph.ids.copy_(rows[0])
         graph.positions.copy_(rows[1])
         graph.slots.copy_(rows[2])
-        graph.seq_lens.copy_(torch.tensor([s.start_pos + width for s in reqs]))
+        graph.seq_lens.copy_(torch.tensor(seq_lens))
         # entries past a sequence's own blocks are never read: the kernels read up to its seq_len
         table = [s.block_ids + [0] * (num_blocks - len(s.block_ids)) for s in reqs]
-        graph.tables[:, :num_blocks].copy_(torch.tensor(table))
+        graph.tables[: len(reqs), :num_blocks].copy_(torch.tensor(table))
         return True
 
     def _disable(self, why: str, width: int = 1, level: int = logging.WARNING) -> None:
@@ -356,6 +380,23 @@ class DecodeGraphs:
 
     def _graphs(self, width: int) -> dict[int, _Graph]:
         return self.graphs if width == 1 else self.verify_graphs
+
+
+def _size(reqs: list[ScheduledRequest], width: int) -> int:
+    """A step's graph key: its rows (tokens) for a decode graph, its requests for a verification graph."""
+    return sum(s.num_tokens for s in reqs) if width == 1 else len(reqs)
+
+
+def _sampled_rows(reqs: list[ScheduledRequest], width: int) -> list[int]:
+    """The graph's rows whose logits the step samples from, as the eager forward takes them: a sampling
+    request's last row, and with proposals its last 1 + K (a verification graph's padding dropped)."""
+    rows, start = [], 0
+    for s in reqs:
+        end = start + s.num_tokens
+        if s.sample:
+            rows.extend(range(end - 1 - len(s.spec_token_ids), end))
+        start += s.num_tokens if width == 1 else width
+    return rows
 
 
 def _one_fake_mode():

@@ -101,8 +101,8 @@ class ModelRunner:
         self.last_prompt_logprobs = None
         if sched.is_empty:
             return None, []
-        if self.graphs is not None and (logits := self.graphs.logits(sched.scheduled)) is not None:
-            return logits, list(sched.scheduled)
+        if self.graphs is not None and (replayed := self.graphs.logits(sched.scheduled)) is not None:
+            return replayed
         start = time.perf_counter()
         input_ids, positions, meta = self._prepare(sched)
         self.last_prepare_s = time.perf_counter() - start

@@ -369,3 +369,33 @@ def test_a_verification_capture_that_fails_leaves_decode_graphs_on(model_dir, mo
             outputs[out.req_id].extend(out.token_ids)
     assert graphs.verify_replays == 0 and engine.scheduler.num_spec_draft_tokens > 0
     assert list(outputs.values()) == [ids for ids, _ in generate(model_dir, True, PROPOSED)[0]]
+
+
+def test_steps_with_short_chunks_beside_decodes_replay_and_give_the_eager_logits(model_dir):
+    """Short prompts (up to 7 tokens) arriving while others decode: their step replays the graph of its
+    token count (a row per token, the decode kernel's batched call), and the same step run again eagerly
+    gives the same logits bit for bit."""
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=8))
+    engine.warm_up()
+    runner, graphs = engine.runner, engine.runner.graphs
+    forward, same = runner.logits, []
+
+    def replayed_then_eager(sched):
+        replays = graphs.replays
+        logits, reqs = forward(sched)
+        if graphs.replays > replays and any(s.num_tokens > 1 for s in sched.scheduled):
+            graphs.enabled = False
+            eager, eager_reqs = forward(sched)
+            graphs.enabled = True
+            same.append(torch.equal(logits, eager) and reqs == eager_reqs)
+        return logits, reqs
+
+    runner.logits = replayed_then_eager
+    gen = torch.Generator().manual_seed(2)
+    engine.add_request(prompts(1)[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    for step in range(60):
+        if step % 3 == 1:
+            prompt = torch.randint(2, 256, (1 + step % 7,), generator=gen).tolist()
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        engine.step()
+    assert len(same) > 10 and all(same)

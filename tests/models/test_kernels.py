@@ -182,6 +182,25 @@ def test_chunk_rows_that_see_no_key_of_an_odd_tile(dtype, monkeypatch):
     torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
 
 
+def test_sequences_without_queries_are_skipped():
+    """A decode graph's arguments hold a sequence per row: the rows past the step's sequences have no
+    queries and seq_len 0. The real sequences' output is the same bit for bit as without them."""
+    ops = _ops()
+    q, _, _, meta, _ = make_step(8, 2, 64, [3, 1, 2], [40, 700, 2], torch.bfloat16)
+    caches, tables = meta.kv_caches[0], meta.block_tables
+    starts = torch.tensor([0, 3, 4, 6], dtype=torch.int32)
+    seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+    expected = ops.paged_attention(q, *caches, tables, seq_lens, starts, 0.125, 0)
+    padded_tables = torch.cat([tables, torch.zeros(3, tables.shape[1], dtype=tables.dtype)])
+    padded_lens = torch.cat([seq_lens, torch.zeros(3, dtype=torch.int32)])
+    padded_starts = torch.cat([starts, torch.full((3,), 6, dtype=torch.int32)])
+    got = ops.paged_attention(q, *caches, padded_tables, padded_lens, padded_starts, 0.125, 0)
+    assert torch.equal(got, expected)
+    padded_lens[-1] = 1
+    with pytest.raises(RuntimeError, match="without queries must have seq_len 0"):
+        ops.paged_attention(q, *caches, padded_tables, padded_lens, padded_starts, 0.125, 0)
+
+
 def test_bad_arguments_raise():
     ops = _ops()
     q, _, _, meta, _ = make_step(4, 2, 64, [1, 1], [20, 5], torch.float32)
