@@ -11,9 +11,9 @@ are the last `query_len` positions of its context of `seq_len` tokens:
 Decoding sequences (query_len == 1) are served together by one batched call per layer (`batch_seqs`),
 and so are the step's prefill chunks when padding them to the longest query would waste little
 (MAX_PADDED_SCORES: a decode step carrying a small chunk, the common step of chunked prefill) and, where
-the prefill kernel serves the step, they are shorter than PREFILL_KERNEL_MIN_QUERY_LEN; the other
-sequences (`loop_seqs`: prompts, longer chunks) go through the prefill kernel, all in one call per
-layer, or else one at a time through SDPA.
+the prefill kernel serves the step, they are shorter than PREFILL_KERNEL_MIN_QUERY_LEN or their
+attention is tiny (SMALL_CHUNK_SCORES); the other sequences (`loop_seqs`: prompts, longer chunks) go
+through the prefill kernel, all in one call per layer, or else one at a time through SDPA.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ MAX_PADDED_SCORES = 1 << 16
 # with the step's decodes in the batched call: from about 8 tokens the prefill kernel's causal skip
 # pays; shorter chunks were slower apart, a second kernel call's fixed cost (docs/optimizations.md).
 PREFILL_KERNEL_MIN_QUERY_LEN = 8
+# ... unless its attention is tiny (query_len x seq_len scores, a short fresh prompt's): microseconds on
+# either kernel, and riding lets the step replay a decode graph (infer/runner/decode_graph.py), which
+# saves the eager forward's Python (docs/optimizations.md, "Decode graphs").
+SMALL_CHUNK_SCORES = 1024
 
 
 # Rows of a step's flat batch: a run of them as a slice (a view to read, a copy to write), else the
@@ -59,14 +63,19 @@ def batched_seqs(
     query_lens: list[int], seq_lens: list[int], key_cache: torch.Tensor, query_dtype=None
 ) -> list[int]:
     """The sequences of a step that one batched call serves: its decodes, and with them its chunks (where
-    the prefill kernel serves, those shorter than PREFILL_KERNEL_MIN_QUERY_LEN) when padding them to the
-    longest query would waste at most MAX_PADDED_SCORES scores. A step without a decode has none."""
+    the prefill kernel serves, those shorter than PREFILL_KERNEL_MIN_QUERY_LEN or of at most
+    SMALL_CHUNK_SCORES scores) when padding them to the longest query would waste at most
+    MAX_PADDED_SCORES scores. A step without a decode has none."""
     decodes = [i for i, q in enumerate(query_lens) if q == 1]
     if not decodes or len(decodes) == len(query_lens):
         return decodes
     riders = list(range(len(query_lens)))
     if attention_kernels.prefill_kernel_for(key_cache, query_dtype) is not None:
-        riders = [i for i, q in enumerate(query_lens) if q < PREFILL_KERNEL_MIN_QUERY_LEN]
+        riders = [
+            i
+            for i, q in enumerate(query_lens)
+            if q < PREFILL_KERNEL_MIN_QUERY_LEN or q * seq_lens[i] <= SMALL_CHUNK_SCORES
+        ]
     lens = [query_lens[i] for i in riders]
     block_size = key_cache.shape[1]
     padded_keys = -(-max(seq_lens[i] for i in riders) // block_size) * block_size

@@ -195,14 +195,15 @@ def test_attention_serves_loop_seqs(step, dtype, window, monkeypatch):
 
 def test_chunks_of_8_tokens_or_more_leave_the_decodes_for_the_prefill_kernel(monkeypatch):
     """PREFILL_KERNEL_MIN_QUERY_LEN: a chunk that long goes through the prefill kernel, a shorter one still
-    rides with the decodes; without the kernel, both ride (as before it)."""
+    rides with the decodes, and so does a longer one of tiny attention (SMALL_CHUNK_SCORES: a fresh
+    32-token prompt); without the kernel, all ride (as before it)."""
     _prefill_ops()
-    step = ([1, 8, 1, 7], [30, 100, 5, 50])
+    step = ([1, 8, 1, 7, 32, 33], [30, 200, 5, 50, 32, 33])
     _, _, _, meta, _ = make_step(8, 2, 64, *step, torch.bfloat16)
-    assert meta.batch_seqs == [0, 2, 3] and meta.loop_seqs == [1]
+    assert meta.batch_seqs == [0, 2, 3, 4] and meta.loop_seqs == [1, 5]
     monkeypatch.setattr(kernels, "load", lambda: None)
     _, _, _, meta, _ = make_step(8, 2, 64, *step, torch.bfloat16)
-    assert meta.batch_seqs == [0, 1, 2, 3] and not meta.loop_seqs
+    assert meta.batch_seqs == [0, 1, 2, 3, 4, 5] and not meta.loop_seqs
 
 
 @pytest.mark.parametrize("decodes_first", [False, True], ids=["interleaved", "decodes_first"])
