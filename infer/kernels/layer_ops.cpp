@@ -159,7 +159,8 @@ void rotary(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at:
 // slots of the caches [num_blocks, block_size, num_kv_heads, head_dim]: what `cache.view(-1, kv heads,
 // head_dim)[slots] = k` does, both caches in one call, several times faster than two index_puts
 // (docs/optimizations.md, "C++ layer ops").
-// Slots are distinct (each token its own); a repeated one would get either token's row. An fp8 cache
+// Slots are distinct (each token its own); a repeated one would get either token's row. Slot -1 is
+// padding (a decode graph's rows past its step's tokens): nothing is written. An fp8 cache
 // (fp8.h) gets each element's code: bf16, float16 or float32 keys and values in, one byte each out.
 void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache, at::Tensor& value_cache,
                  const at::Tensor& slots) {
@@ -178,7 +179,7 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache
               "slots: int64 [num_tokens]");
   const int64_t tokens = k.size(0), heads = k.size(1), num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t* slot = slots.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot out of range");
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= -1 && slot[t] < num_slots, "slot out of range");
   if (fp8) {
 #if defined(INFER_FP8)
     const infer_fp8::Format& f = infer_fp8::format_of(cache_type == at::kFloat8_e5m2);
@@ -191,7 +192,7 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache
       const T* kp = k.const_data_ptr<T>();
       const T* vp = v.const_data_ptr<T>();
       for_rows(tokens, 2 * heads * D, [&](int64_t row) {
-        for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t h = 0; h < heads && slot[row] >= 0; ++h) {
           const int64_t dst = (slot[row] * heads + h) * D;
           const T* ks = kp + row * k.stride(0) + h * k.stride(1);
           const T* vs = vp + row * v.stride(0) + h * v.stride(1);
@@ -213,7 +214,7 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());
   for_rows(tokens, 2 * heads * k.size(2), [&](int64_t t) {
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < heads && slot[t] >= 0; ++h) {
       const int64_t dst = (slot[t] * heads + h) * row;
       std::memcpy(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * size, row);
       std::memcpy(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * size, row);

@@ -14,8 +14,9 @@
 // slots are read front to back (head by head over the whole tile read each slot 4 times, 2 lines at a
 // time for a kv head of 64 dims: 2-8% slower a step at long contexts). GQA: the group of query heads of
 // a kv head reads each of its keys once, together.
-// A sequence without queries (query_starts[s] == query_starts[s + 1]) must have seq_len 0 and is skipped:
-// the padding of a decode graph's arguments, sized for one sequence per row (infer/runner/decode_graph.py).
+// A sequence of seq_len 0 is padding (infer/runner/decode_graph.py: a decode graph's arguments are sized
+// for a sequence per row, and its rows past a step's tokens are queries of one such sequence): its rows of
+// the output are zeros; one without queries (query_starts[s] == query_starts[s + 1]) must be one.
 // Threads (at::parallel_for: torch's OpenMP pool, torch.get_num_threads()) take items from a shared
 // counter, longest first, each claiming its next item before it runs one (Prefetcher). A part of a split
 // context leaves (max, sum, unnormalized output) per row, merged when all are done. Accumulation is
@@ -687,10 +688,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   std::vector<int64_t> begins(num_seqs);
   int64_t total_keys = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    if (P.query_len(s) == 0) {  // padding: a decode graph's arguments are sized for its every row
-      TORCH_CHECK(P.seq_lens[s] == 0, "a sequence without queries must have seq_len 0");
-      continue;
-    }
+    if (P.seq_lens[s] == 0) continue;  // padding
+    TORCH_CHECK(P.query_len(s) > 0, "a sequence without queries must have seq_len 0");
     begins[s] = P.checked_first_key(s);
     total_keys += P.seq_lens[s] - begins[s];
   }
@@ -703,7 +702,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   int64_t partial_floats = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t seq_len = P.seq_lens[s], rows = num_heads * P.query_len(s);
-    if (rows == 0) continue;
+    if (seq_len == 0) {  // padding: zeros, not whatever the output's memory held
+      const int64_t first = P.query_start(s) * num_heads * D, count = rows * D;
+      std::memset(static_cast<char*>(out.data_ptr()) + first * out.element_size(), 0, count * out.element_size());
+      continue;
+    }
     const int64_t num_parts = (seq_len - begins[s] + part_len - 1) / part_len;
     if (num_parts == 1) {
       items.push_back({s, begins[s], seq_len, -1});

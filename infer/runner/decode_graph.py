@@ -65,6 +65,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from infer.core.outputs import ScheduledRequest
+from infer.layers import linear
 from infer.layers.attention_metadata import AttentionMetadata, batched_seqs
 from infer.sampling_params import SamplingParams
 
@@ -76,6 +77,12 @@ WARM_UP_SECONDS = 30
 MIN_GAIN = 0.95  # a replay must take less than this share of the eager forward's time, or graphs go off
 PAYS_PAIRS = 9  # eager forward / replay pairs timed to decide it (_check_pays)
 TABLES_MAX_BYTES = 64 * 2**20  # all graphs' block tables (n x max_blocks int64): a long context's are large
+# The warm-up captures every size up to EXACT_SIZES, then every PAD_STEP-th, then the rest while its time
+# lasts: a step of a size not captured replays the next larger graph, its extra rows padding (up to
+# linear.SMALL_ROWS rows, where every linear's rows run on the small-batch kernel, whose arithmetic per
+# row does not depend on the row count from 2 rows on).
+EXACT_SIZES = 16
+PAD_STEP = 8
 
 
 @dataclass
@@ -88,6 +95,7 @@ class _Graph:
     tables: torch.Tensor
     seq_lens: torch.Tensor  # int32, as the attention kernels take them
     starts: torch.Tensor | None  # int32 [n + 1]: each row's query start (decode graphs only)
+    pads: bool = False  # the graph writes the cache with the C++ op, which skips padding's slots (-1)
 
 
 class DecodeGraphs:
@@ -138,7 +146,7 @@ class DecodeGraphs:
         size = _size(reqs, width)
         self.streak = self.streak + 1 if size == self.size and width == self.width else 1
         self.size, self.width = size, width
-        graph = self._graphs(width).get(size)
+        graph = self._graphs(width).get(size) or (self._padded(size) if width == 1 else None)
         if graph is None or not self._fill(graph, reqs, width):
             return None
         self.replays += 1
@@ -148,6 +156,14 @@ class DecodeGraphs:
         if not sampled:
             return None, []
         return self.model.compute_logits(hidden[_sampled_rows(reqs, width)], float32=False), sampled
+
+    def _padded(self, size: int) -> _Graph | None:
+        """The smallest decode graph of more rows than size that may replay a step of size rows padded,
+        or None."""
+        if size < 2 or size > linear.SMALL_ROWS:
+            return None
+        larger = [n for n in self.graphs if size < n <= linear.SMALL_ROWS and self.graphs[n].pads]
+        return self.graphs[min(larger)] if larger else None
 
     def _width(self, reqs: list[ScheduledRequest]) -> int | None:
         """Tokens a request that the step's graph feeds: 1 for a step that the decode kernel's batched
@@ -191,14 +207,19 @@ class DecodeGraphs:
         fresh, those blocks hold nothing yet, and a request writes its slots before it reads them."""
         start = time.perf_counter()
         num_blocks = self.kv_caches[0][0].shape[0]
+        sizes = sorted(sizes)
+        top = sizes[-1] if sizes else 0
+        ladder = [n for n in sizes if n <= EXACT_SIZES or n % PAD_STEP == 0 or n == top]
+        order = {n: i for i, n in enumerate(ladder + [n for n in sizes if n not in set(ladder)])}
         shapes = [(n, 1) for n in sizes]
         if self.verify_len <= self.block_size:  # each batch size's verification after its decode
-            shapes = sorted(shapes + [(n, self.verify_len) for n in verify_sizes])
+            shapes += [(n, self.verify_len) for n in verify_sizes]
+        shapes.sort(key=lambda shape: (order.get(shape[0], shape[0]), shape[1]))
         greedy = SamplingParams(temperature=0)
         for n, width in shapes:
-            if not self.enabled or n > num_blocks:
+            if not self.enabled:
                 break
-            if n not in self._graphs(width) and (width == 1 or self.verify_enabled):
+            if n <= num_blocks and n not in self._graphs(width) and (width == 1 or self.verify_enabled):
                 spec = [0] * (width - 1)
                 rows = [
                     ScheduledRequest(f"warm-up-{i}", [0] * width, 0, [i], True, greedy, 1, None, False, spec)
@@ -206,8 +227,8 @@ class DecodeGraphs:
                 ]
                 self._capture(rows, width)
             if time.perf_counter() - start > WARM_UP_SECONDS and (n, width) != shapes[-1]:
-                logger.info("decode graphs: warm-up out of time after size %d (width %d); larger sizes "
-                            "run eagerly", n, width)  # fmt: skip
+                logger.info("decode graphs: warm-up out of time after size %d (width %d); the sizes not "
+                            "captured replay a larger graph, padded, or run eagerly", n, width)  # fmt: skip
                 break
         self.capture_under_load = False
         logger.info(
@@ -273,6 +294,7 @@ class DecodeGraphs:
                 # (~50 ms for a 135M model): here, and not on the first step of this size under load
                 with torch.inference_mode():
                     graph.module()
+            graph.pads = any("write_cache" in t for t in targets)
             self._graphs(width)[n] = graph
             self.captures += 1
 
@@ -328,21 +350,31 @@ class DecodeGraphs:
         return pays
 
     def _fill(self, graph: _Graph, reqs: list[ScheduledRequest], width: int = 1) -> bool:
-        """Refill the graph's inputs for this step, each request's tokens padded to `width` (token 0 at
-        the positions after its own); False where a padding position is past the request's table or
-        the model's positions (the step runs eagerly)."""
+        """Refill the graph's inputs for this step: a decode graph's rows are the step's tokens, then as
+        many padding rows as the graph has more; a verification graph's, each request's tokens padded
+        to `width` (token 0 at the positions after its own). False where such a padding position is
+        past the request's table or the model's positions (the step runs eagerly)."""
         bs = self.block_size
         num_blocks = max(len(s.block_ids) for s in reqs)
         if num_blocks > self.max_blocks:
             return False
-        if width == 1:  # a row per token; the rows past the step's sequences are padding without queries
-            ids = [t for s in reqs for t in s.token_ids]
-            pos = [p for s in reqs for p in range(s.start_pos, s.start_pos + s.num_tokens)]
-            per_row = [s for s in reqs for _ in range(s.num_tokens)]
-            padding = len(ids) - len(reqs)
-            starts = [0, *itertools.accumulate(s.num_tokens for s in reqs)] + [len(ids)] * padding
+        if width == 1:
+            # a row per token, then padding rows (a larger graph's), which write no slot and are the
+            # queries of one sequence of seq_len 0; the sequences past it have no queries
+            size = graph.seq_lens.numel()
+            extra = size - sum(s.num_tokens for s in reqs)
+            ids = [t for s in reqs for t in s.token_ids] + [0] * extra
+            pos = [p for s in reqs for p in range(s.start_pos, s.start_pos + s.num_tokens)] + [0] * extra
+            starts = [0, *itertools.accumulate(s.num_tokens for s in reqs)]
+            starts += [size] * (size + 1 - len(starts))
             graph.starts.copy_(torch.tensor(starts, dtype=torch.int32))
-            seq_lens = [s.start_pos + s.num_tokens for s in reqs] + [0] * padding
+            seq_lens = [s.start_pos + s.num_tokens for s in reqs] + [0] * (size - len(reqs))
+            slots = [
+                s.block_ids[p // bs] * bs + p % bs
+                for s in reqs
+                for p in range(s.start_pos, s.start_pos + s.num_tokens)
+            ]
+            slots += [-1] * extra
         else:
             ends = [s.start_pos + width for s in reqs]
             if any(e > len(s.block_ids) * bs or e > self.max_len for s, e in zip(reqs, ends, strict=True)):
@@ -351,11 +383,8 @@ class DecodeGraphs:
             pos = [p for s in reqs for p in range(s.start_pos, s.start_pos + width)]
             per_row = [s for s in reqs for _ in range(width)]
             seq_lens = [s.start_pos + width for s in reqs]
-        rows = torch.tensor([
-            ids,
-            pos,
-            [s.block_ids[p // bs] * bs + p % bs for s, p in zip(per_row, pos, strict=True)],
-        ])  # fmt: skip
+            slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(per_row, pos, strict=True)]
+        rows = torch.tensor([ids, pos, slots])
         graph.ids.copy_(rows[0])
         graph.positions.copy_(rows[1])
         graph.slots.copy_(rows[2])

@@ -401,3 +401,55 @@ def test_steps_with_short_chunks_beside_decodes_replay_and_give_the_eager_logits
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         engine.step()
     assert len(same) > 10 and all(same)
+
+
+def test_a_step_of_a_size_not_captured_replays_a_larger_graph_padded(model_dir, monkeypatch):
+    """Sizes the warm-up did not capture replay the next larger graph, the extra rows padding: every
+    such step gives the logits of the same step run eagerly, bit for bit, and the streams' tokens are
+    the eager forward's."""
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=6))
+    runner, graphs = engine.runner, engine.runner.graphs
+    graphs.warm_up([1, 2, 4, 8])  # 3, 5, 6, 7 rows: padded to 4 and 8
+    forward, same, padded = runner.logits, [], []
+
+    def replayed_then_eager(sched):
+        replays = graphs.replays
+        logits, reqs = forward(sched)
+        rows = sum(s.num_tokens for s in sched.scheduled)
+        if graphs.replays > replays and rows not in graphs.graphs:
+            padded.append(rows)
+            graphs.enabled = False
+            eager, _ = forward(sched)
+            graphs.enabled = True
+            same.append(torch.equal(logits, eager))
+        return logits, reqs
+
+    runner.logits = replayed_then_eager
+    replayed = run_staggered(engine)
+    assert {3, 5, 6} <= set(padded) and all(same) and sorted(graphs.graphs) == [1, 2, 4, 8]
+    eager = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, enforce_eager=True))
+    assert replayed == run_staggered(eager)
+
+
+def run_staggered(engine) -> list[list[int]]:
+    """The six prompts, greedy, 10 to 60 tokens each: batches of 6 down to 1 sequence."""
+    params = [SamplingParams(temperature=0, max_tokens=10 * (i + 1), ignore_eos=True) for i in range(6)]
+    outputs = {engine.add_request(p, sp).req_id: [] for p, sp in zip(prompts(), params, strict=True)}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.req_id].extend(out.token_ids)
+    return list(outputs.values())
+
+
+def test_the_warm_up_captures_a_ladder_of_sizes_first(model_dir, monkeypatch):
+    """Every size up to EXACT_SIZES, then every PAD_STEP-th and the largest, then the rest: a warm-up out
+    of time leaves the sizes between the ladder's to padding."""
+    monkeypatch.setattr(decode_graph, "EXACT_SIZES", 2)
+    monkeypatch.setattr(decode_graph, "PAD_STEP", 4)
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=10))
+    graphs, captured = engine.runner.graphs, []
+    capture = graphs._capture
+    monkeypatch.setattr(graphs, "_capture", lambda reqs, width, logits=None: (
+        captured.append(len(reqs)), capture(reqs, width, logits)))  # fmt: skip
+    graphs.warm_up(range(1, 11))
+    assert captured == [1, 2, 4, 8, 10, 3, 5, 6, 7, 9]

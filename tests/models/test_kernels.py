@@ -201,6 +201,31 @@ def test_sequences_without_queries_are_skipped():
         ops.paged_attention(q, *caches, padded_tables, padded_lens, padded_starts, 0.125, 0)
 
 
+def test_queries_of_a_sequence_of_no_keys_are_zeros_and_write_no_slot():
+    """A decode graph's padding rows: queries of a sequence of seq_len 0 (its output rows are zeros, the
+    real ones unchanged) whose keys and values go to slot -1, which write_cache skips."""
+    ops = _ops()
+    q, k, v, meta, _ = make_step(8, 2, 64, [3, 1], [40, 700], torch.bfloat16)
+    caches, tables = meta.kv_caches[0], meta.block_tables
+    seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+    expected = ops.paged_attention(
+        q, *caches, tables, seq_lens, torch.tensor([0, 3, 4], dtype=torch.int32), 0.125, 0
+    )
+    padded_q = torch.cat([q, torch.randn(3, *q.shape[1:], dtype=q.dtype)])
+    padded_tables = torch.cat([tables, tables[:1]])
+    padded_lens = torch.cat([seq_lens, torch.zeros(1, dtype=torch.int32)])
+    starts = torch.tensor([0, 3, 4, 7], dtype=torch.int32)
+    got = ops.paged_attention(padded_q, *caches, padded_tables, padded_lens, starts, 0.125, 0)
+    assert torch.equal(got[:4], expected) and not got[4:].any()
+    before = [c.clone() for c in caches]
+    kv = torch.randn(3, *k.shape[1:], dtype=k.dtype)
+    ops.write_cache(kv, kv.clone(), *caches, torch.tensor([-1, 5, -1]))
+    changed = (caches[0] != before[0]).reshape(-1, *k.shape[1:]).any(dim=(1, 2))
+    assert changed.nonzero().flatten().tolist() == [5] and torch.equal(
+        caches[0].view(-1, *k.shape[1:])[5], kv[1]
+    )
+
+
 def test_bad_arguments_raise():
     ops = _ops()
     q, _, _, meta, _ = make_step(4, 2, 64, [1, 1], [20, 5], torch.float32)
