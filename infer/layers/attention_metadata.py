@@ -35,6 +35,8 @@ MAX_PADDED_SCORES = 1 << 16
 # Where the prefill kernel serves, a chunk of at least this many tokens goes to it rather than riding
 # with the step's decodes in the batched call: from about 8 tokens the prefill kernel's causal skip
 # pays; shorter chunks were slower apart, a second kernel call's fixed cost (docs/optimizations.md).
+# A shorter query (a verification's) goes to the decode kernel in any step, decodes or not: there its
+# rows are computed as lone decodes' are, bit for bit (batched_seqs).
 PREFILL_KERNEL_MIN_QUERY_LEN = 8
 # ... unless its attention is tiny (query_len x seq_len scores, a short fresh prompt's): microseconds on
 # either kernel, and riding lets the step replay a decode graph (infer/runner/decode_graph.py), which
@@ -65,17 +67,24 @@ def batched_seqs(
     """The sequences of a step that one batched call serves: its decodes, and with them its chunks (where
     the prefill kernel serves, those shorter than PREFILL_KERNEL_MIN_QUERY_LEN or of at most
     SMALL_CHUNK_SCORES scores) when padding them to the longest query would waste at most
-    MAX_PADDED_SCORES scores. A step without a decode has none."""
+    MAX_PADDED_SCORES scores. Where the prefill kernel serves, its queries shorter than
+    PREFILL_KERNEL_MIN_QUERY_LEN (a verification's last token and proposals) are batched whatever the
+    rest, decodes or not: the decode kernel computes a query's row as it would a lone decode's, bit for
+    bit in bfloat16, where the prefill kernel's arithmetic differs, so greedy speculative decoding keeps
+    plain decoding's tokens. Else a step without a decode has none."""
     decodes = [i for i, q in enumerate(query_lens) if q == 1]
-    if not decodes or len(decodes) == len(query_lens):
+    if len(decodes) == len(query_lens):
         return decodes
     riders = list(range(len(query_lens)))
     if attention_kernels.prefill_kernel_for(key_cache, query_dtype) is not None:
+        decodes = [i for i, q in enumerate(query_lens) if q == 1 or q < PREFILL_KERNEL_MIN_QUERY_LEN]
         riders = [
             i
             for i, q in enumerate(query_lens)
             if q < PREFILL_KERNEL_MIN_QUERY_LEN or q * seq_lens[i] <= SMALL_CHUNK_SCORES
         ]
+    if not decodes or len(decodes) == len(query_lens):
+        return decodes
     lens = [query_lens[i] for i in riders]
     block_size = key_cache.shape[1]
     padded_keys = -(-max(seq_lens[i] for i in riders) // block_size) * block_size
@@ -137,10 +146,11 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Metadata of a step in which every sequence feeds query_len tokens (speculative decoding's
         verification: its last token and the proposals), whose per-forward tensors are the given ones,
-        for a graph that keeps reading them (infer.runner.decode_graph). No query is a lone decode, so
-        every sequence is a loop sequence, as in the eager forward of such a step: the prefill kernel
-        gets the whole width of block_tables, seq_lens (int32) as they are, and the queries' starts,
-        which query_len alone fixes."""
+        for a graph that keeps reading them (infer.runner.decode_graph). The sequences go where the eager
+        forward of such a step sends them (batched_seqs): all to the decode kernel's batched call (queries
+        shorter than PREFILL_KERNEL_MIN_QUERY_LEN) or all to the prefill kernel; either gets the whole
+        width of block_tables, seq_lens (int32) as they are, and the queries' starts, which query_len
+        alone fixes."""
         n = len(seq_lens)
         meta = cls(
             query_lens=[query_len] * n,
@@ -150,9 +160,13 @@ class AttentionMetadata:
             kv_caches=kv_caches,
             query_dtype=query_dtype,
         )
-        assert not meta.batch_seqs, "a step of multi-token queries alone has no batched sequences"
         starts = torch.arange(0, (n + 1) * query_len, query_len, dtype=torch.int32)
-        meta._prefill_args = (None, block_tables, seq_lens, starts)
+        if meta.batch_seqs:
+            assert not meta.loop_seqs, "a step of equal queries is batched whole or not at all"
+            meta.batch_tables = block_tables
+            meta._kernel_args = (seq_lens, starts)
+        else:
+            meta._prefill_args = (None, block_tables, seq_lens, starts)
         return meta
 
     def __post_init__(self):

@@ -36,21 +36,21 @@ allow; past them a size stays eager. The sampler runs eagerly on the graph's log
 feature is unchanged. What graphs buy per model and batch, and what the warm-up costs:
 docs/optimizations.md, "Decode graphs".
 
-Speculative decoding's verification steps replay the same way: a step in which every request feeds its
-last token and proposals (1 + K tokens at most, K = num_speculative_tokens) is keyed by (batch size,
-1 + K), its logits every row's. A request with fewer than K proposals (one at least) is padded to K with
-token 0 at the positions that follow its own: the queries attend causally, so no real row sees a padding
-key, and a padding key lands in a slot of the request's own table past its sequence, which no step reads
-before it writes it (a block is hashed for the prefix cache only once its tokens are computed). A step
-whose padding would leave the request's table (or the model's positions) runs eagerly, and so does a step
-in which some requests verify proposals and others decode alone: eagerly those decodes take the decode
-kernel, and a graph of such a step (a padded one) would not give its logits bit for bit. Without a lone
-decode, a step's attention is the prefill kernel's (attention_metadata), whose Python reads no value
-either, and padded or not its replay gives the eager logits. A batch size's streak counts the steps
-either graph could replay, and a capture is checked against the eager logits of the step it is captured
-on (a padded step's: the capture's own run of it, padded). Whether verification graphs pay is decided at
-their first capture, apart from decode graphs'; a verification capture that fails turns verification
-graphs off, not decode graphs."""
+Speculative decoding's verification steps replay the same way: a step in which every request feeds its last
+token and proposals (1 + K tokens at most, K = num_speculative_tokens) is keyed by (batch size, 1 + K), its
+logits every row's. A request with fewer than K proposals (one at least) is padded to K with token 0 at the
+positions that follow its own: the queries attend causally, so no real row sees a padding key, and a padding
+key lands in a slot of the request's own table past its sequence, which no step reads before it writes it (a
+block is hashed for the prefix cache only once its tokens are computed). A step whose padding would leave the
+request's table (or the model's positions) runs eagerly, and so does a step in which some requests verify
+proposals and others decode alone. A verification's queries (fewer than
+attention_metadata.PREFILL_KERNEL_MIN_QUERY_LEN) take the decode kernel's batched call, as a decode's does, so
+that each row is computed as a lone decode's would be; longer ones take the prefill kernel. Neither call's
+Python reads a value, and padded or not its replay gives the eager logits. A batch size's streak counts the
+steps either graph could replay, and a capture is checked against the eager logits of the step it is captured
+on (a padded step's: the capture's own run of it, padded). Whether verification graphs pay is decided at their
+first capture, apart from decode graphs'; a verification capture that fails turns verification graphs off, not
+decode graphs."""
 
 from __future__ import annotations
 
@@ -279,7 +279,7 @@ class DecodeGraphs:
         targets = [str(node.target) for node in traced.graph.nodes if node.op == "call_function"]
         # the kernels' Python reads no value of the step: a graph of another attention path would keep
         # the masks and lengths of the step it was captured on
-        kernel = "paged_attention" if width == 1 else "prefill_attention"
+        kernel = "paged_attention" if meta.batch_seqs else "prefill_attention"
         if not any(kernel in t for t in targets):
             self._disable(f"the step does not run the C++ {kernel}", width)
         elif not torch.equal(replayed, logits):

@@ -275,3 +275,21 @@ def test_tokens_emitted_past_a_stop_string_are_dropped(tiny, stop_token_after):
     out = engine._detokenize(update)
     assert (out.token_ids, out.text, out.finish_reason, out.finished) == (kept, "x", "stop", True)
     assert req.output_token_ids == kept and out.num_output_tokens == len(kept)
+
+
+def test_bfloat16_greedy_output_is_invariant_under_speculation(tmp_path):
+    """In bfloat16 a verification's rows are computed as lone decodes' are (the decode kernel, not the
+    prefill kernel, whose rounding differs), so greedy output keeps plain decoding's tokens and proposals
+    are accepted where it repeats. The random model's logits are close enough that a kernel's rounding
+    flips its argmax within a few tokens."""
+    _, path = save_tiny_model("llama", tmp_path)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(3, 40)), [9] * 12]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    args = dict(dtype="bfloat16", num_kv_blocks=64, block_size=4)
+    plain = [r.token_ids for r in LLM(str(path), **args).generate(prompts, params)]
+    for one in prompts:  # one stream, and all of them together
+        llm = LLM(str(path), **args, speculative_config=SPEC)
+        assert [r.token_ids for r in llm.generate([one], params)] == [plain[prompts.index(one)]]
+    llm = LLM(str(path), **args, speculative_config=SPEC)
+    assert [r.token_ids for r in llm.generate(prompts, params)] == plain
+    assert llm.engine.scheduler.num_spec_accepted_tokens > 0

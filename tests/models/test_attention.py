@@ -126,7 +126,8 @@ def test_one_decode_batched_beside_a_chunk_on_its_own(dtype, consecutive, path, 
     through SDPA: the batched path picks its query rows out of the step's."""
     use_path(path, monkeypatch)
     monkeypatch.setattr(attention_metadata, "MAX_PADDED_SCORES", 0)
-    q, k, v, meta, tables = make_step([6, 1], [10, 9], dtype, consecutive)
+    # a chunk of 9 tokens: the decode kernel would take a shorter one whatever the padding
+    q, k, v, meta, tables = make_step([9, 1], [12, 9], dtype, consecutive)
     assert meta.batch_seqs == [1] and meta.loop_seqs == [0]
     assert (meta.decode_span is not None) == consecutive
     scale = HEAD_DIM**-0.5

@@ -89,12 +89,14 @@ def test_single_stream_greedy_matches_transformers(pair):
 def test_mixed_steps_of_decodes_and_chunks_match_full_forward(pair, batched, monkeypatch):
     """Every step carries several sequences at different points (single tokens, chunks of 3 and 5, a
     fresh prompt), so the batched attention pads queries of different lengths, over scattered blocks;
-    with MAX_PADDED_SCORES = 0 the chunks go one sequence at a time instead. Either way, each row's
-    logits equal the full forward's."""
+    with MAX_PADDED_SCORES = 0 (and no chunk short enough for the decode kernel) the chunks go one
+    sequence at a time instead. Either way, each row's logits equal the full forward's."""
     from infer.layers import attention_metadata
     from infer.runner.kv_cache import allocate_kv_cache
 
     monkeypatch.setattr(attention_metadata, "MAX_PADDED_SCORES", 1 << 30 if batched else 0)
+    if not batched:  # else the decode kernel takes the short chunks whatever the padding
+        monkeypatch.setattr(attention_metadata, "PREFILL_KERNEL_MIN_QUERY_LEN", 1)
     hf_model, ours = pair
     batch = prompts(ours.config.vocab_size)
     chunks = [3, 1, 5, 1]  # per sequence, tokens fed per step
