@@ -323,19 +323,7 @@ def test_a_verification_replay_gives_the_eager_logits(model_dir):
     engine.warm_up()
     runner, graphs = engine.runner, engine.runner.graphs
     assert sorted(graphs.verify_graphs) == [1, 2, 3, 4]  # up to disable_by_batch_size
-    forward, same = runner.logits, []
-
-    def replayed_then_eager(sched):
-        replays = graphs.verify_replays
-        logits, reqs = forward(sched)
-        if graphs.verify_replays > replays:  # the same step eagerly: the same keys into the same slots
-            graphs.enabled = False
-            eager, _ = forward(sched)
-            graphs.enabled = True
-            same.append(torch.equal(logits, eager))
-        return logits, reqs
-
-    runner.logits = replayed_then_eager
+    same = rerun_replays_eagerly(runner, "verify_replays")
     for p in prompts(3):
         engine.add_request(p, PROPOSED)
     while engine.has_unfinished():
@@ -378,20 +366,7 @@ def test_steps_with_short_chunks_beside_decodes_replay_and_give_the_eager_logits
     config = EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=34)
     engine = LLMEngine(config)
     engine.warm_up()  # graphs of up to 34 rows: a decode beside a 31-token prompt and a short one
-    runner, graphs = engine.runner, engine.runner.graphs
-    forward, same = runner.logits, []
-
-    def replayed_then_eager(sched):
-        replays = graphs.replays
-        logits, reqs = forward(sched)
-        if graphs.replays > replays and any(s.num_tokens > 1 for s in sched.scheduled):
-            graphs.enabled = False
-            eager, eager_reqs = forward(sched)
-            graphs.enabled = True
-            same.append(torch.equal(logits, eager) and reqs == eager_reqs)
-        return logits, reqs
-
-    runner.logits = replayed_then_eager
+    same = rerun_replays_eagerly(engine.runner, which=lambda sched: any(s.num_tokens > 1 for s in sched))
     gen = torch.Generator().manual_seed(2)
     engine.add_request(prompts(1)[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     for step in range(60):
@@ -408,27 +383,39 @@ def test_a_step_of_a_size_not_captured_replays_a_larger_graph_padded(model_dir, 
     such step gives the logits of the same step run eagerly, bit for bit, and the streams' tokens are
     the eager forward's."""
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=6))
-    runner, graphs = engine.runner, engine.runner.graphs
+    graphs, padded = engine.runner.graphs, []
     graphs.warm_up([1, 2, 4, 8])  # 3, 5, 6, 7 rows: padded to 4 and 8
-    forward, same, padded = runner.logits, [], []
 
-    def replayed_then_eager(sched):
-        replays = graphs.replays
-        logits, reqs = forward(sched)
-        rows = sum(s.num_tokens for s in sched.scheduled)
-        if graphs.replays > replays and rows not in graphs.graphs:
-            padded.append(rows)
-            graphs.enabled = False
-            eager, _ = forward(sched)
-            graphs.enabled = True
-            same.append(torch.equal(logits, eager))
-        return logits, reqs
+    def not_captured(sched) -> bool:
+        rows = sum(s.num_tokens for s in sched)
+        padded.extend([rows] if rows not in graphs.graphs else [])
+        return rows not in graphs.graphs
 
-    runner.logits = replayed_then_eager
+    same = rerun_replays_eagerly(engine.runner, which=not_captured)
     replayed = run_staggered(engine)
     assert {3, 5, 6} <= set(padded) and all(same) and sorted(graphs.graphs) == [1, 2, 4, 8]
     eager = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, enforce_eager=True))
     assert replayed == run_staggered(eager)
+
+
+def rerun_replays_eagerly(runner, counter: str = "replays", which=lambda scheduled: True) -> list[bool]:
+    """From now on, each step that replays a graph (`counter` grows) and that `which` selects (given its
+    scheduled requests) runs again eagerly, the same keys into the same slots; the list it returns
+    gets, per such step, whether the logits and their requests were the same."""
+    forward, graphs, same = runner.logits, runner.graphs, []
+
+    def replayed_then_eager(sched):
+        before = getattr(graphs, counter)
+        logits, reqs = forward(sched)
+        if getattr(graphs, counter) > before and which(sched.scheduled):
+            graphs.enabled = False
+            eager, eager_reqs = forward(sched)
+            graphs.enabled = True
+            same.append(torch.equal(logits, eager) and reqs == eager_reqs)
+        return logits, reqs
+
+    runner.logits = replayed_then_eager
+    return same
 
 
 def run_staggered(engine) -> list[list[int]]:
