@@ -127,10 +127,12 @@ class AttentionMetadata:
         the whole width of block_tables (a later step may need more of it than this one), seq_lens and
         query_starts (int32) as they are, so that refilling them in place changes what the next replay
         reads. One row per token: a step of fewer sequences (decodes with short chunks) leaves the rest
-        without queries and seq_len 0."""
+        without queries and seq_len 0. Captured on a decode step, whose seq_lens the Python lists hold:
+        a path other than the kernel's (which the capture then refuses) computes that step right, so
+        the capture's run writes the cache as the eager forward did."""
         meta = cls(
             query_lens=[1] * len(seq_lens),
-            seq_lens=[1] * len(seq_lens),
+            seq_lens=seq_lens.tolist(),
             slot_mapping=slot_mapping,
             block_tables=block_tables,
             kv_caches=kv_caches,

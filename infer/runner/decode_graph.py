@@ -193,6 +193,7 @@ class DecodeGraphs:
         size, width = self.size, self.width
         if (
             not self.capture_under_load
+            or (width == 1 and any(s.num_tokens != 1 for s in reqs))  # captured on decode steps alone
             or self.streak < self.steady_steps
             or size != _size(reqs, width)
             or size in self._graphs(width)
