@@ -53,6 +53,17 @@ class ScheduledRequest:
         return len(self.token_ids)
 
 
+def sampled_rows(reqs: list[ScheduledRequest], ends: list[int]) -> list[int]:
+    """Rows of a step's flat batch whose logits it samples from, request i's tokens ending before row
+    ends[i]: a sampling request's last row, and with K proposals its last 1 + K."""
+    return [
+        r
+        for s, end in zip(reqs, ends, strict=True)
+        if s.sample
+        for r in range(end - 1 - len(s.spec_token_ids), end)
+    ]
+
+
 @dataclass
 class StepStats:
     """Per-step counters for traces, metrics and benchmarks. Block counts are taken after scheduling."""

@@ -77,7 +77,7 @@ def batched_seqs(
         return decodes
     riders = list(range(len(query_lens)))
     if attention_kernels.prefill_kernel_for(key_cache, query_dtype) is not None:
-        decodes = [i for i, q in enumerate(query_lens) if q == 1 or q < PREFILL_KERNEL_MIN_QUERY_LEN]
+        decodes = [i for i, q in enumerate(query_lens) if q < PREFILL_KERNEL_MIN_QUERY_LEN]
         riders = [
             i
             for i, q in enumerate(query_lens)

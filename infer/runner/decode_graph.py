@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from infer.core.outputs import ScheduledRequest
+from infer.core.outputs import ScheduledRequest, sampled_rows
 from infer.layers import linear
 from infer.layers.attention_metadata import AttentionMetadata, batched_seqs
 from infer.sampling_params import SamplingParams
@@ -365,18 +365,13 @@ class DecodeGraphs:
             # queries of one sequence of seq_len 0; the sequences past it have no queries
             size = graph.seq_lens.numel()
             extra = size - sum(s.num_tokens for s in reqs)
-            ids = [t for s in reqs for t in s.token_ids] + [0] * extra
-            pos = [p for s in reqs for p in range(s.start_pos, s.start_pos + s.num_tokens)] + [0] * extra
+            ids = [t for s in reqs for t in s.token_ids]
+            pos = [p for s in reqs for p in range(s.start_pos, s.start_pos + s.num_tokens)]
+            per_row = [s for s in reqs for _ in range(s.num_tokens)]
             starts = [0, *itertools.accumulate(s.num_tokens for s in reqs)]
             starts += [size] * (size + 1 - len(starts))
             graph.starts.copy_(torch.tensor(starts, dtype=torch.int32))
             seq_lens = [s.start_pos + s.num_tokens for s in reqs] + [0] * (size - len(reqs))
-            slots = [
-                s.block_ids[p // bs] * bs + p % bs
-                for s in reqs
-                for p in range(s.start_pos, s.start_pos + s.num_tokens)
-            ]
-            slots += [-1] * extra
         else:
             ends = [s.start_pos + width for s in reqs]
             if any(e > len(s.block_ids) * bs or e > self.max_len for s, e in zip(reqs, ends, strict=True)):
@@ -385,8 +380,9 @@ class DecodeGraphs:
             pos = [p for s in reqs for p in range(s.start_pos, s.start_pos + width)]
             per_row = [s for s in reqs for _ in range(width)]
             seq_lens = [s.start_pos + width for s in reqs]
-            slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(per_row, pos, strict=True)]
-        rows = torch.tensor([ids, pos, slots])
+            extra = 0
+        slots = [s.block_ids[p // bs] * bs + p % bs for s, p in zip(per_row, pos, strict=True)]
+        rows = torch.tensor([ids + [0] * extra, pos + [0] * extra, slots + [-1] * extra])
         graph.ids.copy_(rows[0])
         graph.positions.copy_(rows[1])
         graph.slots.copy_(rows[2])
@@ -419,15 +415,11 @@ def _size(reqs: list[ScheduledRequest], width: int) -> int:
 
 
 def _sampled_rows(reqs: list[ScheduledRequest], width: int) -> list[int]:
-    """The graph's rows whose logits the step samples from, as the eager forward takes them: a sampling
-    request's last row, and with proposals its last 1 + K (a verification graph's padding dropped)."""
-    rows, start = [], 0
-    for s in reqs:
-        end = start + s.num_tokens
-        if s.sample:
-            rows.extend(range(end - 1 - len(s.spec_token_ids), end))
-        start += s.num_tokens if width == 1 else width
-    return rows
+    """The graph's rows whose logits the step samples from, as the eager forward takes them: a decode
+    graph's rows are the step's tokens, a verification graph's width per request, its padding last."""
+    if width == 1:
+        return sampled_rows(reqs, list(itertools.accumulate(s.num_tokens for s in reqs)))
+    return sampled_rows(reqs, [i * width + s.num_tokens for i, s in enumerate(reqs)])
 
 
 def _one_fake_mode():

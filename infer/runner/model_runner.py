@@ -14,7 +14,7 @@ import time
 import torch
 
 from infer import kernels
-from infer.core.outputs import ModelRunnerOutput, SchedulerOutput
+from infer.core.outputs import ModelRunnerOutput, SchedulerOutput, sampled_rows
 from infer.layers.attention_metadata import AttentionMetadata
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.runner.decode_graph import STEADY_STEPS, DecodeGraphs
@@ -109,17 +109,14 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
         if any(s.prompt_logprobs for s in sched.scheduled):
             self.last_prompt_logprobs = self._prompt_logprobs(sched.scheduled, hidden, meta.query_lens)
-        sampled = [i for i, s in enumerate(sched.scheduled) if s.sample]
+        sampled = [s for s in sched.scheduled if s.sample]
         if not sampled:
             return None, []
-        ends = list(itertools.accumulate(meta.query_lens))  # one past the last row of each request
-        # a request that verifies K proposals needs the logits of its last 1 + K rows
-        num_spec = [len(sched.scheduled[i].spec_token_ids) for i in sampled]
-        rows = [r for i, k in zip(sampled, num_spec, strict=True) for r in range(ends[i] - 1 - k, ends[i])]
+        rows = sampled_rows(sched.scheduled, list(itertools.accumulate(meta.query_lens)))
         logits = self.model.compute_logits(hidden[rows], float32=False)
         if self.graphs is not None:
             self.graphs.maybe_capture(sched.scheduled, logits)
-        return logits, [sched.scheduled[i] for i in sampled]
+        return logits, sampled
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor | None, reqs: list) -> ModelRunnerOutput:
