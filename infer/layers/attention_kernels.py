@@ -81,6 +81,21 @@ def prefill_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = No
     return ops if _reads(ops, q_dtype, key_cache.dtype, key_cache.shape[-1]) else None
 
 
+def decode_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = None):
+    """The kernels' ops where the batched (decode) kernel reads queries of q_dtype (None: what the cache
+    takes, bf16 over fp8) over this cache on any build (kernel_serves, less the step's query lengths),
+    else None."""
+    ops = kernels.load()
+    if ops is None or key_cache.device.type != "cpu" or key_cache.shape[-1] % 16:
+        return None
+    q_dtype = q_dtype or (torch.bfloat16 if key_cache.dtype in FP8_DTYPES else key_cache.dtype)
+    return (
+        ops
+        if q_dtype in KERNEL_DTYPES and _reads(ops, q_dtype, key_cache.dtype, key_cache.shape[-1])
+        else None
+    )
+
+
 @functools.cache
 def _avx512_bf16(ops) -> bool:
     return "+bf16" in ops.isa()

@@ -67,17 +67,18 @@ def batched_seqs(
     """The sequences of a step that one batched call serves: its decodes, and with them its chunks (where
     the prefill kernel serves, those shorter than PREFILL_KERNEL_MIN_QUERY_LEN or of at most
     SMALL_CHUNK_SCORES scores) when padding them to the longest query would waste at most
-    MAX_PADDED_SCORES scores. Where the prefill kernel serves, its queries shorter than
+    MAX_PADDED_SCORES scores. Where the decode kernel serves, queries shorter than
     PREFILL_KERNEL_MIN_QUERY_LEN (a verification's last token and proposals) are batched whatever the
     rest, decodes or not: the decode kernel computes a query's row as it would a lone decode's, bit for
-    bit in bfloat16, where the prefill kernel's arithmetic differs, so greedy speculative decoding keeps
-    plain decoding's tokens. Else a step without a decode has none."""
+    bit in bfloat16, where the prefill kernel's or SDPA's arithmetic differs, so greedy speculative
+    decoding keeps plain decoding's tokens. Else a step without a decode has none."""
     decodes = [i for i, q in enumerate(query_lens) if q == 1]
     if len(decodes) == len(query_lens):
         return decodes
     riders = list(range(len(query_lens)))
-    if attention_kernels.prefill_kernel_for(key_cache, query_dtype) is not None:
+    if attention_kernels.decode_kernel_for(key_cache, query_dtype) is not None:
         decodes = [i for i, q in enumerate(query_lens) if q < PREFILL_KERNEL_MIN_QUERY_LEN]
+    if attention_kernels.prefill_kernel_for(key_cache, query_dtype) is not None:
         riders = [
             i
             for i, q in enumerate(query_lens)

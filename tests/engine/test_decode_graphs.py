@@ -340,7 +340,9 @@ def test_a_verification_capture_that_fails_leaves_decode_graphs_on(model_dir, mo
         return meta
 
     monkeypatch.setattr(decode_graph.AttentionMetadata, "static_verify", no_kernel)
-    monkeypatch.setattr(attention_kernels, "prefill_kernel_for", lambda *args, **kwargs: None)  # SDPA
+    # SDPA for verifications (queries of 1 + K tokens, no decode in the step)
+    monkeypatch.setattr(attention_kernels, "prefill_kernel_for", lambda *args, **kwargs: None)
+    monkeypatch.setattr(attention_kernels, "decode_kernel_for", lambda *args, **kwargs: None)
     config = {"max_num_seqs": 6, "speculative_config": SPEC_ALWAYS}
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", num_kv_blocks=128, **config))
     with caplog.at_level("WARNING", logger="infer.runner"):

@@ -158,7 +158,8 @@ def test_the_mix_follows_the_dequantized_model(files):
     ref, _, _ = load_model(str(files["mix-dequantized"]), dtype="float32", prepack=False)
     ids = PROMPTS[0] + PROMPTS[1]
     a, b = forward_logits(ours, ids), forward_logits(ref, ids)
-    assert torch.equal(a, b)
+    # the same weights; torch's int4 matmul sums in its own order on some CPUs (AVX2: 6e-6 apart)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     exact = _greedy(files["mix-dequantized"], "float32")
     assert _greedy(files["mix"], "float32") == exact
     ours_bf16 = _agreement(_greedy(files["mix"], "bfloat16"), exact)
