@@ -20,6 +20,7 @@ from infer import kernels
 from infer.config import LOAD_FORMATS
 from infer.layers.linear import MergedLinear, can_prepack, prepack_linears
 from infer.layers.parallel import COLUMN, ROW, SINGLE, TensorParallel, shard_range
+from infer.layers.widened_linear import widen_linears, widens
 from infer.models import gguf
 from infer.models.config import ModelConfig
 from infer.models.decoder_classifier import with_classifier_token_ids
@@ -96,7 +97,9 @@ def pick_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
     Measured (benchmarks/bench_dtype.py, docs/benchmarks.md), bf16 weights prepacked for oneDNN: on an
     Intel Xeon with AMX, bf16 prefills 2-3x faster than fp32 and decodes a batch of 8 1.5-2x faster; on an
     AMD EPYC with AVX-512 BF16 and no AMX, 2.2-2.8x faster prefill and 2.5-3.6x faster decode at batch 1
-    and 8. A CPU with neither keeps the checkpoint's dtype (not measured: no such machine here).
+    and 8. A CPU with neither keeps the checkpoint's dtype: there bf16 (its linears widened to float32 above
+    a few rows: infer.layers.widened_linear) decodes one stream 2x faster than float32 and 8 streams 10-25%
+    slower, prompts at the same speed (docs/optimizations.md).
     """
     if dtype != "auto":
         return to_torch_dtype(dtype)
@@ -178,6 +181,8 @@ def load_model(
     net.quantization = summarize(quant, swapped) if quant else quantize_model(net, quantization)
     if prepack and can_prepack(torch_dtype):
         prepack_linears(net)
+    elif prepack and widens(torch_dtype):
+        widen_linears(net)
     return net, cfg, path
 
 

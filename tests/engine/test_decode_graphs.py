@@ -295,7 +295,7 @@ SPEC_ALWAYS = {**SPEC, "disable_by_batch_size": 64}  # the six prompts speculate
 PROPOSED = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # no logprobs: they get proposals
 
 
-def test_verification_steps_replay_and_keep_the_eager_tokens(model_dir):
+def test_verification_steps_replay_and_keep_the_eager_tokens(model_dir, row_invariant_linears):
     """Steps that verify proposals replay graphs keyed by (batch size, 1 + K), padded where a request
     has fewer than K proposals, and every token is the one without speculation."""
     config = {"max_num_seqs": 6, "speculative_config": SPEC_ALWAYS}
@@ -331,7 +331,9 @@ def test_a_verification_replay_gives_the_eager_logits(model_dir):
     assert len(same) > 5 and all(same)
 
 
-def test_a_verification_capture_that_fails_leaves_decode_graphs_on(model_dir, monkeypatch, caplog):
+def test_a_verification_capture_that_fails_leaves_decode_graphs_on(
+    model_dir, monkeypatch, caplog, row_invariant_linears
+):
     real = decode_graph.AttentionMetadata.static_verify
 
     def no_kernel(*args, **kwargs):

@@ -277,7 +277,7 @@ def test_tokens_emitted_past_a_stop_string_are_dropped(tiny, stop_token_after):
     assert req.output_token_ids == kept and out.num_output_tokens == len(kept)
 
 
-def test_bfloat16_greedy_output_is_invariant_under_speculation(tmp_path):
+def test_bfloat16_greedy_output_is_invariant_under_speculation(tmp_path, row_invariant_linears):
     """In bfloat16 a verification's rows are computed as lone decodes' are (the decode kernel, not the
     prefill kernel, whose rounding differs), so greedy output keeps plain decoding's tokens and proposals
     are accepted where it repeats. The random model's logits are close enough that a kernel's rounding

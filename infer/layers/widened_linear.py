@@ -1,0 +1,66 @@
+"""bf16 linear layers on a CPU without bf16 arithmetic (AVX2 alone: no AVX-512 BF16, no AMX).
+
+There torch's bf16 matmul costs about one matrix-vector product per row: a step of many rows (a prompt,
+a wide batch) is several times slower than the same matmul in float32. A step of more than WIDEN_ROWS
+rows therefore multiplies in float32, on the weight widened one slice of output channels at a time (about
+WIDEN_SLICE_ELEMENTS weights, which stay in cache: widening the whole weight would allocate and fault in
+a float32 copy every call), and rounds the output to bf16. Steps of fewer rows keep torch's bf16 path,
+which reads half the bytes of a float32 weight: one stream's decode is bound by them. The model keeps
+bf16 weights (memory, and the bytes a decode reads). Figures: docs/optimizations.md, "bf16 on a CPU
+without bf16 arithmetic".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WIDEN_ROWS = 8
+WIDEN_SLICE_ELEMENTS = 2**19
+
+
+def widens(dtype: torch.dtype) -> bool:
+    """bf16 where neither oneDNN nor the CPU does bf16 arithmetic (where linear.can_prepack is False)."""
+    return dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class WidenedLinear(nn.Module):
+    """An nn.Linear's own weight and bias (the same parameters: a tied head stays tied), multiplied in
+    float32 above WIDEN_ROWS rows (module docstring)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        if hasattr(linear, "output_sizes"):  # a merged projection: the model splits its output by them
+            self.output_sizes = list(linear.output_sizes)
+        self.slice = max(16, WIDEN_SLICE_ELEMENTS // self.in_features // 16 * 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] <= WIDEN_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        wide = flat.float()
+        out = torch.empty(flat.shape[0], self.out_features)
+        for start in range(0, self.out_features, self.slice):
+            weight = self.weight[start : start + self.slice].float()
+            torch.mm(wide, weight.t(), out=out[:, start : start + self.slice])
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, float32 above {WIDEN_ROWS} rows"
+
+
+def widen_linears(model: nn.Module) -> int:
+    """Replace every bf16 nn.Linear of `model` by a WidenedLinear; returns how many."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
+                setattr(module, name, WidenedLinear(child))
+                count += 1
+    return count

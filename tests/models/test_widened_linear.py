@@ -1,0 +1,62 @@
+"""bf16 linears on a CPU without bf16 arithmetic: float32 matmuls above WIDEN_ROWS rows on weights widened a
+slice at a time, torch's bf16 matmul below (infer/layers/widened_linear.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.layers import widened_linear
+from infer.layers.linear import MergedLinear
+from infer.layers.widened_linear import WIDEN_ROWS, WidenedLinear, widen_linears
+from infer.models import loader
+from infer.models.loader import load_model
+
+from .test_loader import forward_logits
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, WIDEN_ROWS, WIDEN_ROWS + 1, 300])
+def test_rows_above_the_threshold_are_float32_products_rounded_once(monkeypatch, rows, bias):
+    monkeypatch.setattr(widened_linear, "WIDEN_SLICE_ELEMENTS", 64 * 48)  # several slices, one short
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 200, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    layer = WidenedLinear(linear)
+    assert layer.slice == 64
+    x = torch.randn(2, rows, 48).to(torch.bfloat16)
+    got = layer(x)
+    assert got.shape == (2, rows, 200) and got.dtype == torch.bfloat16
+    if 2 * rows <= WIDEN_ROWS:
+        assert torch.equal(got, F.linear(x, linear.weight, linear.bias))  # torch's bf16 path, as it was
+    else:
+        wide = F.linear(
+            x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float()
+        )
+        torch.testing.assert_close(got.float(), wide, rtol=2**-8, atol=1e-6)  # one bf16 rounding
+
+
+def test_widening_keeps_the_parameters_and_merged_projections_their_shards():
+    model = nn.Sequential(MergedLinear(32, [16, 32], bias=False), nn.Linear(48, 8)).to(torch.bfloat16)
+    model.requires_grad_(False)
+    weights = [m.weight for m in model]
+    model.append(nn.Linear(8, 4))  # float32: left as it is
+    assert widen_linears(model) == 2
+    assert isinstance(model[0], WidenedLinear) and model[0].output_sizes == [16, 32]
+    assert [m.weight for m in model[:2]] == weights and type(model[2]) is nn.Linear
+
+
+def test_a_bf16_model_on_a_cpu_without_bf16_arithmetic_widens_and_keeps_its_head_tied(monkeypatch):
+    monkeypatch.setattr(loader, "can_prepack", lambda dtype: False)
+    monkeypatch.setattr(loader, "widens", lambda dtype: dtype == torch.bfloat16)
+    widened, _, _ = load_model(None, dtype="bfloat16")
+    plain, _, _ = load_model(None, dtype="bfloat16", prepack=False)
+    layers = [m for m in widened.modules() if isinstance(m, WidenedLinear)]
+    assert layers and not any(type(m) is nn.Linear for m in widened.modules())
+    if widened.config.tie_word_embeddings:
+        assert widened.lm_head.weight is widened.input_embeddings().weight
+    ids = list(range(1, 40))
+    a, b = forward_logits(widened, ids), forward_logits(plain, ids)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    torch.testing.assert_close(a, b, rtol=0, atol=0.1 * b.abs().max().item())
