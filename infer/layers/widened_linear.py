@@ -12,6 +12,8 @@ without bf16 arithmetic".
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,30 @@ def widens(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def slice_rows(in_features: int) -> int:
+    """Output channels a slice of WIDEN_SLICE_ELEMENTS weights holds: a multiple of 16, at least 16."""
+    return max(16, WIDEN_SLICE_ELEMENTS // in_features // 16 * 16)
+
+
+def widened_matmul(
+    x: torch.Tensor,
+    out_features: int,
+    widened: Callable[[slice], torch.Tensor],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [rows, in] @ W^T in float32, rounded once to x's dtype: `widened(rows)` gives the float32 weight
+    of output channels `rows` (a bf16 slice widened, or quantized codes times their scales)."""
+    wide = x.float()
+    out = torch.empty(x.shape[0], out_features)
+    step = slice_rows(x.shape[1])
+    for start in range(0, out_features, step):
+        rows = slice(start, start + step)
+        torch.mm(wide, widened(rows).t(), out=out[:, rows])
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype)
+
+
 class WidenedLinear(nn.Module):
     """An nn.Linear's own weight and bias (the same parameters: a tied head stays tied), multiplied in
     float32 above WIDEN_ROWS rows (module docstring)."""
@@ -35,20 +61,13 @@ class WidenedLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         if hasattr(linear, "output_sizes"):  # a merged projection: the model splits its output by them
             self.output_sizes = list(linear.output_sizes)
-        self.slice = max(16, WIDEN_SLICE_ELEMENTS // self.in_features // 16 * 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] <= WIDEN_ROWS:
             return F.linear(x, self.weight, self.bias)
-        wide = flat.float()
-        out = torch.empty(flat.shape[0], self.out_features)
-        for start in range(0, self.out_features, self.slice):
-            weight = self.weight[start : start + self.slice].float()
-            torch.mm(wide, weight.t(), out=out[:, start : start + self.slice])
-        if self.bias is not None:
-            out += self.bias
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        out = widened_matmul(flat, self.out_features, lambda rows: self.weight[rows].float(), self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         shape = f"in_features={self.in_features}, out_features={self.out_features}"

@@ -29,6 +29,7 @@ from torch import nn
 from infer import kernels
 from infer.config import QUANTIZATION_METHODS
 from infer.layers.linear import MergedLinear, pack_pairs
+from infer.layers.widened_linear import WIDEN_ROWS, widened_matmul, widens
 from infer.quant.split_linear import SplitQuantizedLinear
 from infer.quant.weights import SUPER_BLOCK, QuantizedWeight, concat, quantize
 
@@ -45,6 +46,10 @@ HEAD_BITS = 8  # the LM head, int8 per channel either way: int4 costs perplexity
 # INFER_INT8_ACTIVATIONS=0 keeps bf16 activations everywhere (A/B comparisons, tests).
 DECODE_ROWS = 4
 INT8_ACTIVATIONS = os.environ.get("INFER_INT8_ACTIVATIONS", "1") != "0"
+# Where the CPU has no bf16 arithmetic, torch's int8 kernel beats widening (infer.layers.widened_linear)
+# up to about this many rows of a bf16 model (docs/quantization.md); torch's int4 kernel is not widened
+# (its packed codes have no cheap slice).
+TORCH_WIDEN_ROWS = 64
 
 
 class QuantizedLinear(nn.Module):
@@ -69,6 +74,10 @@ class QuantizedLinear(nn.Module):
         if backend is not None and backend not in supported:
             raise ValueError(f"backend {backend!r} cannot run this weight here; these can: {supported}")
         self.backend = backend or supported[0]
+        # bf16 where the CPU has no bf16 arithmetic: wide steps in float32 (infer.layers.widened_linear)
+        self._widens = widens(dtype) and (
+            self.backend == "dequant" or (self.backend, self.bits) == ("torch", 8)
+        )
         pack = {"infer": self._pack_kernel, "torch": self._pack_torch, "dequant": self._pack_dequant}
         pack[self.backend](weight, dtype)
         self.num_packed_params = self.in_features * self.out_features
@@ -139,7 +148,10 @@ class QuantizedLinear(nn.Module):
                 INT8_ACTIVATIONS and flat.shape[0] > self._decode_rows,
             )
         else:
-            if self.backend == "dequant":
+            rows = flat.shape[0]
+            if self._widens and rows > (WIDEN_ROWS if self.backend == "dequant" else TORCH_WIDEN_ROWS):
+                y = widened_matmul(flat, self.out_features, self._widened)
+            elif self.backend == "dequant":
                 y = nn.functional.linear(flat, self.weight)
             elif self.bits == 8:
                 y = torch._weight_int8pack_mm(flat, self.qweight, self.scales)
@@ -148,6 +160,12 @@ class QuantizedLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _widened(self, rows: slice) -> torch.Tensor:
+        """Output channels `rows` of the weight in float32 (widened_matmul)."""
+        if self.backend == "dequant":
+            return self.weight[rows].float()
+        return self.qweight[rows].float() * self.scales[rows, None].float()
 
     def extra_repr(self) -> str:
         shape = f"{self.in_features} -> {self.out_features}"

@@ -24,7 +24,7 @@ def test_rows_above_the_threshold_are_float32_products_rounded_once(monkeypatch,
     torch.manual_seed(0)
     linear = nn.Linear(48, 200, bias=bias).to(torch.bfloat16).requires_grad_(False)
     layer = WidenedLinear(linear)
-    assert layer.slice == 64
+    assert widened_linear.slice_rows(48) == 64
     x = torch.randn(2, rows, 48).to(torch.bfloat16)
     got = layer(x)
     assert got.shape == (2, rows, 200) and got.dtype == torch.bfloat16
@@ -60,3 +60,33 @@ def test_a_bf16_model_on_a_cpu_without_bf16_arithmetic_widens_and_keeps_its_head
     a, b = forward_logits(widened, ids), forward_logits(plain, ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
     torch.testing.assert_close(a, b, rtol=0, atol=0.1 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("backend", ["torch", "dequant"])
+def test_quantized_int8_layers_widen_wide_steps_too(monkeypatch, backend):
+    """int8 per channel on torch's kernel, and a dequantized weight: above their thresholds the codes times
+    their scales in float32, one rounding; at or below them the path they had."""
+    from infer.quant import linear as quant_linear
+    from infer.quant.linear import TORCH_WIDEN_ROWS, QuantizedLinear
+    from infer.quant.weights import quantize
+
+    monkeypatch.setattr(quant_linear, "widens", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(widened_linear, "WIDEN_SLICE_ELEMENTS", 64 * 96)
+    torch.manual_seed(0)
+    weight = quantize(torch.randn(160, 96), 8)
+    layer = QuantizedLinear(weight, None, torch.bfloat16, backend=backend)
+    plain = QuantizedLinear(weight, None, torch.bfloat16, backend=backend)
+    plain._widens = False
+    threshold = TORCH_WIDEN_ROWS if backend == "torch" else WIDEN_ROWS
+    for rows in (threshold, threshold + 1, 200):
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        got = layer(x)
+        if rows <= threshold:
+            assert torch.equal(got, plain(x))
+        else:
+            if backend == "torch":  # its scales are held in the model's dtype
+                held = weight.q.float() * weight.scales.to(torch.bfloat16).float().view(-1, 1)
+            else:
+                held = weight.dequantize(torch.bfloat16).float()
+            wide = F.linear(x.float(), held)
+            torch.testing.assert_close(got.float(), wide, rtol=2**-8, atol=1e-5)
