@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": set(),
     "core": {"config", "sampling_params"},
     "layers": {"kernels"},
-    "quant": {"layers.linear", "kernels", "config"},
+    "quant": {"layers.linear", "layers.widened_linear", "kernels", "config"},
     "models": {"layers", "quant", "kernels", "config"},
     "runner": {
         "core.outputs",
