@@ -47,8 +47,8 @@ HEAD_BITS = 8  # the LM head, int8 per channel either way: int4 costs perplexity
 DECODE_ROWS = 4
 INT8_ACTIVATIONS = os.environ.get("INFER_INT8_ACTIVATIONS", "1") != "0"
 # Where the CPU has no bf16 arithmetic, torch's int8 kernel beats widening (infer.layers.widened_linear)
-# up to about this many rows of a bf16 model (docs/quantization.md); torch's int4 kernel is not widened
-# (its packed codes have no cheap slice).
+# up to about this many rows of a bf16 model, and loses by up to 2x at 512; torch's int4 kernel is not
+# widened (its packed codes have no cheap slice).
 TORCH_WIDEN_ROWS = 64
 
 
