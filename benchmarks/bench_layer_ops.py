@@ -6,7 +6,9 @@ before it), the small-batch linear (infer/kernels/small_linear.cpp; off: an engi
 oneDNN's), its AMX tiles (off: an engine with a oneDNN copy of every weight, the kernel up to 6 rows (on
 tiles from 2) and oneDNN for the rest; AMX only), the prefill-attention kernel (off: SDPA, one call
 per prompt or long chunk, its fallback), or the gate_up projection with SiLU-and-multiply in its epilogue
-(off: an engine loaded without it, two ops; AMX only).
+(off: an engine loaded without it, two ops; AMX only), or the AVX2 few-row linear (infer/kernels/
+avx2_linear.cpp; off: an engine loaded without it, torch's bf16 matmul and int8 kernel, and GGUF's Q8_0
+and Q6_K dequantized; CPUs without AVX-512 BF16 only).
 
     python benchmarks/bench_layer_ops.py                               # ops, then llama-50m steps
     python benchmarks/bench_layer_ops.py --model /work/models/llama-1b --load-format dummy --skip-ops
@@ -14,6 +16,7 @@ per prompt or long chunk, its fallback), or the gate_up projection with SiLU-and
     python benchmarks/bench_layer_ops.py --switch prefill_kernel       # SDPA vs the prefill kernel
     python benchmarks/bench_layer_ops.py --switch tiles                # linears before / with AMX tiles
     python benchmarks/bench_layer_ops.py --switch fused_silu           # gate_up + SiLU-and-mul in one pass
+    python benchmarks/bench_layer_ops.py --switch avx2_linear --model M.gguf --dtype bfloat16  # AVX2 CPUs
 
 Both paths run alternately in one process, best of --rounds (a shared machine drifts by tens of percent
 between runs: never compare numbers from two runs). "torch" swaps `infer.kernels.layer_ops` for a
@@ -146,6 +149,11 @@ def bench_steps(args) -> None:
         unfused = lambda self, lin, tied=False, gated=False: init(self, lin, tied)  # noqa: E731
         with mock.patch.object(linear.PrepackedLinear, "__init__", unfused):
             engines["off"] = LLMEngine(config)
+    if args.switch == "avx2_linear":  # the "off" side: loaded as where the kernel is not built
+        if kernels.avx2_ops() is None:
+            raise SystemExit("--switch avx2_linear needs a CPU with AVX2 and without AVX-512 BF16")
+        with mock.patch.object(kernels, "avx2_ops", lambda: None):
+            engines["off"] = LLMEngine(config)
     gen = torch.Generator().manual_seed(0)
     vocab = engines["on"].model_config.vocab_size
 
@@ -208,7 +216,15 @@ def main() -> None:
     parser.add_argument("--skip-ops", action="store_true", help="only the engine steps")
     parser.add_argument(
         "--switch",
-        choices=("layer_ops", "argmax", "small_linear", "tiles", "prefill_kernel", "fused_silu"),
+        choices=(
+            "layer_ops",
+            "argmax",
+            "small_linear",
+            "tiles",
+            "prefill_kernel",
+            "fused_silu",
+            "avx2_linear",
+        ),
         default="layer_ops",
         help="the kernel the engine steps turn off and on (other than layer_ops: steps only)",
     )

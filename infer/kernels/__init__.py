@@ -12,6 +12,8 @@ all of a step's (attention_kernels.py again); AVX-512 BF16 CPUs only, SDPA elsew
 `six_bit_linear.cpp`: weights of 6-bit codes in sub-blocks of 16 (GGUF's Q6_K as the file holds it) times
 bf16 activations rounded to int8 (infer/quant/linear.py); AVX-512 VNNI and BF16 CPUs only (`isa()` has
 "+vnni"), the weight dequantized elsewhere.
+`avx2_linear.cpp`: bf16 weights and int8 weights in groups (GGUF's Q8_0) at decode batches on CPUs
+without AVX-512 BF16, widened to float32 in registers (infer/layers/widened_linear.py, infer/quant/linear.py).
 `small_linear.cpp`: bf16 linears at decode batches, where oneDNN's cost per call dominates, and with AMX
 tiles every step of large weights (infer/layers/linear.py); AVX-512 BF16 CPUs only, oneDNN elsewhere.
 `hugepages.py` (Python): the memory those kernels stream (their weight copies, the KV cache) on 2 MiB
@@ -54,6 +56,7 @@ SOURCES = [
         "quant_linear.cpp",
         "small_linear.cpp",
         "six_bit_linear.cpp",
+        "avx2_linear.cpp",
         "layer_ops.cpp",
     )
 ]
@@ -123,6 +126,13 @@ def bf16_ops():
     quant_linear and small_linear need; else None (callers keep torch's or oneDNN's path)."""
     ops = load()
     return ops if ops is not None and "+bf16" in ops.isa() else None
+
+
+def avx2_ops():
+    """torch.ops.infer_kernels when this build has AVX2 and FMA but not AVX-512 BF16: what avx2_linear
+    serves (bf16 and int8-in-groups weights at few rows, where torch has no fast path); else None."""
+    ops = load()
+    return ops if ops is not None and ops.isa() != "scalar" and "+bf16" not in ops.isa() else None
 
 
 def cpu_has_amx() -> bool:

@@ -4,9 +4,11 @@ There torch's bf16 matmul costs about one matrix-vector product per row: a step 
 a wide batch) is several times slower than the same matmul in float32. A step of more than WIDEN_ROWS
 rows therefore multiplies in float32, on the weight widened one slice of output channels at a time (about
 WIDEN_SLICE_ELEMENTS weights, which stay in cache: widening the whole weight would allocate and fault in
-a float32 copy every call), and rounds the output to bf16. Steps of fewer rows keep torch's bf16 path,
-which reads half the bytes of a float32 weight: one stream's decode is bound by them. The model keeps
-bf16 weights (memory, and the bytes a decode reads). Figures: docs/optimizations.md, "bf16 on a CPU
+a float32 copy every call), and rounds the output to bf16. Where infer's kernels are built, steps of
+up to KERNEL_ROWS rows read the bf16 weight once, widening it in registers (infer/kernels/avx2_linear.cpp):
+a decode is bound by the weight's bytes, half a float32 copy's, and up to 64-128 rows that beat the
+widened GEMM; without them, steps of up to WIDEN_ROWS keep torch's bf16 path. The model keeps bf16
+weights (memory, and the bytes a decode reads). Figures: docs/optimizations.md, "bf16 on a CPU
 without bf16 arithmetic".
 """
 
@@ -18,7 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer import kernels
+
 WIDEN_ROWS = 8
+KERNEL_ROWS = 64
 WIDEN_SLICE_ELEMENTS = 2**19
 
 
@@ -59,19 +64,26 @@ class WidenedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        serves = self.in_features % 16 == 0 and linear.weight.is_contiguous()
+        self._ops = kernels.avx2_ops() if serves else None
         if hasattr(linear, "output_sizes"):  # a merged projection: the model splits its output by them
             self.output_sizes = list(linear.output_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= WIDEN_ROWS:
+        rows = flat.shape[0]
+        if self._ops is not None and rows <= KERNEL_ROWS:
+            out = self._ops.avx2_linear(flat, self.weight, None, None, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        if rows <= WIDEN_ROWS:
             return F.linear(x, self.weight, self.bias)
         out = widened_matmul(flat, self.out_features, lambda rows: self.weight[rows].float(), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         shape = f"in_features={self.in_features}, out_features={self.out_features}"
-        return f"{shape}, float32 above {WIDEN_ROWS} rows"
+        rows = WIDEN_ROWS if self._ops is None else KERNEL_ROWS
+        return f"{shape}, float32 GEMM above {rows} rows"
 
 
 def widen_linears(model: nn.Module) -> int:

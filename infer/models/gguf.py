@@ -66,7 +66,12 @@ EOG_TEXTS = {
 UNQUANTIZED = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 QUANTIZED = TYPES  # Q8_0, Q4_0, ..., Q4_K, Q5_K, Q6_K: kept quantized
 EMBEDDING = "token_embd.weight"
-BACKEND_NAMES = {"infer": "infer kernel", "torch": "torch kernel", "dequant": "dequantized: no kernel here"}
+BACKEND_NAMES = {
+    "infer": "infer kernel",
+    "avx2": "infer AVX2 kernel",
+    "torch": "torch kernel",
+    "dequant": "dequantized: no kernel here",
+}
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 # blk.N.<llama.cpp name> -> model.layers.N.<Hugging Face name>

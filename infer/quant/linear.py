@@ -10,6 +10,10 @@ Each QuantizedLinear repacks its `QuantizedWeight` for the fastest path this mac
               (infer/kernels/six_bit_linear.cpp: int8 activations, vpdpbusd), CPUs with AVX-512 VNNI too.
     "torch"   torch's weight-only kernels (`_weight_int8pack_mm` for int8 per channel without zero points,
               `_weight_int4pack_mm_for_cpu` for int4 in groups of 32..256): other CPUs, float32 models.
+    "avx2"    int8 codes in any group of a multiple of 8 inputs (GGUF's Q8_0 and Q5_0, and Q6_K as its int8
+              codes) on a CPU with AVX2 but no AVX-512 BF16 (infer/kernels/avx2_linear.cpp): steps of
+              up to KERNEL_ROWS rows widen the codes to float32 in registers, wider steps multiply in
+              float32 on the weight widened a slice at a time (infer.layers.widened_linear).
     "dequant" anything else (e.g. int8 in groups, on a CPU without AVX-512 BF16): the weight dequantized
               once into the model's dtype. Correct, but saves neither memory nor time: logged at load.
 
@@ -29,7 +33,7 @@ from torch import nn
 from infer import kernels
 from infer.config import QUANTIZATION_METHODS
 from infer.layers.linear import MergedLinear, pack_pairs
-from infer.layers.widened_linear import WIDEN_ROWS, widened_matmul, widens
+from infer.layers.widened_linear import KERNEL_ROWS, WIDEN_ROWS, widened_matmul, widens
 from infer.quant.split_linear import SplitQuantizedLinear
 from infer.quant.weights import SUPER_BLOCK, QuantizedWeight, concat, quantize
 
@@ -75,10 +79,15 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"backend {backend!r} cannot run this weight here; these can: {supported}")
         self.backend = backend or supported[0]
         # bf16 where the CPU has no bf16 arithmetic: wide steps in float32 (infer.layers.widened_linear)
-        self._widens = widens(dtype) and (
-            self.backend == "dequant" or (self.backend, self.bits) == ("torch", 8)
+        self._widens = self.backend == "avx2" or (
+            widens(dtype) and (self.backend == "dequant" or (self.backend, self.bits) == ("torch", 8))
         )
-        pack = {"infer": self._pack_kernel, "torch": self._pack_torch, "dequant": self._pack_dequant}
+        pack = {
+            "infer": self._pack_kernel,
+            "avx2": self._pack_avx2,
+            "torch": self._pack_torch,
+            "dequant": self._pack_dequant,
+        }
         pack[self.backend](weight, dtype)
         self.num_packed_params = self.in_features * self.out_features
 
@@ -124,6 +133,17 @@ class QuantizedLinear(nn.Module):
             "scales", scales_and_zeros.transpose(0, 1).contiguous().to(dtype), persistent=False
         )
 
+    def _pack_avx2(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
+        self._ops = kernels.avx2_ops()
+        self.register_buffer("qweight", w.q.contiguous(), persistent=False)
+        # float16 where that holds them exactly (a Q8_0 block's own scale; _backends checks the range);
+        # float32 where it would round them (K-quants' scales and mins are products of two; ours)
+        offsets = w.offsets()
+        exact = all(t is None or torch.equal(t.half().float(), t) for t in (w.scales, offsets))
+        held = torch.float16 if exact else torch.float32
+        self.register_buffer("scales", w.scales.to(held), persistent=False)
+        self.register_buffer("offsets", None if offsets is None else offsets.to(held), persistent=False)
+
     def _pack_dequant(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self.register_buffer("weight", w.dequantize(dtype), persistent=False)
 
@@ -147,9 +167,11 @@ class QuantizedLinear(nn.Module):
                 self.qsums,
                 INT8_ACTIVATIONS and flat.shape[0] > self._decode_rows,
             )
+        elif self.backend == "avx2" and flat.shape[0] <= KERNEL_ROWS:
+            y = self._ops.avx2_linear(flat, self.qweight, self.scales, self.offsets, self.bias)
         else:
             rows = flat.shape[0]
-            if self._widens and rows > (WIDEN_ROWS if self.backend == "dequant" else TORCH_WIDEN_ROWS):
+            if self._widens and rows > (TORCH_WIDEN_ROWS if self.backend == "torch" else WIDEN_ROWS):
                 y = widened_matmul(flat, self.out_features, self._widened)
             elif self.backend == "dequant":
                 y = nn.functional.linear(flat, self.weight)
@@ -165,7 +187,13 @@ class QuantizedLinear(nn.Module):
         """Output channels `rows` of the weight in float32 (widened_matmul)."""
         if self.backend == "dequant":
             return self.weight[rows].float()
-        return self.qweight[rows].float() * self.scales[rows, None].float()
+        if self.backend == "torch":
+            return self.qweight[rows].float() * self.scales[rows, None].float()
+        codes = self.qweight[rows].float().unflatten(1, (-1, self.group_size))
+        wide = codes * self.scales[rows, :, None].float()
+        if self.offsets is not None:
+            wide += self.offsets[rows, :, None].float()
+        return wide.flatten(1)
 
     def extra_repr(self) -> str:
         shape = f"{self.in_features} -> {self.out_features}"
@@ -193,16 +221,27 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
     out_features, in_features = w.shape
     found = []
     ops = kernels.bf16_ops() if dtype == torch.bfloat16 else None
+    # avx2_linear: int8 codes (6-bit ones too, a byte each) where the CPU has no AVX-512 BF16
+    avx2 = (
+        ["avx2"]
+        if w.bits in (6, 8)
+        and w.group_size % 8 == 0
+        and dtype in (torch.bfloat16, torch.float32)
+        and kernels.avx2_ops() is not None
+        and _fits_half(w)
+        else []
+    )
     if w.bits == 6:  # six_bit_linear.cpp, or dequantized
         six_bit_shape = out_features % 16 == 0 and in_features % SUPER_BLOCK == 0
         return (
             ["infer", "dequant"]
             if ops is not None and "+vnni" in ops.isa() and six_bit_shape
-            else ["dequant"]
+            else [*avx2, "dequant"]
         )
     kernel_shape = out_features % 16 == 0 and in_features % 32 == 0 and w.group_size % 32 == 0
     if kernel_shape and ops is not None and _fits_half(w):
         found.append("infer")
+    found += avx2
     if w.bits == 8 and w.zeros is None and w.mins is None and w.group_size == in_features:
         found.append("torch")
     if w.bits == 4 and w.group_size in (32, 64, 128, 256):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-BACKEND_ORDER = ("infer", "torch", "dequant")  # fastest first, as QuantizedLinear picks them
+BACKEND_ORDER = ("infer", "avx2", "torch", "dequant")  # fastest first, as QuantizedLinear picks them
 
 
 class SplitQuantizedLinear(nn.Module):

@@ -1,5 +1,5 @@
 """bf16 linears on a CPU without bf16 arithmetic: float32 matmuls above WIDEN_ROWS rows on weights widened a
-slice at a time, torch's bf16 matmul below (infer/layers/widened_linear.py)."""
+slice at a time, avx2_linear (or torch's bf16 matmul) below (infer/layers/widened_linear.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer import kernels
 from infer.layers import widened_linear
 from infer.layers.linear import MergedLinear
 from infer.layers.widened_linear import WIDEN_ROWS, WidenedLinear, widen_linears
@@ -28,9 +29,9 @@ def test_rows_above_the_threshold_are_float32_products_rounded_once(monkeypatch,
     x = torch.randn(2, rows, 48).to(torch.bfloat16)
     got = layer(x)
     assert got.shape == (2, rows, 200) and got.dtype == torch.bfloat16
-    if 2 * rows <= WIDEN_ROWS:
+    if 2 * rows <= WIDEN_ROWS and kernels.avx2_ops() is None:
         assert torch.equal(got, F.linear(x, linear.weight, linear.bias))  # torch's bf16 path, as it was
-    else:
+    else:  # avx2_linear at few rows: float32 products too, widened in registers
         wide = F.linear(
             x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float()
         )

@@ -20,6 +20,7 @@ from tests.grids import pairwise_grid
 from tests.quant.packing import quantize_for, write_quantized_checkpoint
 
 HAS_KERNEL = kernels.bf16_ops() is not None
+HAS_AVX2_KERNEL = kernels.avx2_ops() is not None  # a CPU with AVX2, without AVX-512 BF16
 SCHEMES = [(8, None, True), (8, 32, False), (8, 64, True), (4, 32, False), (4, 64, True), (4, 128, False)]
 ROWS = [1, 2, 3, 4, 5, 13, 33]
 # llama.cpp's blocks of 32: Q8_0 (int8, one scale), Q4_0 (int4, one scale), Q4_1 (int4, scale and min)
@@ -66,6 +67,7 @@ def _check_every_backend(bits, group, symmetric, rows, int8_activations, monkeyp
         xd = x.to(dtype)
         ref = _reference(xd, qw, bias.to(dtype))
         backends = ["dequant", "torch"] + (["infer"] if dtype == torch.bfloat16 and HAS_KERNEL else [])
+        backends += ["avx2"] if HAS_AVX2_KERNEL and bits == 8 else []
         for backend in backends:
             try:
                 layer = QuantizedLinear(qw, bias, dtype, backend=backend)
@@ -74,8 +76,9 @@ def _check_every_backend(bits, group, symmetric, rows, int8_activations, monkeyp
                 assert backend == "torch" and no_kernel
                 continue
             y = layer(xd.view(rows, 1, 256)).view(rows, 80).float()
+            expected = ref  # avx2 holds float32 scales where float16 would round them: exact
             tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-            err = (y - ref).abs().max() / ref.abs().max()
+            err = (y - expected).abs().max() / expected.abs().max()
             assert err < tol, (backend, dtype, err)
 
 
@@ -126,7 +129,13 @@ def test_the_kernel_is_chosen_for_bf16_where_the_cpu_has_it():
     assert QuantizedLinear(qw, None, torch.bfloat16).backend == ("infer" if HAS_KERNEL else "torch")
     assert QuantizedLinear(qw, None, torch.float32).backend == "torch"
     odd = quantize(torch.randn(6, 40), 8)  # the kernel wants rows in 16s and inputs in 32s
-    assert QuantizedLinear(odd, None, torch.bfloat16).backend == "torch"
+    int8 = "avx2" if HAS_AVX2_KERNEL else "torch"  # avx2_linear takes any row count, inputs in 8s
+    assert QuantizedLinear(odd, None, torch.bfloat16).backend == int8
+    assert QuantizedLinear(odd, None, torch.float32).backend == int8
+    in_groups = quantize(torch.randn(64, 128), 8, 32)  # GGUF's Q8_0: torch has no kernel for it
+    assert QuantizedLinear(in_groups, None, torch.float32).backend == (
+        "avx2" if HAS_AVX2_KERNEL else "dequant"
+    )
     with pytest.raises(ValueError, match="cannot run"):
         QuantizedLinear(quantize(torch.randn(64, 128), 8, 32), None, torch.float32, backend="torch")
 
@@ -173,7 +182,9 @@ def _greedy(model: str, **kwargs) -> list[list[int]]:
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_at_load_quantization_matches_its_dequantized_weights_greedily(tiny, tmp_path, method):
     net, _, _ = load_model(str(tiny), dtype="float32", quantization=method)
-    assert net.quantization["backends"] == {"torch": 9}  # float32: torch's kernels; 2 x 4 layers + head
+    # float32: torch's kernels (int8 on AVX2 CPUs: avx2_linear); 2 x 4 layers + head
+    int8 = "avx2" if HAS_AVX2_KERNEL else "torch"
+    assert net.quantization["backends"] == ({int8: 9} if method == "int8" else {"torch": 8, int8: 1})
     # the reference: the same quantization, done by hand on the checkpoint, dequantized
     weights = {}
     for name, t in load_file(tiny / "model.safetensors").items():

@@ -1,0 +1,251 @@
+// y = x @ W^T + bias for few rows of x (decode steps) on a CPU with AVX2 and FMA but no bf16 arithmetic:
+// the weight, bf16 or int8 codes with a float32 scale (and offset) per group of inputs, is widened to
+// float32 in registers and multiplied there, so a step reads the weight's own bytes once. torch's bf16
+// matmul on such a CPU costs about one matrix-vector product per row, and an int8 weight in groups (a
+// GGUF file's Q8_0) has no torch kernel at all: it was dequantized to bf16 at load, twice its bytes.
+// Steps of many rows go to a float32 GEMM instead (infer/layers/widened_linear.py): there the multiply-
+// adds, not the bytes, set the time. Figures: docs/optimizations.md, "bf16 on a CPU without bf16
+// arithmetic"; docs/quantization.md, "GGUF files".
+//
+// Layout: the weight as the model holds it, [N, K] row-major (no second copy); scales and offsets
+// [N, K / group], float16 (a Q8_0 block's own scale: 34 bytes a 32 weights, as in the file) or float32
+// (a Q6_K group's, the product of two scales, which float16 does not hold exactly). x is widened once
+// into a float32 buffer; for bf16 weights its inputs are reordered within each 16 to match how one unpack
+// widens 16 bf16 weights (lanes 0-3 and 8-11 in the first vector, 4-7 and 12-15 in the second): a dot
+// product does not care about the order of its terms.
+// A tile is ROWS rows x CH output channels, each accumulator a vector of partial sums of one (row, channel),
+// added across its lanes at the end. Threads (torch's OpenMP pool) take ranges of output channels.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+constexpr int64_t kRowChunk = 4;  // rows per tile: 4 x 2 accumulators, 2 weight vectors, in 16 registers
+
+struct Problem {
+  const float* x;  // [M, K] float32 (bf16 weights: reordered, see above)
+  const void* w;   // [N, K] bf16 or int8
+  const void* scales;   // int8: [N, K / group], float16 or float32
+  const void* offsets;  // int8: as the scales, or null
+  bool half_scales;
+  const float* bias;     // [N] float32 or null
+  void* y;               // [M, N] in x's dtype
+  bool bf16_out;
+  int64_t M, N, K, group;
+};
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <int ROWS, int CH>
+void store(const Problem& P, __m256 (&acc)[ROWS][CH], int64_t n0, int64_t m0) {
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CH; ++c) {
+      const float v = hsum(acc[r][c]) + (P.bias ? P.bias[n0 + c] : 0.f);
+      const int64_t i = (m0 + r) * P.N + n0 + c;
+      if (P.bf16_out)
+        static_cast<c10::BFloat16*>(P.y)[i] = c10::BFloat16(v);  // rounded to nearest even
+      else
+        static_cast<float*>(P.y)[i] = v;
+    }
+}
+
+// 16 bf16 weights as two float32 vectors, in the reordered input order (file comment)
+inline void widen16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i zero = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+}
+
+inline float group_value(const Problem& P, const void* values, int64_t i) {
+  return P.half_scales ? static_cast<float>(static_cast<const c10::Half*>(values)[i])
+                       : static_cast<const float*>(values)[i];
+}
+
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int ROWS, int CH>
+void tile_bf16(const Problem& P, int64_t n0, int64_t m0) {
+  __m256 acc[ROWS][CH];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm256_setzero_ps();
+  const auto* w = static_cast<const c10::BFloat16*>(P.w) + n0 * P.K;
+  const float* x = P.x + m0 * P.K;
+  for (int64_t k = 0; k < P.K; k += 16) {
+    __m256 lo[CH], hi[CH];
+    for (int c = 0; c < CH; ++c) widen16(w + c * P.K + k, lo[c], hi[c]);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 x0 = _mm256_loadu_ps(x + r * P.K + k), x1 = _mm256_loadu_ps(x + r * P.K + k + 8);
+      for (int c = 0; c < CH; ++c)
+        acc[r][c] = _mm256_fmadd_ps(hi[c], x1, _mm256_fmadd_ps(lo[c], x0, acc[r][c]));
+    }
+  }
+  store<ROWS, CH>(P, acc, n0, m0);
+}
+
+template <int ROWS, int CH>
+void tile_int8(const Problem& P, int64_t n0, int64_t m0) {
+  __m256 acc[ROWS][CH];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm256_setzero_ps();
+  const auto* w = static_cast<const int8_t*>(P.w) + n0 * P.K;
+  const float* x = P.x + m0 * P.K;
+  const int64_t groups = P.K / P.group;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 scale[CH], offset[CH];
+    for (int c = 0; c < CH; ++c) {
+      const int64_t i = (n0 + c) * groups + g;
+      scale[c] = _mm256_set1_ps(group_value(P, P.scales, i));
+      offset[c] = _mm256_set1_ps(P.offsets ? group_value(P, P.offsets, i) : 0.f);
+    }
+    for (int64_t k = g * P.group; k < (g + 1) * P.group; k += 8) {
+      __m256 wv[CH];
+      for (int c = 0; c < CH; ++c) wv[c] = _mm256_fmadd_ps(widen8(w + c * P.K + k), scale[c], offset[c]);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * P.K + k);
+        for (int c = 0; c < CH; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+      }
+    }
+  }
+  store<ROWS, CH>(P, acc, n0, m0);
+}
+
+template <bool INT8, int ROWS, int CH>
+void tile(const Problem& P, int64_t n0, int64_t m0) {
+  if constexpr (INT8)
+    tile_int8<ROWS, CH>(P, n0, m0);
+  else
+    tile_bf16<ROWS, CH>(P, n0, m0);
+}
+
+template <bool INT8, int CH>
+void rows_of(const Problem& P, int64_t n0, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: return tile<INT8, 1, CH>(P, n0, m0);
+    case 2: return tile<INT8, 2, CH>(P, n0, m0);
+    case 3: return tile<INT8, 3, CH>(P, n0, m0);
+    default: return tile<INT8, 4, CH>(P, n0, m0);
+  }
+}
+
+template <bool INT8>
+void run(const Problem& P) {
+  // one row: 4 channels a tile (4 weight streams hide the widening); more: 2 channels x up to 4 rows
+  const int64_t ch = P.M == 1 ? 4 : 2;
+  const int64_t tiles = (P.N + ch - 1) / ch;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * ch;
+      const bool whole = n0 + ch <= P.N;
+      for (int64_t m0 = 0; m0 < P.M; m0 += kRowChunk) {
+        const int64_t rows = std::min(kRowChunk, P.M - m0);
+        if (!whole) {
+          for (int64_t n = n0; n < P.N; ++n) rows_of<INT8, 1>(P, n, m0, rows);
+        } else if (ch == 4) {
+          rows_of<INT8, 4>(P, n0, m0, rows);
+        } else {
+          rows_of<INT8, 2>(P, n0, m0, rows);
+        }
+      }
+    }
+  });
+}
+
+#endif
+
+at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
+                       const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias) {
+#if defined(__AVX2__) && defined(__FMA__)
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "avx2_linear: x [M, K], weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "avx2_linear: x bf16 or float32");
+  TORCH_CHECK(weight.is_contiguous(), "avx2_linear: a contiguous weight");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const bool int8 = weight.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == scales.has_value(), "avx2_linear: int8 weights, and only they, have scales");
+  TORCH_CHECK(int8 || weight.scalar_type() == at::kBFloat16, "avx2_linear: bf16 or int8 weights");
+  TORCH_CHECK(int8 || !offsets, "avx2_linear: offsets belong to int8 weights");
+  int64_t group = K;
+  if (int8) {
+    TORCH_CHECK((scales->scalar_type() == at::kHalf || scales->scalar_type() == at::kFloat) &&
+                    scales->is_contiguous() && scales->dim() == 2 && scales->size(0) == N &&
+                    K % scales->size(1) == 0,
+                "avx2_linear: scales float16 or float32 [N, K / group]");
+    group = K / scales->size(1);
+    TORCH_CHECK(group % 8 == 0, "avx2_linear: groups of a multiple of 8 inputs");
+    TORCH_CHECK(!offsets || (offsets->sizes() == scales->sizes() &&
+                             offsets->scalar_type() == scales->scalar_type() && offsets->is_contiguous()),
+                "avx2_linear: offsets as the scales");
+  } else {
+    TORCH_CHECK(K % 16 == 0, "avx2_linear: bf16 weights of a multiple of 16 inputs");
+  }
+  // x in float32 (bf16 weights: each 16 inputs reordered as widen16 widens the weight's), in a buffer of
+  // the calling thread's that outlives the call's threads
+  thread_local std::vector<float> buffer;
+  const float* xf = nullptr;
+  at::Tensor xc = x.contiguous();
+  if (int8 && x.scalar_type() == at::kFloat) {
+    xf = xc.const_data_ptr<float>();
+  } else {
+    buffer.resize(M * K);
+    static constexpr int kOrder[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    const bool bf16_in = x.scalar_type() == at::kBFloat16;
+    const auto* xb = bf16_in ? xc.const_data_ptr<c10::BFloat16>() : nullptr;
+    const auto* xs = bf16_in ? nullptr : xc.const_data_ptr<float>();
+    auto at = [&](int64_t i) { return bf16_in ? static_cast<float>(xb[i]) : xs[i]; };
+    if (int8)
+      for (int64_t i = 0; i < M * K; ++i) buffer[i] = at(i);
+    else
+      for (int64_t i = 0; i < M * K; i += 16)
+        for (int j = 0; j < 16; ++j) buffer[i + j] = at(i + kOrder[j]);
+    xf = buffer.data();
+  }
+  at::Tensor bf = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor y = at::empty({M, N}, x.options());
+  const Problem P{xf,
+                  weight.const_data_ptr(),
+                  int8 ? scales->const_data_ptr() : nullptr,
+                  offsets ? offsets->const_data_ptr() : nullptr,
+                  int8 && scales->scalar_type() == at::kHalf,
+                  bias ? bf.const_data_ptr<float>() : nullptr,
+                  y.data_ptr(),
+                  x.scalar_type() == at::kBFloat16,
+                  M, N, K, group};
+  if (M > 0) {
+    if (int8)
+      run<true>(P);
+    else
+      run<false>(P);
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "avx2_linear needs AVX2 and FMA; this build has ", infer_vec::kIsa);
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(infer_kernels, m) {
+  m.def("avx2_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? offsets, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infer_kernels, CPU, m) {
+  m.impl("avx2_linear", &avx2_linear);
+}

@@ -1,0 +1,65 @@
+"""avx2_linear (infer/kernels/avx2_linear.cpp): bf16 weights and int8 codes in groups widened to float32 in
+registers, at the row counts of decode steps, on CPUs with AVX2 but no AVX-512 BF16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import kernels
+
+OPS = kernels.avx2_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason="avx2_linear serves CPUs with AVX2 and no AVX-512 BF16")
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32 sums in another order than torch's, then one rounding to x's dtype."""
+    assert y.dtype == dtype
+    bound = ref.abs() * (2**-8 if dtype == torch.bfloat16 else 1e-5) + 1e-5 * ref.abs().max()
+    assert ((y.float() - ref).abs() <= bound).all()
+
+
+# 4-channel tiles (one row), 2-channel tiles (more), and the channels left over
+@pytest.mark.parametrize("out_features", [8, 66, 203])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
+def test_bf16_weights_are_the_float32_product(rows, out_features):
+    gen = torch.Generator().manual_seed(rows * out_features)
+    w = torch.randn(out_features, 96, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        ref = x.float() @ w.float().T + bias.float()
+        _check(OPS.avx2_linear(x, w, None, None, bias.to(dtype)), ref, dtype)
+        _check(OPS.avx2_linear(x, w, None, None, None), ref - bias.float(), dtype)
+
+
+@pytest.mark.parametrize("group", [8, 32, 96])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+@pytest.mark.parametrize("with_offsets", [False, True])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_int8_codes_are_their_dequantized_product(rows, group, with_offsets, scale_dtype):
+    gen = torch.Generator().manual_seed(rows * group)
+    out_features, in_features = 37, 192
+    q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    groups = (out_features, in_features // group)
+    scales = (torch.rand(groups, generator=gen) * 0.01).to(scale_dtype)
+    offsets = (torch.randn(groups, generator=gen) * 0.1).to(scale_dtype) if with_offsets else None
+    w = q.float().unflatten(1, (-1, group)) * scales[..., None].float()
+    w = (w if offsets is None else w + offsets[..., None].float()).flatten(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        _check(OPS.avx2_linear(x, q, scales, offsets, None), x.float() @ w.T, dtype)
+
+
+def test_bad_arguments_are_refused():
+    x = torch.randn(2, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="have scales"):
+        OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.int8), None, None, None)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        OPS.avx2_linear(torch.randn(2, 24).bfloat16(), torch.zeros(8, 24).bfloat16(), None, None, None)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 8).half(), None, None)
+    with pytest.raises(RuntimeError, match="float16 or float32"):
+        OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 1).bfloat16(), None, None)
+    with pytest.raises(RuntimeError, match=r"x \[M, K\]"):
+        OPS.avx2_linear(torch.randn(2, 16).bfloat16(), torch.zeros(8, 32).bfloat16(), None, None, None)
