@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -50,11 +51,13 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-template <int ROWS, int CH>
-void store(const Problem& P, __m256 (&acc)[ROWS][CH], int64_t n0, int64_t m0) {
+template <int ROWS, int CH, int S>
+void store(const Problem& P, __m256 (&acc)[ROWS][CH][S], int64_t n0, int64_t m0) {
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < CH; ++c) {
-      const float v = hsum(acc[r][c]) + (P.bias ? P.bias[n0 + c] : 0.f);
+      __m256 sum = acc[r][c][0];
+      for (int i = 1; i < S; ++i) sum = _mm256_add_ps(sum, acc[r][c][i]);
+      const float v = hsum(sum) + (P.bias ? P.bias[n0 + c] : 0.f);
       const int64_t i = (m0 + r) * P.N + n0 + c;
       if (P.bf16_out)
         static_cast<c10::BFloat16*>(P.y)[i] = c10::BFloat16(v);  // rounded to nearest even
@@ -71,67 +74,103 @@ inline void widen16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
 
-inline float group_value(const Problem& P, const void* values, int64_t i) {
-  return P.half_scales ? static_cast<float>(static_cast<const c10::Half*>(values)[i])
-                       : static_cast<const float*>(values)[i];
-}
-
 inline __m256 widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Few rows have few accumulators: each (row, channel) then keeps SPLIT of them, so that enough independent
+// FMAs are in flight to cover their latency (2 units, 4-5 cycles each on these cores).
+template <int ROWS>
+constexpr int kSplit = ROWS <= 2 ? 2 : 1;
+
+// the next tile's weights, a cache line of each of its channels' streams, while this tile computes
+template <int CH>
+inline void prefetch_next(const char* w, int64_t row_bytes, int64_t offset) {
+  for (int c = 0; c < CH; ++c) _mm_prefetch(w + (CH + c) * row_bytes + offset, _MM_HINT_T0);
+}
+
 template <int ROWS, int CH>
 void tile_bf16(const Problem& P, int64_t n0, int64_t m0) {
-  __m256 acc[ROWS][CH];
+  constexpr int S = kSplit<ROWS>;
+  __m256 acc[ROWS][CH][S];
   for (auto& row : acc)
-    for (auto& a : row) a = _mm256_setzero_ps();
+    for (auto& ch : row)
+      for (auto& a : ch) a = _mm256_setzero_ps();
   const auto* w = static_cast<const c10::BFloat16*>(P.w) + n0 * P.K;
   const float* x = P.x + m0 * P.K;
   for (int64_t k = 0; k < P.K; k += 16) {
+    if (k % 32 == 0) prefetch_next<CH>(reinterpret_cast<const char*>(w), P.K * 2, k * 2);
     __m256 lo[CH], hi[CH];
     for (int c = 0; c < CH; ++c) widen16(w + c * P.K + k, lo[c], hi[c]);
     for (int r = 0; r < ROWS; ++r) {
       const __m256 x0 = _mm256_loadu_ps(x + r * P.K + k), x1 = _mm256_loadu_ps(x + r * P.K + k + 8);
-      for (int c = 0; c < CH; ++c)
-        acc[r][c] = _mm256_fmadd_ps(hi[c], x1, _mm256_fmadd_ps(lo[c], x0, acc[r][c]));
+      for (int c = 0; c < CH; ++c) {
+        acc[r][c][0] = _mm256_fmadd_ps(lo[c], x0, acc[r][c][0]);
+        acc[r][c][S - 1] = _mm256_fmadd_ps(hi[c], x1, acc[r][c][S - 1]);
+      }
     }
   }
-  store<ROWS, CH>(P, acc, n0, m0);
+  store<ROWS, CH, S>(P, acc, n0, m0);
 }
 
-template <int ROWS, int CH>
+inline float to_float(c10::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+inline float to_float(float f) { return f; }
+
+template <int ROWS, int CH, typename Scale>
 void tile_int8(const Problem& P, int64_t n0, int64_t m0) {
-  __m256 acc[ROWS][CH];
+  constexpr int S = kSplit<ROWS>;
+  __m256 acc[ROWS][CH][S];
   for (auto& row : acc)
-    for (auto& a : row) a = _mm256_setzero_ps();
+    for (auto& ch : row)
+      for (auto& a : ch) a = _mm256_setzero_ps();
   const auto* w = static_cast<const int8_t*>(P.w) + n0 * P.K;
+  const auto* scales = static_cast<const Scale*>(P.scales);
+  const auto* offsets = static_cast<const Scale*>(P.offsets);
   const float* x = P.x + m0 * P.K;
   const int64_t groups = P.K / P.group;
   for (int64_t g = 0; g < groups; ++g) {
     __m256 scale[CH], offset[CH];
     for (int c = 0; c < CH; ++c) {
       const int64_t i = (n0 + c) * groups + g;
-      scale[c] = _mm256_set1_ps(group_value(P, P.scales, i));
-      offset[c] = _mm256_set1_ps(P.offsets ? group_value(P, P.offsets, i) : 0.f);
+      scale[c] = _mm256_set1_ps(to_float(scales[i]));
+      offset[c] = _mm256_set1_ps(offsets ? to_float(offsets[i]) : 0.f);
     }
-    for (int64_t k = g * P.group; k < (g + 1) * P.group; k += 8) {
+    // 8 inputs into accumulator set `s`, a constant (a variable index would keep acc in memory)
+    auto step = [&](int64_t k, auto s) {
       __m256 wv[CH];
       for (int c = 0; c < CH; ++c) wv[c] = _mm256_fmadd_ps(widen8(w + c * P.K + k), scale[c], offset[c]);
       for (int r = 0; r < ROWS; ++r) {
         const __m256 xv = _mm256_loadu_ps(x + r * P.K + k);
-        for (int c = 0; c < CH; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+        for (int c = 0; c < CH; ++c)
+          acc[r][c][decltype(s)::value] = _mm256_fmadd_ps(wv[c], xv, acc[r][c][decltype(s)::value]);
       }
+    };
+    const int64_t end = (g + 1) * P.group;
+    int64_t k = g * P.group;
+    for (; k + 16 <= end; k += 16) {
+      if (k % 64 == 0) prefetch_next<CH>(reinterpret_cast<const char*>(w), P.K, k);
+      step(k, std::integral_constant<int, 0>());
+      step(k + 8, std::integral_constant<int, S - 1>());
     }
+    if (k < end) step(k, std::integral_constant<int, 0>());
   }
-  store<ROWS, CH>(P, acc, n0, m0);
+  store<ROWS, CH, S>(P, acc, n0, m0);
 }
 
 template <bool INT8, int ROWS, int CH>
 void tile(const Problem& P, int64_t n0, int64_t m0) {
-  if constexpr (INT8)
-    tile_int8<ROWS, CH>(P, n0, m0);
-  else
+  if constexpr (!INT8)
     tile_bf16<ROWS, CH>(P, n0, m0);
+  else if (P.half_scales)
+    tile_int8<ROWS, CH, c10::Half>(P, n0, m0);
+  else
+    tile_int8<ROWS, CH, float>(P, n0, m0);
 }
 
 template <bool INT8, int CH>
