@@ -39,6 +39,12 @@ struct Problem {
   const void* scales;   // int8: [N, K / group], float16 or float32
   const void* offsets;  // int8: as the scales, or null
   bool half_scales;
+  // int8 activations (one or two rows of bf16 x, weights in groups of a multiple of 32): x rounded to
+  // int8 per block of 32 inputs, [M, K], its blocks' scales [M, K / 32] and each weight group's sum of x
+  // [M, K / group] (for the offsets); else null
+  const int8_t* xq;
+  const float* xscale;
+  const float* xsum;
   const float* bias;     // [N] float32 or null
   void* y;               // [M, N] in x's dtype
   bool bf16_out;
@@ -163,10 +169,96 @@ void tile_int8(const Problem& P, int64_t n0, int64_t m0) {
   store<ROWS, CH, S>(P, acc, n0, m0);
 }
 
+// One or two rows with int8 activations, as llama.cpp's Q8_0 dot products on AVX2: a block of 32 codes times
+// 32 int8 inputs in two instructions (vpmaddubsw on |w| and x with w's sign, vpmaddwd), exact in int32,
+// then scaled by the group's scale times the block's. A fifth of the float path's operations a weight,
+// where one row is bound by them, not by the weight's bytes.
+template <int ROWS, int CH, typename Scale>
+void tile_w8a8(const Problem& P, int64_t n0, int64_t m0) {
+  __m256 acc[ROWS][CH];
+  float offset_sum[ROWS][CH] = {};
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm256_setzero_ps();
+  const auto* w = static_cast<const int8_t*>(P.w) + n0 * P.K;
+  const auto* scales = static_cast<const Scale*>(P.scales);
+  const auto* offsets = static_cast<const Scale*>(P.offsets);
+  const int64_t groups = P.K / P.group, blocks = P.K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    float scale[CH];
+    for (int c = 0; c < CH; ++c) {
+      const int64_t i = (n0 + c) * groups + g;
+      scale[c] = to_float(scales[i]);
+      if (offsets)
+        for (int r = 0; r < ROWS; ++r) offset_sum[r][c] += to_float(offsets[i]) * P.xsum[(m0 + r) * groups + g];
+    }
+    for (int64_t k = g * P.group; k < (g + 1) * P.group; k += 32) {
+      if (k % 64 == 0) prefetch_next<CH>(reinterpret_cast<const char*>(w), P.K, k);
+      __m256i wv[CH], magnitude[CH];
+      for (int c = 0; c < CH; ++c) {
+        wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * P.K + k));
+        magnitude[c] = _mm256_sign_epi8(wv[c], wv[c]);  // |w| as unsigned bytes (-128 -> 128)
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.xq + (m0 + r) * P.K + k));
+        const float dx = P.xscale[(m0 + r) * blocks + k / 32];
+        for (int c = 0; c < CH; ++c) {
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude[c], _mm256_sign_epi8(xv, wv[c]));
+          const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+          acc[r][c] = _mm256_fmadd_ps(dots, _mm256_set1_ps(scale[c] * dx), acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < CH; ++c) {
+      const float v = hsum(acc[r][c]) + offset_sum[r][c] + (P.bias ? P.bias[n0 + c] : 0.f);
+      const int64_t i = (m0 + r) * P.N + n0 + c;
+      if (P.bf16_out)
+        static_cast<c10::BFloat16*>(P.y)[i] = c10::BFloat16(v);
+      else
+        static_cast<float*>(P.y)[i] = v;
+    }
+}
+
+// x [M, K] float32 -> int8 per block of 32 (scale max|x| / 127, rounded to nearest even) and each weight
+// group's sum of x, for tile_w8a8
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xscale, float* xsum) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* src = x + m * K + b * 32;
+      __m256 v[4], amax = _mm256_setzero_ps();
+      const __m256 sign_bit = _mm256_set1_ps(-0.f);
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      const float top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      xscale[m * (K / 32) + b] = top / 127.f;
+      const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32),
+                          _mm256_permutevar8x32_epi32(packed, order));
+    }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K / group; ++g) {
+      float sum = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[m * K + k];
+      xsum[m * (K / group) + g] = sum;
+    }
+}
+
 template <bool INT8, int ROWS, int CH>
 void tile(const Problem& P, int64_t n0, int64_t m0) {
   if constexpr (!INT8)
     tile_bf16<ROWS, CH>(P, n0, m0);
+  else if (P.xq && ROWS <= 2)
+    P.half_scales ? tile_w8a8<ROWS, CH, c10::Half>(P, n0, m0) : tile_w8a8<ROWS, CH, float>(P, n0, m0);
   else if (P.half_scales)
     tile_int8<ROWS, CH, c10::Half>(P, n0, m0);
   else
@@ -209,7 +301,8 @@ void run(const Problem& P) {
 #endif
 
 at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
-                       const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& bias,
+                       bool int8_activations) {
 #if defined(__AVX2__) && defined(__FMA__)
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "avx2_linear: x [M, K], weight [N, K]");
@@ -256,6 +349,17 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
         for (int j = 0; j < 16; ++j) buffer[i + j] = at(i + kOrder[j]);
     xf = buffer.data();
   }
+  // int8 activations where asked (bf16 x: its own rounding is already coarser than a block's int8 grid
+  // of 32) and where they pay: one or two rows, weights in groups of whole blocks of 32
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xscale, xsum;
+  const bool w8a8 = int8 && int8_activations && x.scalar_type() == at::kBFloat16 && M <= 2 && group % 32 == 0;
+  if (w8a8) {
+    xq.resize(M * K);
+    xscale.resize(M * K / 32);
+    xsum.resize(M * K / group);
+    quantize_rows(xf, M, K, group, xq.data(), xscale.data(), xsum.data());
+  }
   at::Tensor bf = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor y = at::empty({M, N}, x.options());
   const Problem P{xf,
@@ -263,6 +367,9 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                   int8 ? scales->const_data_ptr() : nullptr,
                   offsets ? offsets->const_data_ptr() : nullptr,
                   int8 && scales->scalar_type() == at::kHalf,
+                  w8a8 ? xq.data() : nullptr,
+                  w8a8 ? xscale.data() : nullptr,
+                  w8a8 ? xsum.data() : nullptr,
                   bias ? bf.const_data_ptr<float>() : nullptr,
                   y.data_ptr(),
                   x.scalar_type() == at::kBFloat16,
@@ -282,7 +389,9 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infer_kernels, m) {
-  m.def("avx2_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? offsets, Tensor? bias) -> Tensor");
+  m.def(
+      "avx2_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? offsets, Tensor? bias,"
+      " bool int8_activations=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infer_kernels, CPU, m) {

@@ -12,8 +12,9 @@ Each QuantizedLinear repacks its `QuantizedWeight` for the fastest path this mac
               `_weight_int4pack_mm_for_cpu` for int4 in groups of 32..256): other CPUs, float32 models.
     "avx2"    int8 codes in any group of a multiple of 8 inputs (GGUF's Q8_0 and Q5_0, and Q6_K as its int8
               codes) on a CPU with AVX2 but no AVX-512 BF16 (infer/kernels/avx2_linear.cpp): steps of
-              up to KERNEL_ROWS rows widen the codes to float32 in registers, wider steps multiply in
-              float32 on the weight widened a slice at a time (infer.layers.widened_linear).
+              up to KERNEL_ROWS rows widen the codes to float32 in registers (one or two rows of bf16
+              activations: rounded to int8 per block of 32, vpmaddubsw, as llama.cpp's Q8_0), wider
+              steps multiply in float32 on the weight widened a slice at a time (widened_linear).
     "dequant" anything else (e.g. int8 in groups, on a CPU without AVX-512 BF16): the weight dequantized
               once into the model's dtype. Correct, but saves neither memory nor time: logged at load.
 
@@ -168,7 +169,9 @@ class QuantizedLinear(nn.Module):
                 INT8_ACTIVATIONS and flat.shape[0] > self._decode_rows,
             )
         elif self.backend == "avx2" and flat.shape[0] <= KERNEL_ROWS:
-            y = self._ops.avx2_linear(flat, self.qweight, self.scales, self.offsets, self.bias)
+            y = self._ops.avx2_linear(
+                flat, self.qweight, self.scales, self.offsets, self.bias, INT8_ACTIVATIONS
+            )
         else:
             rows = flat.shape[0]
             if self._widens and rows > (TORCH_WIDEN_ROWS if self.backend == "torch" else WIDEN_ROWS):

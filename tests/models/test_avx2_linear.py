@@ -63,3 +63,55 @@ def test_bad_arguments_are_refused():
         OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 1).bfloat16(), None, None)
     with pytest.raises(RuntimeError, match=r"x \[M, K\]"):
         OPS.avx2_linear(torch.randn(2, 16).bfloat16(), torch.zeros(8, 32).bfloat16(), None, None, None)
+
+
+def _w8a8_reference(x: torch.Tensor, w: torch.Tensor, group: int, scales, offsets) -> torch.Tensor:
+    """x rounded to int8 per block of 32 inputs (x * (127 / max|x|), to nearest even) times the codes,
+    exact, times the group's scale and the block's; plus each group's offset times its sum of x."""
+    xf = x.float().unflatten(1, (-1, 32))
+    top = xf.abs().amax(-1, keepdim=True)
+    block_scale = top / 127
+    xq = torch.round(xf * torch.where(top > 0, 127 / top, 0)).flatten(1)  # float32, as the kernel
+    per_block = (xq.double().unflatten(1, (-1, 32)) * block_scale.double()).flatten(1)
+    wd = w.double().unflatten(1, (-1, group)) * scales.double()[..., None]
+    out = per_block @ wd.flatten(1).T
+    if offsets is not None:
+        sums = x.double().unflatten(1, (-1, group)).sum(-1)  # [rows, groups]
+        out += sums @ offsets.double().T
+    return out
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("group", [32, 64, 192])
+@pytest.mark.parametrize("with_offsets", [False, True])
+def test_int8_activations_round_x_per_block_of_32_and_sum_exactly(rows, group, with_offsets):
+    """One or two rows of bf16 x with int8 activations: x rounded per block of 32, the products summed
+    exactly in int32; three rows keep the float path. An x already on each block's int8 grid (codes
+    times max / 127) loses nothing: the exact product, to the output's bf16 rounding."""
+    gen = torch.Generator().manual_seed(rows + group)
+    out_features, in_features = 37, 192
+    q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    groups = (out_features, in_features // group)
+    scales = (torch.rand(groups, generator=gen) * 0.01).half()
+    offsets = (torch.randn(groups, generator=gen) * 0.1).half() if with_offsets else None
+    w = q.float().unflatten(1, (-1, group)) * scales[..., None].float()
+    w = (w if offsets is None else w + offsets[..., None].float()).flatten(1)
+
+    codes = torch.randint(-127, 128, (rows, in_features), generator=gen)
+    codes.view(rows, -1, 32)[:, :, 0] = 127  # each block's max: its scale is 1 / 16, x = codes / 16
+    codes[0, :32] = 0  # a block of zeros: scale 0
+    on_grid = (codes.float() / 16).bfloat16()
+    y = OPS.avx2_linear(on_grid, q, scales, offsets, None, True).double()
+    exact = (on_grid.float() @ w.T).double()
+    assert ((y - exact).abs() <= exact.abs() * 2**-8 + 1e-6 * exact.abs().max()).all()
+
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    y = OPS.avx2_linear(x, q, scales, offsets, None, True)
+    float_path = OPS.avx2_linear(x, q, scales, offsets, None)
+    assert torch.equal(OPS.avx2_linear(x, q, scales, offsets, None, False), float_path)
+    if rows <= 2:
+        ref = _w8a8_reference(x, q, group, scales, offsets)
+        assert ((y.double() - ref).abs().amax(1) <= ref.abs().amax(1) * 2**-8).all()
+        assert not torch.equal(y, float_path)
+    else:
+        assert torch.equal(y, float_path)
