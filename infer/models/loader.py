@@ -97,9 +97,8 @@ def pick_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
     Measured (benchmarks/bench_dtype.py, docs/benchmarks.md), bf16 weights prepacked for oneDNN: on an
     Intel Xeon with AMX, bf16 prefills 2-3x faster than fp32 and decodes a batch of 8 1.5-2x faster; on an
     AMD EPYC with AVX-512 BF16 and no AMX, 2.2-2.8x faster prefill and 2.5-3.6x faster decode at batch 1
-    and 8. A CPU with neither keeps the checkpoint's dtype: there bf16 (its linears widened to float32 above
-    a few rows: infer.layers.widened_linear) decodes one stream 2x faster than float32 and 8 streams 10-25%
-    slower, prompts at the same speed (docs/optimizations.md).
+    and 8. A CPU with neither keeps the checkpoint's dtype: there bf16 (infer.layers.widened_linear)
+    decodes 1.4-2.2x faster than float32 and prefills at 0.8-1x its speed (docs/optimizations.md).
     """
     if dtype != "auto":
         return to_torch_dtype(dtype)

@@ -26,10 +26,12 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture
 def row_invariant_linears(monkeypatch):
-    """bf16 linears computed the same way at every row count: on a CPU without bf16 arithmetic a step of
-    more than WIDEN_ROWS rows multiplies in float32 (infer/layers/widened_linear.py), whose sums round
-    apart from a narrower step's by an ulp now and then. For tests that compare a verification's tokens
-    with plain decoding's bit for bit in bf16 (the attention's part of that equality)."""
+    """bf16 linears computed the same way at every row count: on a CPU without bf16 arithmetic avx2_linear
+    sums a row in an order that depends on the step's rows, and a step of more rows multiplies in float32
+    (infer/layers/widened_linear.py); their sums round apart by an ulp now and then. Here torch's bf16
+    matmul, a product per row, runs every step. For tests that compare a verification's tokens with plain
+    decoding's bit for bit in bf16 (the attention's part of that equality)."""
     from infer.layers import widened_linear
 
     monkeypatch.setattr(widened_linear, "WIDEN_ROWS", 2**31)
+    monkeypatch.setattr(widened_linear, "KERNEL_ROWS", 0)
