@@ -21,6 +21,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -57,13 +58,15 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// each (row, channel)'s partial sums added, plus `extra` (the groups' offsets times x's sums) and the bias
 template <int ROWS, int CH, int S>
-void store(const Problem& P, __m256 (&acc)[ROWS][CH][S], int64_t n0, int64_t m0) {
+void store(const Problem& P, __m256 (&acc)[ROWS][CH][S], int64_t n0, int64_t m0,
+           const float (*extra)[CH] = nullptr) {
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < CH; ++c) {
       __m256 sum = acc[r][c][0];
       for (int i = 1; i < S; ++i) sum = _mm256_add_ps(sum, acc[r][c][i]);
-      const float v = hsum(sum) + (P.bias ? P.bias[n0 + c] : 0.f);
+      const float v = hsum(sum) + (extra ? extra[r][c] : 0.f) + (P.bias ? P.bias[n0 + c] : 0.f);
       const int64_t i = (m0 + r) * P.N + n0 + c;
       if (P.bf16_out)
         static_cast<c10::BFloat16*>(P.y)[i] = c10::BFloat16(v);  // rounded to nearest even
@@ -99,9 +102,7 @@ template <int ROWS, int CH>
 void tile_bf16(const Problem& P, int64_t n0, int64_t m0) {
   constexpr int S = kSplit<ROWS>;
   __m256 acc[ROWS][CH][S];
-  for (auto& row : acc)
-    for (auto& ch : row)
-      for (auto& a : ch) a = _mm256_setzero_ps();
+  std::fill_n(&acc[0][0][0], ROWS * CH * S, _mm256_setzero_ps());
   const auto* w = static_cast<const c10::BFloat16*>(P.w) + n0 * P.K;
   const float* x = P.x + m0 * P.K;
   for (int64_t k = 0; k < P.K; k += 16) {
@@ -132,9 +133,7 @@ template <int ROWS, int CH, typename Scale>
 void tile_int8(const Problem& P, int64_t n0, int64_t m0) {
   constexpr int S = kSplit<ROWS>;
   __m256 acc[ROWS][CH][S];
-  for (auto& row : acc)
-    for (auto& ch : row)
-      for (auto& a : ch) a = _mm256_setzero_ps();
+  std::fill_n(&acc[0][0][0], ROWS * CH * S, _mm256_setzero_ps());
   const auto* w = static_cast<const int8_t*>(P.w) + n0 * P.K;
   const auto* scales = static_cast<const Scale*>(P.scales);
   const auto* offsets = static_cast<const Scale*>(P.offsets);
@@ -175,10 +174,9 @@ void tile_int8(const Problem& P, int64_t n0, int64_t m0) {
 // where one row is bound by them, not by the weight's bytes.
 template <int ROWS, int CH, typename Scale>
 void tile_w8a8(const Problem& P, int64_t n0, int64_t m0) {
-  __m256 acc[ROWS][CH];
+  __m256 acc[ROWS][CH][1];
   float offset_sum[ROWS][CH] = {};
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm256_setzero_ps();
+  std::fill_n(&acc[0][0][0], ROWS * CH, _mm256_setzero_ps());
   const auto* w = static_cast<const int8_t*>(P.w) + n0 * P.K;
   const auto* scales = static_cast<const Scale*>(P.scales);
   const auto* offsets = static_cast<const Scale*>(P.offsets);
@@ -205,24 +203,16 @@ void tile_w8a8(const Problem& P, int64_t n0, int64_t m0) {
         for (int c = 0; c < CH; ++c) {
           const __m256i pairs = _mm256_maddubs_epi16(magnitude[c], _mm256_sign_epi8(xv, wv[c]));
           const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-          acc[r][c] = _mm256_fmadd_ps(dots, _mm256_set1_ps(scale[c] * dx), acc[r][c]);
+          acc[r][c][0] = _mm256_fmadd_ps(dots, _mm256_set1_ps(scale[c] * dx), acc[r][c][0]);
         }
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < CH; ++c) {
-      const float v = hsum(acc[r][c]) + offset_sum[r][c] + (P.bias ? P.bias[n0 + c] : 0.f);
-      const int64_t i = (m0 + r) * P.N + n0 + c;
-      if (P.bf16_out)
-        static_cast<c10::BFloat16*>(P.y)[i] = c10::BFloat16(v);
-      else
-        static_cast<float*>(P.y)[i] = v;
-    }
+  store<ROWS, CH, 1>(P, acc, n0, m0, offset_sum);
 }
 
-// x [M, K] float32 -> int8 per block of 32 (scale max|x| / 127, rounded to nearest even) and each weight
-// group's sum of x, for tile_w8a8
+// x [M, K] float32 -> int8 per block of 32 (scale max|x| / 127, rounded to nearest even) and, given
+// `xsum`, each weight group's sum of x, for tile_w8a8
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xscale, float* xsum) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t m = 0; m < M; ++m)
@@ -245,7 +235,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int8_t* 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32),
                           _mm256_permutevar8x32_epi32(packed, order));
     }
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; xsum && m < M; ++m)
     for (int64_t g = 0; g < K / group; ++g) {
       float sum = 0.f;
       for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[m * K + k];
@@ -357,8 +347,8 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   if (w8a8) {
     xq.resize(M * K);
     xscale.resize(M * K / 32);
-    xsum.resize(M * K / group);
-    quantize_rows(xf, M, K, group, xq.data(), xscale.data(), xsum.data());
+    xsum.resize(offsets ? M * K / group : 0);
+    quantize_rows(xf, M, K, group, xq.data(), xscale.data(), offsets ? xsum.data() : nullptr);
   }
   at::Tensor bf = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -369,7 +359,7 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                   int8 && scales->scalar_type() == at::kHalf,
                   w8a8 ? xq.data() : nullptr,
                   w8a8 ? xscale.data() : nullptr,
-                  w8a8 ? xsum.data() : nullptr,
+                  w8a8 && offsets ? xsum.data() : nullptr,
                   bias ? bf.const_data_ptr<float>() : nullptr,
                   y.data_ptr(),
                   x.scalar_type() == at::kBFloat16,
