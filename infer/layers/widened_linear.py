@@ -6,8 +6,8 @@ rows therefore multiplies in float32, on the weight widened one slice of output 
 WIDEN_SLICE_ELEMENTS weights, which stay in cache: widening the whole weight would allocate and fault in
 a float32 copy every call), and rounds the output to bf16. Where infer's kernels are built, steps of
 up to KERNEL_ROWS rows read the bf16 weight once, widening it in registers (infer/kernels/avx2_linear.cpp):
-a decode is bound by the weight's bytes, half a float32 copy's, and up to 64-128 rows that beat the
-widened GEMM; without them, steps of up to WIDEN_ROWS keep torch's bf16 path. The model keeps bf16
+a decode is bound by the weight's bytes, half a float32 copy's; without them, steps of up to
+WIDEN_ROWS keep torch's bf16 path. The model keeps bf16
 weights (memory, and the bytes a decode reads). Figures: docs/optimizations.md, "bf16 on a CPU
 without bf16 arithmetic".
 """
