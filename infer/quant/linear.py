@@ -11,10 +11,11 @@ Each QuantizedLinear repacks its `QuantizedWeight` for the fastest path this mac
     "torch"   torch's weight-only kernels (`_weight_int8pack_mm` for int8 per channel without zero points,
               `_weight_int4pack_mm_for_cpu` for int4 in groups of 32..256): other CPUs, float32 models.
     "avx2"    int8 codes in any group of a multiple of 8 inputs (GGUF's Q8_0 and Q5_0, and Q6_K as its int8
-              codes) on a CPU with AVX2 but no AVX-512 BF16 (infer/kernels/avx2_linear.cpp): steps of
-              up to KERNEL_ROWS rows widen the codes to float32 in registers (one or two rows of bf16
-              activations: rounded to int8 per block of 32, vpmaddubsw, as llama.cpp's Q8_0), wider
-              steps multiply in float32 on the weight widened a slice at a time (widened_linear).
+              codes) and int4 codes in groups of a multiple of 32 (Q4_0, Q4_1, Q4_K; ours) on a CPU with
+              AVX2 but no AVX-512 BF16 (infer/kernels/avx2_linear.cpp): steps of up to KERNEL_ROWS rows
+              widen the codes to float32 in registers (one or two rows: activations rounded to int8 per
+              block of 32, vpmaddubsw, as llama.cpp's Q8_0 and Q4_0), wider steps multiply in float32
+              on the weight widened a slice at a time (widened_linear).
     "dequant" anything else (e.g. int8 in groups, on a CPU without AVX-512 BF16): the weight dequantized
               once into the model's dtype. Correct, but saves neither memory nor time: logged at load.
 
@@ -136,10 +137,16 @@ class QuantizedLinear(nn.Module):
 
     def _pack_avx2(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self._ops = kernels.avx2_ops()
-        self.register_buffer("qweight", w.q.contiguous(), persistent=False)
-        # float16 where that holds them exactly (a Q8_0 block's own scale; _backends checks the range);
-        # float32 where it would round them (K-quants' scales and mins are products of two; ours)
-        offsets = w.offsets()
+        if w.bits == 4:  # codes 0..15, two a byte as Q4_0 packs a block of 32 (avx2_linear.cpp)
+            q, offsets = _unsigned_int4(w)
+            halves = q.view(self.out_features, -1, 2, 16).to(torch.uint8)
+            packed = (halves[:, :, 0] | halves[:, :, 1] << 4).view(self.out_features, -1)
+            self.register_buffer("qweight", packed, persistent=False)
+        else:
+            self.register_buffer("qweight", w.q.contiguous(), persistent=False)
+            offsets = w.offsets()
+        # float16 where that holds them exactly (a Q8_0 or Q4_0 block's own scale); float32 where it
+        # would round them (K-quants' scales and mins are products of two; ours)
         exact = all(t is None or torch.equal(t.half().float(), t) for t in (w.scales, offsets))
         held = torch.float16 if exact else torch.float32
         self.register_buffer("scales", w.scales.to(held), persistent=False)
@@ -192,7 +199,11 @@ class QuantizedLinear(nn.Module):
             return self.weight[rows].float()
         if self.backend == "torch":
             return self.qweight[rows].float() * self.scales[rows, None].float()
-        codes = self.qweight[rows].float().unflatten(1, (-1, self.group_size))
+        codes = self.qweight[rows]
+        if self.backend == "avx2" and self.bits == 4:  # unpacked: low nibbles, then high, each 16
+            blocks = codes.unflatten(1, (-1, 16))
+            codes = torch.stack([blocks & 15, blocks >> 4], -2).flatten(1)
+        codes = codes.float().unflatten(1, (-1, self.group_size))
         wide = codes * self.scales[rows, :, None].float()
         if self.offsets is not None:
             wide += self.offsets[rows, :, None].float()
@@ -224,14 +235,12 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
     out_features, in_features = w.shape
     found = []
     ops = kernels.bf16_ops() if dtype == torch.bfloat16 else None
-    # avx2_linear: int8 codes (6-bit ones too, a byte each) where the CPU has no AVX-512 BF16
+    # avx2_linear: int8 codes (6-bit ones too, a byte each) and int4 ones, where the CPU has no AVX-512 BF16
     avx2 = (
         ["avx2"]
-        if w.bits in (6, 8)
-        and w.group_size % 8 == 0
+        if w.group_size % (32 if w.bits == 4 else 8) == 0
         and dtype in (torch.bfloat16, torch.float32)
         and kernels.avx2_ops() is not None
-        and _fits_half(w)
         else []
     )
     if w.bits == 6:  # six_bit_linear.cpp, or dequantized

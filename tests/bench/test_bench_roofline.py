@@ -66,11 +66,13 @@ def test_quantized_weight_bytes_are_what_the_quantized_model_holds(method):
     quantized = {id(p) for m in net.modules() if isinstance(m, QuantizedLinear) for p in m.parameters()}
     embedding = net.input_embeddings().weight
     held += sum(p.nbytes for p in net.parameters() if id(p) not in quantized and p is not embedding)
-    # avx2_linear holds float32 scales where float16 would round them: 2 more bytes a scale
+    # avx2_linear holds float32 scales (and offsets) where float16 would round them: 2 more bytes each
     wider = sum(
-        m.scales.numel() * 2
+        t.numel() * 2
         for m in net.modules()
-        if isinstance(m, QuantizedLinear) and m.scales.dtype == torch.float32
+        if isinstance(m, QuantizedLinear)
+        for t in (m.scales, getattr(m, "offsets", None))
+        if t is not None and t.dtype == torch.float32
     )
     assert model_shape("llama-50m", "bfloat16", method)["weight_bytes"] + wider == held
 

@@ -1,5 +1,5 @@
-"""avx2_linear (infer/kernels/avx2_linear.cpp): bf16 weights and int8 codes in groups widened to float32 in
-registers, at the row counts of decode steps, on CPUs with AVX2 but no AVX-512 BF16."""
+"""avx2_linear (infer/kernels/avx2_linear.cpp): bf16 weights and int8 or int4 codes in groups widened to
+float32 in registers, at the row counts of decode steps, on CPUs with AVX2 but no AVX-512 BF16."""
 
 from __future__ import annotations
 
@@ -19,6 +19,20 @@ def _check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     assert ((y.float() - ref).abs() <= bound).all()
 
 
+def _packed(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes as the kernel takes them: int8 as they are; int4 (0..15) two a byte as GGUF's Q4_0 packs a
+    block of 32, byte j holding code j in its low nibble and code j + 16 in its high one."""
+    if bits == 8:
+        return q
+    blocks = q.to(torch.uint8).unflatten(1, (-1, 2, 16))
+    return (blocks[:, :, 0] | blocks[:, :, 1] << 4).flatten(1)
+
+
+def _codes(bits: int, shape, gen) -> torch.Tensor:
+    low, high = (-128, 128) if bits == 8 else (0, 16)
+    return torch.randint(low, high, shape, generator=gen, dtype=torch.int8)
+
+
 # 4-channel tiles (one row), 2-channel tiles (more), and the channels left over
 @pytest.mark.parametrize("out_features", [8, 66, 203])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
@@ -33,14 +47,14 @@ def test_bf16_weights_are_the_float32_product(rows, out_features):
         _check(OPS.avx2_linear(x, w, None, None, None), ref - bias.float(), dtype)
 
 
-@pytest.mark.parametrize("group", [8, 32, 96])
+@pytest.mark.parametrize("bits, group", [(8, 8), (8, 32), (8, 96), (4, 32), (4, 64), (4, 192)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])
 @pytest.mark.parametrize("with_offsets", [False, True])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
-def test_int8_codes_are_their_dequantized_product(rows, group, with_offsets, scale_dtype):
-    gen = torch.Generator().manual_seed(rows * group)
+def test_codes_are_their_dequantized_product(rows, bits, group, with_offsets, scale_dtype):
+    gen = torch.Generator().manual_seed(rows * group + bits)
     out_features, in_features = 37, 192
-    q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    q = _codes(bits, (out_features, in_features), gen)
     groups = (out_features, in_features // group)
     scales = (torch.rand(groups, generator=gen) * 0.01).to(scale_dtype)
     offsets = (torch.randn(groups, generator=gen) * 0.1).to(scale_dtype) if with_offsets else None
@@ -48,7 +62,7 @@ def test_int8_codes_are_their_dequantized_product(rows, group, with_offsets, sca
     w = (w if offsets is None else w + offsets[..., None].float()).flatten(1)
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
-        _check(OPS.avx2_linear(x, q, scales, offsets, None), x.float() @ w.T, dtype)
+        _check(OPS.avx2_linear(x, _packed(q, bits), scales, offsets, None), x.float() @ w.T, dtype)
 
 
 def test_bad_arguments_are_refused():
@@ -59,6 +73,10 @@ def test_bad_arguments_are_refused():
         OPS.avx2_linear(torch.randn(2, 24).bfloat16(), torch.zeros(8, 24).bfloat16(), None, None, None)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 8).half(), None, None)
+    with pytest.raises(RuntimeError, match="int4: 32"):
+        OPS.avx2_linear(x, torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 2).half(), None, None)
+    with pytest.raises(RuntimeError, match=r"int4: \[N, K / 2\]"):
+        OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 1).half(), None, None)
     with pytest.raises(RuntimeError, match="float16 or float32"):
         OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 1).bfloat16(), None, None)
     with pytest.raises(RuntimeError, match=r"x \[M, K\]"):
@@ -67,7 +85,8 @@ def test_bad_arguments_are_refused():
 
 def _w8a8_reference(x: torch.Tensor, w: torch.Tensor, group: int, scales, offsets) -> torch.Tensor:
     """x rounded to int8 per block of 32 inputs (x * (127 / max|x|), to nearest even) times the codes,
-    exact, times the group's scale and the block's; plus each group's offset times its sum of x."""
+    exact, times the group's scale and the block's; plus each group's offset times its sum of the rounded x:
+    the weights' dot product with the rounded x."""
     xf = x.float().unflatten(1, (-1, 32))
     top = xf.abs().amax(-1, keepdim=True)
     block_scale = top / 127
@@ -76,21 +95,23 @@ def _w8a8_reference(x: torch.Tensor, w: torch.Tensor, group: int, scales, offset
     wd = w.double().unflatten(1, (-1, group)) * scales.double()[..., None]
     out = per_block @ wd.flatten(1).T
     if offsets is not None:
-        sums = x.double().unflatten(1, (-1, group)).sum(-1)  # [rows, groups]
+        sums = per_block.unflatten(1, (-1, group)).sum(-1)  # [rows, groups]
         out += sums @ offsets.double().T
     return out
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3])
-@pytest.mark.parametrize("group", [32, 64, 192])
+@pytest.mark.parametrize("bits, group", [(8, 32), (8, 64), (8, 192), (4, 32), (4, 64)])
 @pytest.mark.parametrize("with_offsets", [False, True])
-def test_int8_activations_round_x_per_block_of_32_and_sum_exactly(rows, group, with_offsets):
-    """One or two rows of bf16 x with int8 activations: x rounded per block of 32, the products summed
-    exactly in int32; three rows keep the float path. An x already on each block's int8 grid (codes
-    times max / 127) loses nothing: the exact product, to the output's bf16 rounding."""
-    gen = torch.Generator().manual_seed(rows + group)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_activations_round_x_per_block_of_32_and_sum_exactly(rows, bits, group, with_offsets, dtype):
+    """One or two rows of x with int8 activations: x rounded per block of 32, the products summed exactly
+    in int32; three rows keep the float path. An x already on each block's int8 grid (codes times
+    max / 127) loses nothing: the exact product, to the output's rounding."""
+    gen = torch.Generator().manual_seed(rows + group + bits)
     out_features, in_features = 37, 192
-    q = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
+    q = _codes(bits, (out_features, in_features), gen)
+    packed = _packed(q, bits)
     groups = (out_features, in_features // group)
     scales = (torch.rand(groups, generator=gen) * 0.01).half()
     offsets = (torch.randn(groups, generator=gen) * 0.1).half() if with_offsets else None
@@ -100,18 +121,19 @@ def test_int8_activations_round_x_per_block_of_32_and_sum_exactly(rows, group, w
     codes = torch.randint(-127, 128, (rows, in_features), generator=gen)
     codes.view(rows, -1, 32)[:, :, 0] = 127  # each block's max: its scale is 1 / 16, x = codes / 16
     codes[0, :32] = 0  # a block of zeros: scale 0
-    on_grid = (codes.float() / 16).bfloat16()
-    y = OPS.avx2_linear(on_grid, q, scales, offsets, None, True).double()
+    on_grid = (codes.float() / 16).to(dtype)
+    y = OPS.avx2_linear(on_grid, packed, scales, offsets, None, True).double()
     exact = (on_grid.float() @ w.T).double()
-    assert ((y - exact).abs() <= exact.abs() * 2**-8 + 1e-6 * exact.abs().max()).all()
+    rounding = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    assert ((y - exact).abs() <= exact.abs() * rounding + 1e-6 * exact.abs().max()).all()
 
-    x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    y = OPS.avx2_linear(x, q, scales, offsets, None, True)
-    float_path = OPS.avx2_linear(x, q, scales, offsets, None)
-    assert torch.equal(OPS.avx2_linear(x, q, scales, offsets, None, False), float_path)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    y = OPS.avx2_linear(x, packed, scales, offsets, None, True)
+    float_path = OPS.avx2_linear(x, packed, scales, offsets, None)
+    assert torch.equal(OPS.avx2_linear(x, packed, scales, offsets, None, False), float_path)
     if rows <= 2:
         ref = _w8a8_reference(x, q, group, scales, offsets)
-        assert ((y.double() - ref).abs().amax(1) <= ref.abs().amax(1) * 2**-8).all()
+        assert ((y.double() - ref).abs().amax(1) <= ref.abs().amax(1) * rounding).all()
         assert not torch.equal(y, float_path)
     else:
         assert torch.equal(y, float_path)

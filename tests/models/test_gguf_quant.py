@@ -70,9 +70,9 @@ def _ids(vocab_size: int) -> list[int]:
 
 @pytest.mark.parametrize("kind", QUANTIZED)
 def test_logits_are_the_dequantized_weights(files, kind):
-    """float32: the int8 path dequantizes groups of 32 (torch has no int8 kernel in groups; on an AVX2 CPU
-    avx2_linear widens them in registers) and the int4 path runs torch's kernel: the dequantized model's
-    logits to float32 rounding. bf16: our kernel, to
+    """float32: the int8 path dequantizes groups of 32 (torch has no int8 kernel in groups) and the int4
+    path runs torch's kernel, or on an AVX2 CPU avx2_linear widens both in registers (a prompt's many rows
+    keep float32 activations): the dequantized model's logits to float32 rounding. bf16: our kernel, to
     bf16 rounding and the rounding of batched activations to int8."""
     ours, cfg, _ = load_model(str(files[kind]), dtype="float32", prepack=False)
     ref, _, _ = load_model(str(files[f"{kind}-dequantized"]), dtype="float32", prepack=False)
@@ -156,9 +156,9 @@ def test_server_says_which_path_each_type_took(files, tmp_path):
     finally:
         server.stop()
     assert held["tensor_types"] == {"Q4_0": 42, "F32": 13, "Q8_0": 1}
-    int4, int8 = ("infer kernel", "infer kernel") if HAS_KERNEL else ("torch kernel", "infer AVX2 kernel")
+    int4 = int8 = "infer kernel" if HAS_KERNEL else "infer AVX2 kernel"
     if not HAS_KERNEL and kernels.avx2_ops() is None:
-        int8 = "dequantized: no kernel here"
+        int4, int8 = "torch kernel", "dequantized: no kernel here"
     assert held["paths"] == {
         "Q4_0": f"int4 in groups of 32: 24 linear layers ({int4} x24)",
         "F32": "bfloat16 (--dtype)",
