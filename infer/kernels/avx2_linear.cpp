@@ -1,22 +1,27 @@
-// y = x @ W^T + bias for few rows of x (decode steps) on a CPU with AVX2 and FMA but no bf16 arithmetic:
-// the weight, bf16, or int8 or int4 codes with a scale (and offset) per group of inputs, is widened to
-// float32 in registers and multiplied there, so a step reads the weight's own bytes once. torch's bf16
-// matmul on such a CPU costs about one matrix-vector product per row, an int8 weight in groups (a GGUF
-// file's Q8_0) has no torch kernel at all, and torch's int4 kernel is slower than widening here.
+// y = x @ W^T + bias for few rows of x (decode steps) on a CPU with AVX2 and FMA but no bf16 arithmetic,
+// reading the weight's own bytes once: bf16 weights widened to float32 in registers; int8 or int4 codes
+// with a scale (and offset) per group of inputs multiplied as int8 against x rounded to int8 per block of
+// 32 (as llama.cpp's Q8_0 and Q4_0 on AVX2), or widened to float32 where asked for exact float32 sums.
+// torch's bf16 matmul on such a CPU costs about one matrix-vector product per row, an int8 weight in
+// groups (a GGUF file's Q8_0) has no torch kernel at all, and torch's int4 kernel is slower than this.
 // Steps of many rows go to a float32 GEMM instead (infer/layers/widened_linear.py): there the multiply-
 // adds, not the bytes, set the time. Figures: docs/optimizations.md, "bf16 on a CPU without bf16
 // arithmetic"; docs/quantization.md, "GGUF files".
 //
-// Layout: the weight as the model holds it, [N, K] row-major (no second copy); int4 codes 0..15 packed two a
-// byte, [N, K / 2], as GGUF's Q4_0 packs a block of 32 (byte j: code j in its low nibble, code j + 16 in
-// its high one), symmetric codes shifted by 8 with -8 x scale as their offset; scales and offsets
-// [N, K / group], float16 (a Q8_0 block's own scale: 34 bytes a 32 weights, as in the file) or float32
-// (a Q6_K group's, the product of two scales, which float16 does not hold exactly). x is widened once
-// into a float32 buffer; for bf16 weights its inputs are reordered within each 16 to match how one unpack
-// widens 16 bf16 weights (lanes 0-3 and 8-11 in the first vector, 4-7 and 12-15 in the second): a dot
-// product does not care about the order of its terms.
-// A tile is ROWS rows x CH output channels, each accumulator a vector of partial sums of one (row, channel),
-// added across its lanes at the end. Threads (torch's OpenMP pool) take ranges of output channels.
+// bf16 layout: the weight as the model holds it, [N, K] row-major (no second copy). x is widened once into
+// a float32 buffer, its inputs reordered within each 16 to match how one unpack widens 16 bf16 weights
+// (lanes 0-3 and 8-11 in the first vector, 4-7 and 12-15 in the second): a dot product does not care
+// about the order of its terms. A tile is ROWS rows x CH output channels, each accumulator a vector of
+// partial sums of one (row, channel), added across its lanes at the end.
+//
+// Codes layout (infer/quant/linear.py packs it at load, in place of the row-major codes): output channels
+// in blocks of 8, each block's codes in runs of 4 inputs x 8 channels, 32 bytes, channel i's 4 codes at
+// bytes 4i..4i+3, so that one load holds 8 channels' terms side by side: int8 [N / 8][K / 4][8][4];
+// int4 (codes 0..15; symmetric ones shifted by 8, -8 x scale their offset) per block of 32 inputs 4 x 32
+// bytes, run t holding inputs 4t..4t+3 in its low nibbles and 16 + 4t.. in its high ones, [N / 8][K / 32]
+// [4][8][4]. Scales and offsets [N / 8][K / group][8], float16 (a Q8_0 or Q4_0 block's own scale, exact)
+// or float32 (K-quants' products of two scales, which float16 does not hold exactly).
+// Threads (torch's OpenMP pool) take ranges of output channels.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,6 +29,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -38,17 +44,16 @@ constexpr int64_t kRowChunk = 4;  // rows per tile: 4 x 2 accumulators, 2 weight
 
 struct Problem {
   const float* x;  // [M, K] float32 (bf16 weights: reordered, see above)
-  const void* w;   // [N, K] bf16 or int8, or [N, K / 2] packed int4
-  const void* scales;   // int8: [N, K / group], float16 or float32
-  const void* offsets;  // int8: as the scales, or null
+  const void* w;   // bf16 [N, K] row-major, or codes interleaved (file comment)
+  const void* scales;   // codes: [N / 8, K / group, 8], float16 or float32
+  const void* offsets;  // codes: as the scales, or null
   bool half_scales;
   bool int4;
-  // int8 activations (one or two rows, weights in groups of a multiple of 32): x rounded to int8 per
-  // block of 32 inputs, [M, K], its blocks' scales [M, K / 32] and each weight group's sum of the rounded
-  // x [M, K / group] (for the offsets); else null
+  // int8 activations: x rounded to int8 per block of 32 inputs [M, K] and its blocks' scales [M, K / 32];
+  // else null
   const int8_t* xq;
   const float* xscale;
-  const float* xsum;
+  const float* xsum;  // with offsets: each row's sum of x (int8 activations: of the rounded x) per group
   const float* bias;     // [N] float32 or null
   void* y;               // [M, N] in x's dtype
   bool bf16_out;
@@ -61,15 +66,14 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// each (row, channel)'s partial sums added, plus `extra` (the groups' offsets times x's sums) and the bias
+// each (row, channel)'s partial sums added, plus the bias
 template <int ROWS, int CH, int S>
-void store(const Problem& P, __m256 (&acc)[ROWS][CH][S], int64_t n0, int64_t m0,
-           const float (*extra)[CH] = nullptr) {
+void store(const Problem& P, __m256 (&acc)[ROWS][CH][S], int64_t n0, int64_t m0) {
   for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < CH; ++c) {
       __m256 sum = acc[r][c][0];
       for (int i = 1; i < S; ++i) sum = _mm256_add_ps(sum, acc[r][c][i]);
-      const float v = hsum(sum) + (extra ? extra[r][c] : 0.f) + (P.bias ? P.bias[n0 + c] : 0.f);
+      const float v = hsum(sum) + (P.bias ? P.bias[n0 + c] : 0.f);
       const int64_t i = (m0 + r) * P.N + n0 + c;
       if (P.bf16_out)
         static_cast<c10::BFloat16*>(P.y)[i] = c10::BFloat16(v);  // rounded to nearest even
@@ -85,20 +89,6 @@ inline void widen16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
   lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
   hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
-
-// the 8 codes of a row from input k (a multiple of 8) as float32: int8 codes, or packed int4 (file comment)
-template <bool INT4>
-inline __m256 widen8(const uint8_t* row, int64_t k) {
-  if constexpr (!INT4)
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k))));
-  const int64_t j = k % 32;
-  const __m256i bytes =
-      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 32 * 16 + j % 16)));
-  return _mm256_cvtepi32_ps(j < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4));
-}
-
-// a row's bytes: int4 codes take half a byte each
-inline int64_t row_bytes(const Problem& P) { return P.int4 ? P.K / 2 : P.K; }
 
 // Few rows have few accumulators: each (row, channel) then keeps SPLIT of them, so that enough independent
 // FMAs are in flight to cover their latency (2 units, 4-5 cycles each on these cores).
@@ -133,109 +123,8 @@ void tile_bf16(const Problem& P, int64_t n0, int64_t m0) {
   store<ROWS, CH, S>(P, acc, n0, m0);
 }
 
-inline float to_float(c10::Half h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h.x);
-#else
-  return static_cast<float>(h);
-#endif
-}
-inline float to_float(float f) { return f; }
-
-template <int ROWS, int CH, typename Scale, bool INT4>
-void tile_int8(const Problem& P, int64_t n0, int64_t m0) {
-  constexpr int S = kSplit<ROWS>;
-  __m256 acc[ROWS][CH][S];
-  std::fill_n(&acc[0][0][0], ROWS * CH * S, _mm256_setzero_ps());
-  const int64_t stride = row_bytes(P);
-  const auto* w = static_cast<const uint8_t*>(P.w) + n0 * stride;
-  const auto* scales = static_cast<const Scale*>(P.scales);
-  const auto* offsets = static_cast<const Scale*>(P.offsets);
-  const float* x = P.x + m0 * P.K;
-  const int64_t groups = P.K / P.group;
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256 scale[CH], offset[CH];
-    for (int c = 0; c < CH; ++c) {
-      const int64_t i = (n0 + c) * groups + g;
-      scale[c] = _mm256_set1_ps(to_float(scales[i]));
-      offset[c] = _mm256_set1_ps(offsets ? to_float(offsets[i]) : 0.f);
-    }
-    // 8 inputs into accumulator set `s`, a constant (a variable index would keep acc in memory)
-    auto step = [&](int64_t k, auto s) {
-      __m256 wv[CH];
-      for (int c = 0; c < CH; ++c) wv[c] = _mm256_fmadd_ps(widen8<INT4>(w + c * stride, k), scale[c], offset[c]);
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + r * P.K + k);
-        for (int c = 0; c < CH; ++c)
-          acc[r][c][decltype(s)::value] = _mm256_fmadd_ps(wv[c], xv, acc[r][c][decltype(s)::value]);
-      }
-    };
-    const int64_t end = (g + 1) * P.group;
-    int64_t k = g * P.group;
-    for (; k + 16 <= end; k += 16) {
-      if (k % 64 == 0) prefetch_next<CH>(reinterpret_cast<const char*>(w), stride, INT4 ? k / 2 : k);
-      step(k, std::integral_constant<int, 0>());
-      step(k + 8, std::integral_constant<int, S - 1>());
-    }
-    if (k < end) step(k, std::integral_constant<int, 0>());
-  }
-  store<ROWS, CH, S>(P, acc, n0, m0);
-}
-
-// One or two rows with int8 activations, as llama.cpp's Q8_0 and Q4_0 dot products on AVX2: a block of 32
-// codes times 32 int8 inputs in two instructions (vpmaddubsw on |w| and x with w's sign, or on int4's
-// unsigned codes and x; vpmaddwd), exact in int32, then scaled by the group's scale times the block's;
-// offsets times the sums of the rounded x, so that a row gets the dot product of the weights with it. A
-// fifth of the float path's operations a weight, where one row is bound by them, not by the weight's bytes.
-template <int ROWS, int CH, typename Scale, bool INT4>
-void tile_w8a8(const Problem& P, int64_t n0, int64_t m0) {
-  __m256 acc[ROWS][CH][1];
-  float offset_sum[ROWS][CH] = {};
-  std::fill_n(&acc[0][0][0], ROWS * CH, _mm256_setzero_ps());
-  const int64_t stride = row_bytes(P);
-  const auto* w = static_cast<const uint8_t*>(P.w) + n0 * stride;
-  const auto* scales = static_cast<const Scale*>(P.scales);
-  const auto* offsets = static_cast<const Scale*>(P.offsets);
-  const int64_t groups = P.K / P.group, blocks = P.K / 32;
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < groups; ++g) {
-    float scale[CH];
-    for (int c = 0; c < CH; ++c) {
-      const int64_t i = (n0 + c) * groups + g;
-      scale[c] = to_float(scales[i]);
-      if (offsets)
-        for (int r = 0; r < ROWS; ++r) offset_sum[r][c] += to_float(offsets[i]) * P.xsum[(m0 + r) * groups + g];
-    }
-    for (int64_t k = g * P.group; k < (g + 1) * P.group; k += 32) {
-      if (k % 64 == 0) prefetch_next<CH>(reinterpret_cast<const char*>(w), stride, INT4 ? k / 2 : k);
-      __m256i wv[CH], magnitude[CH];
-      for (int c = 0; c < CH; ++c) {
-        if constexpr (INT4) {
-          const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * stride + k / 2));
-          magnitude[c] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(15));
-        } else {
-          wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * stride + k));
-          magnitude[c] = _mm256_sign_epi8(wv[c], wv[c]);  // |w| as unsigned bytes (-128 -> 128)
-        }
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.xq + (m0 + r) * P.K + k));
-        const float dx = P.xscale[(m0 + r) * blocks + k / 32];
-        for (int c = 0; c < CH; ++c) {
-          const __m256i pairs =
-              _mm256_maddubs_epi16(magnitude[c], INT4 ? xv : _mm256_sign_epi8(xv, wv[c]));
-          const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-          acc[r][c][0] = _mm256_fmadd_ps(dots, _mm256_set1_ps(scale[c] * dx), acc[r][c][0]);
-        }
-      }
-    }
-  }
-  store<ROWS, CH, 1>(P, acc, n0, m0, offset_sum);
-}
-
-// x [M, K] float32 -> int8 per block of 32 (scale max|x| / 127, rounded to nearest even) and, given
-// `xsum`, each weight group's sum of the rounded x, for tile_w8a8
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xscale, float* xsum) {
+// x [M, K] float32 -> int8 per block of 32 (scale max|x| / 127, rounded to nearest even), for codes_w8a8
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xscale) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / 32; ++b) {
@@ -257,48 +146,32 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, int8_t* 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32),
                           _mm256_permutevar8x32_epi32(packed, order));
     }
-  for (int64_t m = 0; xsum && m < M; ++m)
+}
+
+// each row's sum over each weight group [M, K / group], for the groups' offsets: of x, or given xq, of the
+// rounded x (block scale times code)
+void group_sums(const float* x, const int8_t* xq, const float* xscale, int64_t M, int64_t K, int64_t group,
+                float* xsum) {
+  for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < K / group; ++g) {
       float sum = 0.f;
-      for (int64_t b = g * group / 32; b < (g + 1) * group / 32; ++b) {
-        int32_t codes = 0;
-        for (int i = 0; i < 32; ++i) codes += xq[m * K + b * 32 + i];
-        sum += xscale[m * (K / 32) + b] * codes;
-      }
+      for (int64_t k = g * group; k < (g + 1) * group; ++k)
+        sum += xq ? xscale[m * (K / 32) + k / 32] * xq[m * K + k] : x[m * K + k];
       xsum[m * (K / group) + g] = sum;
     }
 }
 
-template <int ROWS, int CH, typename Scale, bool INT4>
-void tile_codes(const Problem& P, int64_t n0, int64_t m0) {
-  if (P.xq && ROWS <= 2)
-    tile_w8a8<ROWS, CH, Scale, INT4>(P, n0, m0);
-  else
-    tile_int8<ROWS, CH, Scale, INT4>(P, n0, m0);
-}
-
-template <bool CODES, int ROWS, int CH>
-void tile(const Problem& P, int64_t n0, int64_t m0) {
-  if constexpr (!CODES)
-    tile_bf16<ROWS, CH>(P, n0, m0);
-  else if (P.half_scales)
-    P.int4 ? tile_codes<ROWS, CH, c10::Half, true>(P, n0, m0) : tile_codes<ROWS, CH, c10::Half, false>(P, n0, m0);
-  else
-    P.int4 ? tile_codes<ROWS, CH, float, true>(P, n0, m0) : tile_codes<ROWS, CH, float, false>(P, n0, m0);
-}
-
-template <bool CODES, int CH>
+template <int CH>
 void rows_of(const Problem& P, int64_t n0, int64_t m0, int64_t rows) {
   switch (rows) {
-    case 1: return tile<CODES, 1, CH>(P, n0, m0);
-    case 2: return tile<CODES, 2, CH>(P, n0, m0);
-    case 3: return tile<CODES, 3, CH>(P, n0, m0);
-    default: return tile<CODES, 4, CH>(P, n0, m0);
+    case 1: return tile_bf16<1, CH>(P, n0, m0);
+    case 2: return tile_bf16<2, CH>(P, n0, m0);
+    case 3: return tile_bf16<3, CH>(P, n0, m0);
+    default: return tile_bf16<4, CH>(P, n0, m0);
   }
 }
 
-template <bool CODES>
-void run(const Problem& P) {
+void run_bf16(const Problem& P) {
   // one row: 4 channels a tile (4 weight streams hide the widening); more: 2 channels x up to 4 rows
   const int64_t ch = P.M == 1 ? 4 : 2;
   const int64_t tiles = (P.N + ch - 1) / ch;
@@ -309,14 +182,183 @@ void run(const Problem& P) {
       for (int64_t m0 = 0; m0 < P.M; m0 += kRowChunk) {
         const int64_t rows = std::min(kRowChunk, P.M - m0);
         if (!whole) {
-          for (int64_t n = n0; n < P.N; ++n) rows_of<CODES, 1>(P, n, m0, rows);
+          for (int64_t n = n0; n < P.N; ++n) rows_of<1>(P, n, m0, rows);
         } else if (ch == 4) {
-          rows_of<CODES, 4>(P, n0, m0, rows);
+          rows_of<4>(P, n0, m0, rows);
         } else {
-          rows_of<CODES, 2>(P, n0, m0, rows);
+          rows_of<2>(P, n0, m0, rows);
         }
       }
     }
+  });
+}
+
+// ---- int8 and int4 codes, interleaved by 8 output channels (file comment) ----
+
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// the 4 int8 inputs at p in every lane
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// A channel block's 8 outputs of rows m0.. (acc[r], in channel order) plus the bias, stored in y's dtype
+template <int ROWS>
+void store8(const Problem& P, const __m256 (&acc)[ROWS], int64_t n0, int64_t m0) {
+  const __m256 bias = P.bias ? _mm256_loadu_ps(P.bias + n0) : _mm256_setzero_ps();
+  for (int r = 0; r < ROWS; ++r) {
+    const __m256 v = _mm256_add_ps(acc[r], bias);
+    if (P.bf16_out) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, v);
+      auto* y = static_cast<c10::BFloat16*>(P.y) + (m0 + r) * P.N + n0;
+      for (int i = 0; i < 8; ++i) y[i] = c10::BFloat16(out[i]);  // rounded to nearest even
+    } else {
+      _mm256_storeu_ps(static_cast<float*>(P.y) + (m0 + r) * P.N + n0, v);
+    }
+  }
+}
+
+// Rows of int8 activations (x rounded per block of 32, as llama.cpp's Q8_0) times a block of 8 channels,
+// as llama.cpp's repacked Q4_0 on AVX2 does it: each load holds 4 inputs of the 8 channels, x's 4 inputs
+// are broadcast, vpmaddubsw + vpmaddwd sum them per channel exactly (int4: unsigned codes times x, int16
+// sums of up to 8 such pairs before widening; int8: |w| times x with w's sign), and one FMA a unit (16 or 32
+// inputs) scales the 8 channels' sums by their groups' scales times the block's. Offsets: times each
+// group's sum of the rounded x, so that a row gets the weights' dot product with the rounded x.
+template <int ROWS, typename Scale, bool INT4, int UNIT>
+void codes_w8a8(const Problem& P, int64_t nb, int64_t m0) {
+  const int64_t groups = P.K / P.group;
+  const auto* w = static_cast<const uint8_t*>(P.w) + nb * 8 * (INT4 ? P.K / 2 : P.K);
+  const auto* scales = static_cast<const Scale*>(P.scales) + nb * groups * 8;
+  const auto* offsets = P.offsets ? static_cast<const Scale*>(P.offsets) + nb * groups * 8 : nullptr;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
+  __m256 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256 scale = load8(scales + g * 8);
+    if (offsets) {
+      const __m256 offset = load8(offsets + g * 8);
+      for (int r = 0; r < ROWS; ++r)
+        acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(P.xsum[(m0 + r) * groups + g]), acc[r]);
+    }
+    for (int64_t k = g * P.group; k < (g + 1) * P.group; k += UNIT) {
+      __m256i sums[ROWS];
+      if constexpr (INT4) {  // UNIT 32: 4 loads, inputs 4t.. in the low nibbles, 16 + 4t.. in the high ones
+        for (int r = 0; r < ROWS; ++r) sums[r] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; ++t) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 4 + t * 32));
+          const __m256i lo = _mm256_and_si256(packed, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+          for (int r = 0; r < ROWS; ++r) {
+            const int8_t* xr = P.xq + (m0 + r) * P.K + k;
+            sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, broadcast4(xr + 4 * t)));
+            sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 16 + 4 * t)));
+          }
+        }
+        for (int r = 0; r < ROWS; ++r) sums[r] = _mm256_madd_epi16(sums[r], ones);
+      } else {
+        for (int r = 0; r < ROWS; ++r) sums[r] = _mm256_setzero_si256();
+        for (int t = 0; t < UNIT / 4; ++t) {
+          const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 8 + t * 32));
+          const __m256i magnitude = _mm256_sign_epi8(codes, codes);  // |w| as unsigned bytes (-128 -> 128)
+          for (int r = 0; r < ROWS; ++r) {
+            const __m256i xv = _mm256_sign_epi8(broadcast4(P.xq + (m0 + r) * P.K + k + 4 * t), codes);
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), ones));
+          }
+        }
+      }
+      for (int r = 0; r < ROWS; ++r) {
+        const __m256 dx = _mm256_set1_ps(P.xscale[(m0 + r) * (P.K / 32) + k / 32]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(scale, dx), acc[r]);
+      }
+    }
+  }
+  store8<ROWS>(P, acc, nb * 8, m0);
+}
+
+// Rows of float32 x times a block of 8 channels (no int8 activations: INFER_INT8_ACTIVATIONS=0, the exact
+// reference): each 4 inputs' 32 bytes transposed in registers to 4 vectors of the 8 channels' codes, one
+// an input, widened to float32 and multiplied by x's input broadcast; a group's sums are then scaled, plus
+// its offsets times the group's sum of x.
+template <int ROWS, typename Scale, bool INT4>
+void codes_float(const Problem& P, int64_t nb, int64_t m0) {
+  const int64_t groups = P.K / P.group;
+  const auto* w = static_cast<const uint8_t*>(P.w) + nb * 8 * (INT4 ? P.K / 2 : P.K);
+  const auto* scales = static_cast<const Scale*>(P.scales) + nb * groups * 8;
+  const auto* offsets = P.offsets ? static_cast<const Scale*>(P.offsets) + nb * groups * 8 : nullptr;
+  // within each 128-bit lane, 4 channels x 4 inputs -> 4 inputs x 4 channels
+  const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                             0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m256i low = _mm256_set1_epi8(15);
+  __m256 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  // 4 inputs' codes of the 8 channels (bytes 4i + e: channel i, input e) times rows' x from input k
+  auto quad = [&](__m256i codes, int64_t k, __m256 (&sums)[ROWS]) {
+    const __m256i t = _mm256_shuffle_epi8(codes, transpose);  // dword e of each lane: input e, 4 channels
+    for (int e = 0; e < 4; ++e) {
+      const __m256i picked = _mm256_permutevar8x32_epi32(t, _mm256_setr_epi32(e, e + 4, 0, 0, 0, 0, 0, 0));
+      const __m128i bytes = _mm256_castsi256_si128(picked);
+      const __m256 wv = _mm256_cvtepi32_ps(INT4 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes));
+      for (int r = 0; r < ROWS; ++r)
+        sums[r] = _mm256_fmadd_ps(wv, _mm256_set1_ps(P.x[(m0 + r) * P.K + k + e]), sums[r]);
+    }
+  };
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 sums[ROWS];
+    for (int r = 0; r < ROWS; ++r) sums[r] = _mm256_setzero_ps();
+    for (int64_t k = g * P.group; k < (g + 1) * P.group; k += INT4 ? 32 : 4) {
+      if constexpr (INT4) {
+        for (int t = 0; t < 4; ++t) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 4 + t * 32));
+          quad(_mm256_and_si256(packed, low), k + 4 * t, sums);
+          quad(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low), k + 16 + 4 * t, sums);
+        }
+      } else {
+        quad(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 8)), k, sums);
+      }
+    }
+    const __m256 scale = load8(scales + g * 8);
+    const __m256 offset = offsets ? load8(offsets + g * 8) : _mm256_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r] = _mm256_fmadd_ps(sums[r], scale, acc[r]);
+      if (offsets) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(P.xsum[(m0 + r) * groups + g]), acc[r]);
+    }
+  }
+  store8<ROWS>(P, acc, nb * 8, m0);
+}
+
+template <int ROWS, typename Scale, bool INT4>
+void codes_tile(const Problem& P, int64_t nb, int64_t m0) {
+  if (!P.xq)
+    codes_float<ROWS, Scale, INT4>(P, nb, m0);
+  else if (INT4 || P.group % 32 == 0)
+    codes_w8a8<ROWS, Scale, INT4, 32>(P, nb, m0);
+  else
+    codes_w8a8<ROWS, Scale, INT4, 16>(P, nb, m0);
+}
+
+template <int ROWS>
+void codes_rows(const Problem& P, int64_t nb, int64_t m0) {
+  if (P.half_scales)
+    P.int4 ? codes_tile<ROWS, c10::Half, true>(P, nb, m0) : codes_tile<ROWS, c10::Half, false>(P, nb, m0);
+  else
+    P.int4 ? codes_tile<ROWS, float, true>(P, nb, m0) : codes_tile<ROWS, float, false>(P, nb, m0);
+}
+
+void run_codes(const Problem& P) {
+  at::parallel_for(0, P.N / 8, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t m0 = 0; m0 < P.M; m0 += kRowChunk) {
+        switch (std::min(kRowChunk, P.M - m0)) {
+          case 1: codes_rows<1>(P, nb, m0); break;
+          case 2: codes_rows<2>(P, nb, m0); break;
+          case 3: codes_rows<3>(P, nb, m0); break;
+          default: codes_rows<4>(P, nb, m0);
+        }
+      }
   });
 }
 
@@ -344,7 +386,8 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                     K % scales->size(1) == 0,
                 "avx2_linear: scales float16 or float32 [N, K / group]");
     group = K / scales->size(1);
-    TORCH_CHECK(group % (int4 ? 32 : 8) == 0, "avx2_linear: groups of a multiple of 8 inputs (int4: 32)");
+    TORCH_CHECK(N % 8 == 0 && K % 32 == 0, "avx2_linear: codes of a multiple of 8 channels and 32 inputs");
+    TORCH_CHECK(group % (int4 ? 32 : 16) == 0, "avx2_linear: groups of a multiple of 16 inputs (int4: 32)");
     TORCH_CHECK(!offsets || (offsets->sizes() == scales->sizes() &&
                              offsets->scalar_type() == scales->scalar_type() && offsets->is_contiguous()),
                 "avx2_linear: offsets as the scales");
@@ -372,16 +415,18 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
         for (int j = 0; j < 16; ++j) buffer[i + j] = at(i + kOrder[j]);
     xf = buffer.data();
   }
-  // int8 activations where asked (as llama.cpp rounds x for its Q8_0 and Q4_0 dot products, float32 x
-  // too) and where they pay: one or two rows, weights in groups of whole blocks of 32
+  // int8 activations where asked (as llama.cpp rounds x for its Q8_0 and Q4_0 dot products)
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xscale, xsum;
-  const bool w8a8 = codes && int8_activations && M <= 2 && group % 32 == 0;
+  const bool w8a8 = codes && int8_activations;
   if (w8a8) {
     xq.resize(M * K);
     xscale.resize(M * K / 32);
-    xsum.resize(offsets ? M * K / group : 0);
-    quantize_rows(xf, M, K, group, xq.data(), xscale.data(), offsets ? xsum.data() : nullptr);
+    quantize_rows(xf, M, K, xq.data(), xscale.data());
+  }
+  if (offsets) {
+    xsum.resize(M * K / group);
+    group_sums(xf, w8a8 ? xq.data() : nullptr, xscale.data(), M, K, group, xsum.data());
   }
   at::Tensor bf = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -393,17 +438,12 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                   int4,
                   w8a8 ? xq.data() : nullptr,
                   w8a8 ? xscale.data() : nullptr,
-                  w8a8 && offsets ? xsum.data() : nullptr,
+                  offsets ? xsum.data() : nullptr,
                   bias ? bf.const_data_ptr<float>() : nullptr,
                   y.data_ptr(),
                   x.scalar_type() == at::kBFloat16,
                   M, N, K, group};
-  if (M > 0) {
-    if (codes)
-      run<true>(P);
-    else
-      run<false>(P);
-  }
+  if (M > 0) codes ? run_codes(P) : run_bf16(P);
   return y;
 #else
   TORCH_CHECK(false, "avx2_linear needs AVX2 and FMA; this build has ", infer_vec::kIsa);

@@ -10,12 +10,14 @@ Each QuantizedLinear repacks its `QuantizedWeight` for the fastest path this mac
               (infer/kernels/six_bit_linear.cpp: int8 activations, vpdpbusd), CPUs with AVX-512 VNNI too.
     "torch"   torch's weight-only kernels (`_weight_int8pack_mm` for int8 per channel without zero points,
               `_weight_int4pack_mm_for_cpu` for int4 in groups of 32..256): other CPUs, float32 models.
-    "avx2"    int8 codes in any group of a multiple of 8 inputs (GGUF's Q8_0 and Q5_0, and Q6_K as its int8
-              codes) and int4 codes in groups of a multiple of 32 (Q4_0, Q4_1, Q4_K; ours) on a CPU with
-              AVX2 but no AVX-512 BF16 (infer/kernels/avx2_linear.cpp): steps of up to KERNEL_ROWS rows
-              widen the codes to float32 in registers (one or two rows: activations rounded to int8 per
-              block of 32, vpmaddubsw, as llama.cpp's Q8_0 and Q4_0), wider steps multiply in float32
-              on the weight widened a slice at a time (widened_linear).
+    "avx2"    int8 codes in groups of a multiple of 16 inputs (GGUF's Q8_0 and Q5_0, and Q6_K as its int8
+              codes) and int4 codes in groups of a multiple of 32 (Q4_0, Q4_1, Q4_K; ours), interleaved by
+              8 output channels (infer/quant/interleaved.py), on a CPU with AVX2 but no AVX-512 BF16
+              (infer/kernels/avx2_linear.cpp): steps of any size multiply the codes as int8 against
+              activations rounded to int8 per block of 32 (vpmaddubsw, as llama.cpp's Q8_0 and Q4_0; as
+              fast as the float32 GEMM at 2048 rows, 1.1-3x faster at 128-512). INFER_INT8_ACTIVATIONS=0:
+              steps of up to KERNEL_ROWS rows widen the codes to float32 in registers, wider ones multiply
+              in float32 on the weight widened a slice at a time (widened_linear).
     "dequant" anything else (e.g. int8 in groups, on a CPU without AVX-512 BF16): the weight dequantized
               once into the model's dtype. Correct, but saves neither memory nor time: logged at load.
 
@@ -36,6 +38,13 @@ from infer import kernels
 from infer.config import QUANTIZATION_METHODS
 from infer.layers.linear import MergedLinear, pack_pairs
 from infer.layers.widened_linear import KERNEL_ROWS, WIDEN_ROWS, widened_matmul, widens
+from infer.quant.interleaved import (
+    CHANNELS,
+    deinterleave_codes,
+    deinterleave_groups,
+    interleave_codes,
+    interleave_groups,
+)
 from infer.quant.split_linear import SplitQuantizedLinear
 from infer.quant.weights import SUPER_BLOCK, QuantizedWeight, concat, quantize
 
@@ -137,20 +146,15 @@ class QuantizedLinear(nn.Module):
 
     def _pack_avx2(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self._ops = kernels.avx2_ops()
-        if w.bits == 4:  # codes 0..15, two a byte as Q4_0 packs a block of 32 (avx2_linear.cpp)
-            q, offsets = _unsigned_int4(w)
-            halves = q.view(self.out_features, -1, 2, 16).to(torch.uint8)
-            packed = (halves[:, :, 0] | halves[:, :, 1] << 4).view(self.out_features, -1)
-            self.register_buffer("qweight", packed, persistent=False)
-        else:
-            self.register_buffer("qweight", w.q.contiguous(), persistent=False)
-            offsets = w.offsets()
+        q, offsets = _unsigned_int4(w) if w.bits == 4 else (w.q, w.offsets())  # int4: codes 0..15
+        self.register_buffer("qweight", interleave_codes(q, w.bits), persistent=False)
         # float16 where that holds them exactly (a Q8_0 or Q4_0 block's own scale); float32 where it
         # would round them (K-quants' scales and mins are products of two; ours)
         exact = all(t is None or torch.equal(t.half().float(), t) for t in (w.scales, offsets))
         held = torch.float16 if exact else torch.float32
-        self.register_buffer("scales", w.scales.to(held), persistent=False)
-        self.register_buffer("offsets", None if offsets is None else offsets.to(held), persistent=False)
+        self.register_buffer("scales", interleave_groups(w.scales.to(held)), persistent=False)
+        offsets = None if offsets is None else interleave_groups(offsets.to(held))
+        self.register_buffer("offsets", offsets, persistent=False)
 
     def _pack_dequant(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self.register_buffer("weight", w.dequantize(dtype), persistent=False)
@@ -175,7 +179,7 @@ class QuantizedLinear(nn.Module):
                 self.qsums,
                 INT8_ACTIVATIONS and flat.shape[0] > self._decode_rows,
             )
-        elif self.backend == "avx2" and flat.shape[0] <= KERNEL_ROWS:
+        elif self.backend == "avx2" and (INT8_ACTIVATIONS or flat.shape[0] <= KERNEL_ROWS):
             y = self._ops.avx2_linear(
                 flat, self.qweight, self.scales, self.offsets, self.bias, INT8_ACTIVATIONS
             )
@@ -199,14 +203,19 @@ class QuantizedLinear(nn.Module):
             return self.weight[rows].float()
         if self.backend == "torch":
             return self.qweight[rows].float() * self.scales[rows, None].float()
-        codes = self.qweight[rows]
-        if self.backend == "avx2" and self.bits == 4:  # unpacked: low nibbles, then high, each 16
-            blocks = codes.unflatten(1, (-1, 16))
-            codes = torch.stack([blocks & 15, blocks >> 4], -2).flatten(1)
-        codes = codes.float().unflatten(1, (-1, self.group_size))
-        wide = codes * self.scales[rows, :, None].float()
-        if self.offsets is not None:
-            wide += self.offsets[rows, :, None].float()
+        scales, offsets = self.scales, self.offsets
+        if self.backend == "avx2":  # the whole blocks of 8 channels that hold `rows`, deinterleaved
+            first = rows.start // CHANNELS * CHANNELS
+            blocks = slice(first, -(-rows.stop // CHANNELS) * CHANNELS)
+            rows = slice(rows.start - first, rows.stop - first)
+            codes = deinterleave_codes(self.qweight[blocks], self.bits)[rows]
+            scales = deinterleave_groups(scales[blocks])
+            offsets = None if offsets is None else deinterleave_groups(offsets[blocks])
+        else:
+            codes = self.qweight[rows]
+        wide = codes.float().unflatten(1, (-1, self.group_size)) * scales[rows, :, None].float()
+        if offsets is not None:
+            wide += offsets[rows, :, None].float()
         return wide.flatten(1)
 
     def extra_repr(self) -> str:
@@ -238,7 +247,9 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
     # avx2_linear: int8 codes (6-bit ones too, a byte each) and int4 ones, where the CPU has no AVX-512 BF16
     avx2 = (
         ["avx2"]
-        if w.group_size % (32 if w.bits == 4 else 8) == 0
+        if out_features % CHANNELS == 0
+        and in_features % 32 == 0
+        and w.group_size % (32 if w.bits == 4 else 16) == 0
         and dtype in (torch.bfloat16, torch.float32)
         and kernels.avx2_ops() is not None
         else []

@@ -7,6 +7,12 @@ import pytest
 import torch
 
 from infer import kernels
+from infer.quant.interleaved import (
+    deinterleave_codes,
+    deinterleave_groups,
+    interleave_codes,
+    interleave_groups,
+)
 
 OPS = kernels.avx2_ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason="avx2_linear serves CPUs with AVX2 and no AVX-512 BF16")
@@ -20,12 +26,28 @@ def _check(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def _packed(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes as the kernel takes them: int8 as they are; int4 (0..15) two a byte as GGUF's Q4_0 packs a
-    block of 32, byte j holding code j in its low nibble and code j + 16 in its high one."""
-    if bits == 8:
-        return q
-    blocks = q.to(torch.uint8).unflatten(1, (-1, 2, 16))
-    return (blocks[:, :, 0] | blocks[:, :, 1] << 4).flatten(1)
+    """Codes in the kernel's layout, byte by byte as avx2_linear.cpp's comment states it: channels in blocks
+    of 8; int8: runs of 4 inputs x 8 channels (channel i's 4 codes at bytes 4i..4i+3); int4 (0..15): per
+    block of 32 inputs four runs, run t with inputs 4t.. in its low nibbles and 16 + 4t.. in its high ones."""
+    n, k = q.shape
+    out = torch.zeros(n * k // (8 // bits), dtype=torch.uint8)
+    u = q.to(torch.uint8)
+    for c in range(n):
+        base = c // 8 * 8 * k // (8 // bits)
+        for i in range(k):
+            if bits == 8:
+                out[base + i // 4 * 32 + c % 8 * 4 + i % 4] = u[c, i]
+            else:
+                j = i % 32
+                at = base + i // 32 * 128 + j % 16 // 4 * 32 + c % 8 * 4 + j % 4
+                out[at] |= u[c, i] << (4 if j >= 16 else 0)
+    return out.view(torch.int8).view(n, k) if bits == 8 else out.view(n, k // 2)
+
+
+def _groups(t: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or offsets [N, groups] with each group's 8 channels side by side."""
+    n, groups = t.shape
+    return t.view(n // 8, 8, groups).transpose(1, 2).contiguous().view(n, groups)
 
 
 def _codes(bits: int, shape, gen) -> torch.Tensor:
@@ -47,13 +69,14 @@ def test_bf16_weights_are_the_float32_product(rows, out_features):
         _check(OPS.avx2_linear(x, w, None, None, None), ref - bias.float(), dtype)
 
 
-@pytest.mark.parametrize("bits, group", [(8, 8), (8, 32), (8, 96), (4, 32), (4, 64), (4, 192)])
+@pytest.mark.parametrize("bits, group", [(8, 16), (8, 32), (8, 96), (4, 32), (4, 64), (4, 192)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])
 @pytest.mark.parametrize("with_offsets", [False, True])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
-def test_codes_are_their_dequantized_product(rows, bits, group, with_offsets, scale_dtype):
+def test_codes_widened_to_float32_are_their_dequantized_product(rows, bits, group, with_offsets, scale_dtype):
+    """Without int8 activations: the float32 product, up to the order of its sums."""
     gen = torch.Generator().manual_seed(rows * group + bits)
-    out_features, in_features = 37, 192
+    out_features, in_features = 40, 192
     q = _codes(bits, (out_features, in_features), gen)
     groups = (out_features, in_features // group)
     scales = (torch.rand(groups, generator=gen) * 0.01).to(scale_dtype)
@@ -62,7 +85,8 @@ def test_codes_are_their_dequantized_product(rows, bits, group, with_offsets, sc
     w = (w if offsets is None else w + offsets[..., None].float()).flatten(1)
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
-        _check(OPS.avx2_linear(x, _packed(q, bits), scales, offsets, None), x.float() @ w.T, dtype)
+        held = (_groups(scales), None if offsets is None else _groups(offsets))
+        _check(OPS.avx2_linear(x, _packed(q, bits), *held, None), x.float() @ w.T, dtype)
 
 
 def test_bad_arguments_are_refused():
@@ -71,10 +95,12 @@ def test_bad_arguments_are_refused():
         OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.int8), None, None, None)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         OPS.avx2_linear(torch.randn(2, 24).bfloat16(), torch.zeros(8, 24).bfloat16(), None, None, None)
-    with pytest.raises(RuntimeError, match="multiple of 8"):
-        OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 8).half(), None, None)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 4).half(), None, None)
     with pytest.raises(RuntimeError, match="int4: 32"):
         OPS.avx2_linear(x, torch.zeros(8, 16, dtype=torch.uint8), torch.ones(8, 2).half(), None, None)
+    with pytest.raises(RuntimeError, match="multiple of 8 channels"):
+        OPS.avx2_linear(x, torch.zeros(6, 32, dtype=torch.int8), torch.ones(6, 1).half(), None, None)
     with pytest.raises(RuntimeError, match=r"int4: \[N, K / 2\]"):
         OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 1).half(), None, None)
     with pytest.raises(RuntimeError, match="float16 or float32"):
@@ -100,16 +126,16 @@ def _w8a8_reference(x: torch.Tensor, w: torch.Tensor, group: int, scales, offset
     return out
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3])
-@pytest.mark.parametrize("bits, group", [(8, 32), (8, 64), (8, 192), (4, 32), (4, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6])
+@pytest.mark.parametrize("bits, group", [(8, 16), (8, 32), (8, 64), (8, 192), (4, 32), (4, 64)])
 @pytest.mark.parametrize("with_offsets", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int8_activations_round_x_per_block_of_32_and_sum_exactly(rows, bits, group, with_offsets, dtype):
-    """One or two rows of x with int8 activations: x rounded per block of 32, the products summed exactly
-    in int32; three rows keep the float path. An x already on each block's int8 grid (codes times
-    max / 127) loses nothing: the exact product, to the output's rounding."""
+    """x rounded per block of 32, the products summed exactly in int32, scaled per group and block; the
+    offsets times the rounded x's sums. An x already on each block's int8 grid (codes times max / 127)
+    loses nothing: the exact product, to the output's rounding."""
     gen = torch.Generator().manual_seed(rows + group + bits)
-    out_features, in_features = 37, 192
+    out_features, in_features = 40, 192
     q = _codes(bits, (out_features, in_features), gen)
     packed = _packed(q, bits)
     groups = (out_features, in_features // group)
@@ -117,23 +143,36 @@ def test_int8_activations_round_x_per_block_of_32_and_sum_exactly(rows, bits, gr
     offsets = (torch.randn(groups, generator=gen) * 0.1).half() if with_offsets else None
     w = q.float().unflatten(1, (-1, group)) * scales[..., None].float()
     w = (w if offsets is None else w + offsets[..., None].float()).flatten(1)
+    held = (_groups(scales), None if offsets is None else _groups(offsets))
 
     codes = torch.randint(-127, 128, (rows, in_features), generator=gen)
     codes.view(rows, -1, 32)[:, :, 0] = 127  # each block's max: its scale is 1 / 16, x = codes / 16
     codes[0, :32] = 0  # a block of zeros: scale 0
     on_grid = (codes.float() / 16).to(dtype)
-    y = OPS.avx2_linear(on_grid, packed, scales, offsets, None, True).double()
+    y = OPS.avx2_linear(on_grid, packed, *held, None, True).double()
     exact = (on_grid.float() @ w.T).double()
     rounding = 2**-8 if dtype == torch.bfloat16 else 1e-5
     assert ((y - exact).abs() <= exact.abs() * rounding + 1e-6 * exact.abs().max()).all()
 
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    y = OPS.avx2_linear(x, packed, scales, offsets, None, True)
-    float_path = OPS.avx2_linear(x, packed, scales, offsets, None)
-    assert torch.equal(OPS.avx2_linear(x, packed, scales, offsets, None, False), float_path)
-    if rows <= 2:
-        ref = _w8a8_reference(x, q, group, scales, offsets)
-        assert ((y.double() - ref).abs().amax(1) <= ref.abs().amax(1) * rounding).all()
-        assert not torch.equal(y, float_path)
-    else:
-        assert torch.equal(y, float_path)
+    y = OPS.avx2_linear(x, packed, *held, None, True)
+    float_path = OPS.avx2_linear(x, packed, *held, None)
+    assert torch.equal(OPS.avx2_linear(x, packed, *held, None, False), float_path)
+    ref = _w8a8_reference(x, q, group, scales, offsets)
+    assert ((y.double() - ref).abs().amax(1) <= ref.abs().amax(1) * rounding).all()
+    assert not torch.equal(y, float_path)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_layout_round_trips_and_is_the_one_the_kernel_reads(bits):
+    """infer.quant.interleaved packs codes byte for byte as the kernel's comment states (this file's
+    _packed), and unpacks whole blocks of 8 channels back to their codes."""
+    gen = torch.Generator().manual_seed(bits)
+    q = _codes(bits, (16, 64), gen)
+    packed = interleave_codes(q, bits)
+    assert torch.equal(packed.view(torch.uint8), _packed(q, bits).view(torch.uint8))
+    assert torch.equal(deinterleave_codes(packed, bits).to(torch.int8), q)
+    assert torch.equal(deinterleave_codes(packed[8:], bits).to(torch.int8), q[8:])
+    scales = torch.randn(16, 2, generator=gen)
+    assert torch.equal(interleave_groups(scales), _groups(scales))
+    assert torch.equal(deinterleave_groups(interleave_groups(scales)), scales)

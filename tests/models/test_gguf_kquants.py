@@ -105,9 +105,10 @@ def _agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
 
 
 @pytest.mark.slow  # ~10 s: four loads and greedy texts in float32
-def test_q4_k_is_the_dequantized_model(files):
-    """Q4_K is groups of 32 with scales and mins, exactly: float32 (torch's int4 kernel) gives the
-    dequantized weights' logits to float32 rounding and their greedy text token for token."""
+def test_q4_k_is_the_dequantized_model(files, float_activations):
+    """Q4_K is groups of 32 with scales and mins, exactly: float32 (torch's int4 kernel, or avx2_linear's
+    float path) gives the dequantized weights' logits to float32 rounding and their greedy text token for
+    token."""
     ours, cfg, _ = load_model(str(files["q4_k"]), dtype="float32", prepack=False)
     ref, _, _ = load_model(str(files["q4_k-dequantized"]), dtype="float32", prepack=False)
     linears = {name: m for name, m in ours.named_modules() if isinstance(m, QuantizedLinear)}
@@ -148,7 +149,7 @@ def test_the_q4_k_m_mix_loads_each_type_onto_its_path(files):
     )
 
 
-def test_the_mix_follows_the_dequantized_model(files):
+def test_the_mix_follows_the_dequantized_model(files, float_activations):
     """Every type exact: float32 logits and greedy texts those of the dequantized weights; in bf16 (our
     kernels: int8 activations, float16 scales) most greedy tokens the same. Measured over 8 prompts x 24
     tokens, the share of tokens before each text's first difference from the dequantized weights' float32

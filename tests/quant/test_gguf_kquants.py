@@ -110,7 +110,7 @@ def test_quantized_embedding_rows_are_the_dequantized_rows(kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_fused_layer_of_q4_k_beside_q6_k_keeps_each_types_codes(dtype):
+def test_a_fused_layer_of_q4_k_beside_q6_k_keeps_each_types_codes(dtype, float_activations):
     """Q4_K_M files' q, k in Q4_K beside v in Q6_K: q and k stay int4 (two codes a byte), v 6-bit, and the
     layer's output is the dequantized fused weight's product, q, k, v in order."""
     q, k, v = (
