@@ -14,10 +14,10 @@ Each QuantizedLinear repacks its `QuantizedWeight` for the fastest path this mac
               codes) and int4 codes in groups of a multiple of 32 (Q4_0, Q4_1, Q4_K; ours), interleaved by
               8 output channels (infer/quant/interleaved.py), on a CPU with AVX2 but no AVX-512 BF16
               (infer/kernels/avx2_linear.cpp): steps of any size multiply the codes as int8 against
-              activations rounded to int8 per block of 32 (vpmaddubsw, as llama.cpp's Q8_0 and Q4_0; as
-              fast as the float32 GEMM at 2048 rows, 1.1-3x faster at 128-512). INFER_INT8_ACTIVATIONS=0:
-              steps of up to KERNEL_ROWS rows widen the codes to float32 in registers, wider ones multiply
-              in float32 on the weight widened a slice at a time (widened_linear).
+              activations rounded to int8 per block of 32 (vpmaddubsw, as llama.cpp's Q8_0 and Q4_0, for
+              prompts too). INFER_INT8_ACTIVATIONS=0: steps of up to KERNEL_ROWS rows widen the codes to
+              float32 in registers, wider ones multiply in float32 on the weight widened a slice at a
+              time (widened_linear).
     "dequant" anything else (e.g. int8 in groups, on a CPU without AVX-512 BF16): the weight dequantized
               once into the model's dtype. Correct, but saves neither memory nor time: logged at load.
 
@@ -58,7 +58,7 @@ HEAD_BITS = 8  # the LM head, int8 per channel either way: int4 costs perplexity
 # With AMX tiles (the kernel's "+amx" builds) W8A8 runs on them, int8 weights at every row count and
 # int4 from 2 rows: there the bf16-activation decodes (vdpbf16ps, slow on those cores) were compute-bound
 # from 1-2 rows, and the tiles read int8 codes at the DRAM's speed (docs/quantization.md).
-# INFER_INT8_ACTIVATIONS=0 keeps bf16 activations everywhere (A/B comparisons, tests).
+# INFER_INT8_ACTIVATIONS=0 keeps x as it is everywhere, bf16 or float32 (A/B comparisons, tests).
 DECODE_ROWS = 4
 INT8_ACTIVATIONS = os.environ.get("INFER_INT8_ACTIVATIONS", "1") != "0"
 # Where the CPU has no bf16 arithmetic, torch's int8 kernel beats widening (infer.layers.widened_linear)
