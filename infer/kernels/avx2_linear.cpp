@@ -1,12 +1,13 @@
-// y = x @ W^T + bias for few rows of x (decode steps) on a CPU with AVX2 and FMA but no bf16 arithmetic,
-// reading the weight's own bytes once: bf16 weights widened to float32 in registers; int8 or int4 codes
-// with a scale (and offset) per group of inputs multiplied as int8 against x rounded to int8 per block of
-// 32 (as llama.cpp's Q8_0 and Q4_0 on AVX2), or widened to float32 where asked for exact float32 sums.
+// y = x @ W^T + bias on a CPU with AVX2 and FMA but no bf16 arithmetic, reading the weight's own bytes
+// once. bf16 weights, at few rows (decode steps): widened to float32 in registers; steps of many rows go
+// to a float32 GEMM instead (infer/layers/widened_linear.py), where the multiply-adds, not the bytes, set
+// the time. int8 or int4 codes with a scale (and offset) per group of inputs, at any row count:
+// multiplied as int8 against x rounded to int8 per block of 32 (as llama.cpp's Q8_0 and Q4_0 on AVX2), or
+// widened to float32 where asked for exact float32 sums (then few rows only, as bf16 weights).
 // torch's bf16 matmul on such a CPU costs about one matrix-vector product per row, an int8 weight in
 // groups (a GGUF file's Q8_0) has no torch kernel at all, and torch's int4 kernel is slower than this.
-// Steps of many rows go to a float32 GEMM instead (infer/layers/widened_linear.py): there the multiply-
-// adds, not the bytes, set the time. Figures: docs/optimizations.md, "bf16 on a CPU without bf16
-// arithmetic"; docs/quantization.md, "GGUF files".
+// Figures: docs/optimizations.md, "bf16 on a CPU without bf16 arithmetic"; docs/quantization.md, "GGUF
+// files"; docs/performance.md, "On a CPU with AVX2 alone".
 //
 // bf16 layout: the weight as the model holds it, [N, K] row-major (no second copy). x is widened once into
 // a float32 buffer, its inputs reordered within each 16 to match how one unpack widens 16 bf16 weights
@@ -31,7 +32,6 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -205,6 +205,20 @@ inline __m256i broadcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// Block nb of 8 output channels: its codes, and its groups' scales and offsets (null without offsets)
+template <typename Scale>
+struct ChannelBlock {
+  const uint8_t* w;
+  const Scale* scales;
+  const Scale* offsets;
+  int64_t groups;
+  ChannelBlock(const Problem& P, int64_t nb)
+      : w(static_cast<const uint8_t*>(P.w) + nb * 8 * (P.int4 ? P.K / 2 : P.K)),
+        scales(static_cast<const Scale*>(P.scales) + nb * (P.K / P.group) * 8),
+        offsets(P.offsets ? static_cast<const Scale*>(P.offsets) + nb * (P.K / P.group) * 8 : nullptr),
+        groups(P.K / P.group) {}
+};
+
 // A channel block's 8 outputs of rows m0.. (acc[r], in channel order) plus the bias, stored in y's dtype
 template <int ROWS>
 void store8(const Problem& P, const __m256 (&acc)[ROWS], int64_t n0, int64_t m0) {
@@ -230,10 +244,7 @@ void store8(const Problem& P, const __m256 (&acc)[ROWS], int64_t n0, int64_t m0)
 // group's sum of the rounded x, so that a row gets the weights' dot product with the rounded x.
 template <int ROWS, typename Scale, bool INT4, int UNIT>
 void codes_w8a8(const Problem& P, int64_t nb, int64_t m0) {
-  const int64_t groups = P.K / P.group;
-  const auto* w = static_cast<const uint8_t*>(P.w) + nb * 8 * (INT4 ? P.K / 2 : P.K);
-  const auto* scales = static_cast<const Scale*>(P.scales) + nb * groups * 8;
-  const auto* offsets = P.offsets ? static_cast<const Scale*>(P.offsets) + nb * groups * 8 : nullptr;
+  const auto [w, scales, offsets, groups] = ChannelBlock<Scale>(P, nb);
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
   __m256 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
@@ -285,10 +296,7 @@ void codes_w8a8(const Problem& P, int64_t nb, int64_t m0) {
 // its offsets times the group's sum of x.
 template <int ROWS, typename Scale, bool INT4>
 void codes_float(const Problem& P, int64_t nb, int64_t m0) {
-  const int64_t groups = P.K / P.group;
-  const auto* w = static_cast<const uint8_t*>(P.w) + nb * 8 * (INT4 ? P.K / 2 : P.K);
-  const auto* scales = static_cast<const Scale*>(P.scales) + nb * groups * 8;
-  const auto* offsets = P.offsets ? static_cast<const Scale*>(P.offsets) + nb * groups * 8 : nullptr;
+  const auto [w, scales, offsets, groups] = ChannelBlock<Scale>(P, nb);
   // within each 128-bit lane, 4 channels x 4 inputs -> 4 inputs x 4 channels
   const __m256i transpose = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
                                              0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
