@@ -1,7 +1,9 @@
 // Attention of short queries (decodes, small prompt chunks) straight over the paged KV cache, the
 // batched step of infer/layers/attention.py in one call, without a gathered copy of the keys.
 //
-// A work item is one sequence, or a part of its keys when the sequences are too few for the threads.
+// A work item is one sequence, or one part of its keys: a context that crosses a multiple of kPart keys is
+// split there, whatever the step holds, so that both cores work on one stream's attention and a row's
+// arithmetic does not depend on the batch it is in.
 // Its rows are every (kv head, query, head of the kv head's group); it walks its keys in tiles:
 //
 //   rows   r = (h * query_len + t) * group + g     kv head h, query t, query head h * group + g
@@ -19,7 +21,8 @@
 // the output are zeros; one without queries (query_starts[s] == query_starts[s + 1]) must be one.
 // Threads (at::parallel_for: torch's OpenMP pool, torch.get_num_threads()) take items from a shared
 // counter, longest first, each claiming its next item before it runs one (Prefetcher). A part of a split
-// context leaves (max, sum, unnormalized output) per row, merged when all are done. Accumulation is
+// context leaves (max, sum, unnormalized output) per row; the thread that runs a context's last part merges
+// them. Accumulation is
 // float32 whatever the cache's dtype (float32, bfloat16, float16); the vector ISA is this build's (vec.h),
 // plus vdpbf16ps for bfloat16 scores and probs @ values where present. An fp8 cache (fp8.h) is read with
 // bf16 queries on the same vdpbf16ps path: each 64-dim group of a key or value decoded to bf16 as it is
@@ -34,6 +37,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -48,7 +52,7 @@ namespace {
 using namespace infer_vec;
 
 constexpr int64_t kTile = 64;      // keys per tile: a tile's keys and values (and the next's) stay in L2
-constexpr int64_t kMinPart = 256;  // a context is split into parts no shorter than this
+constexpr int64_t kPart = kTile;  // a context is split into parts at every multiple of kPart keys
 constexpr int64_t kSub = 16;       // slots per sub-tile (llama-50m's 4 kv heads x 64 dims: 8 KB of keys)
 // a sub-tile starts where a block of keys (up to kLanes) and a bf16 pair of keys (2) start
 static_assert(kSub % kLanes == 0 && kTile % kSub == 0);
@@ -61,6 +65,7 @@ struct Item {
   int64_t seq;
   int64_t begin, end;  // key positions [begin, end)
   int64_t partial;     // -1: the item is the whole context; else the offset of its partial result
+  int64_t split;       // the index of its context's split (Splits), where partial >= 0
 };
 
 struct Problem : infer_paged::PagedCall {
@@ -622,7 +627,9 @@ void run_item(const Problem& P, const Item& item, const Item* following, bool wa
 }
 
 // The parts of one split context into its rows of out: each part's output weighted by exp(its max - the
-// overall max), over the weighted sum. A part may hold no key of a row (its max is -inf): weight 0.
+// overall max), times the inverse of the weighted sum, as a whole context's output is (run_item): a context
+// whose keys all fall in one part gets that part's output bit for bit, whatever its other parts hold. A part
+// may hold no key of a row (its max is -inf): weight 0.
 template <typename T>
 void merge_parts(const Problem& P, int64_t s, const std::vector<int64_t>& offsets) {
   const int64_t D = P.head_dim, rows = P.num_kv_heads * P.group * P.query_len(s);
@@ -637,10 +644,11 @@ void merge_parts(const Problem& P, int64_t s, const std::vector<int64_t>& offset
       const float w = std::exp(m - max);
       sum += w * P.partials[o + rows + r];
       const float* acc = P.partials + o + 2 * rows + r * D;
-      for (int64_t d = 0; d < D; ++d) out[d] += w * acc[d];
+      for (int64_t d = 0; d < D; d += kLanes) vstore(out.data() + d, vfma(vset1(w), vload(acc + d), vload(out.data() + d)));
     }
+    const float inv = 1.f / sum;
     T* dst = P.out_row<T>(s, r);
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(out[d] / sum);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(out[d] * inv);
   }
 }
 
@@ -654,6 +662,9 @@ void run(const Problem& P, std::vector<Item>& items, const Splits& splits) {
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_items);
   std::atomic<int64_t> next{0};
+  // a split's parts left to run: the thread that runs its last one merges them
+  std::unique_ptr<std::atomic<int64_t>[]> parts_left(new std::atomic<int64_t>[splits.size()]);
+  for (size_t i = 0; i < splits.size(); ++i) parts_left[i] = static_cast<int64_t>(splits[i].second.size());
   at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
     bool warm = false;
     for (int64_t i = next.fetch_add(1); i < num_items;) {
@@ -662,12 +673,14 @@ void run(const Problem& P, std::vector<Item>& items, const Splits& splits) {
       int64_t j = -1;
       if (next.load(std::memory_order_relaxed) < num_items - num_threads) j = next.fetch_add(1);
       const Item* following = j >= 0 && j < num_items ? &items[j] : nullptr;
-      run_item<T>(P, items[i], following, warm);
+      const Item& item = items[i];
+      run_item<T>(P, item, following, warm);
+      if (item.partial >= 0 && parts_left[item.split].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        merge_parts<T>(P, splits[item.split].first, splits[item.split].second);
       i = j >= 0 ? j : next.fetch_add(1);
       warm = following != nullptr;
     }
   });
-  for (const auto& [s, offsets] : splits) merge_parts<T>(P, s, offsets);
 }
 
 // ---- the op ----
@@ -686,17 +699,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
 
   // Each sequence's keys: [the first its first query sees, seq_len), their blocks checked.
   std::vector<int64_t> begins(num_seqs);
-  int64_t total_keys = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (P.seq_lens[s] == 0) continue;  // padding
     TORCH_CHECK(P.query_len(s) > 0, "a sequence without queries must have seq_len 0");
     begins[s] = P.checked_first_key(s);
-    total_keys += P.seq_lens[s] - begins[s];
   }
-  // Items: a sequence, or parts of it when the sequences would be too few for the threads: at least 4
-  // items per thread, each at least kMinPart keys long.
-  const int64_t target = 4 * at::get_num_threads();
-  const int64_t part_len = std::max(kMinPart, (total_keys + target - 1) / target);
+  // Items: a sequence, or its parts where its keys cross a multiple of kPart. Parts are fixed by position,
+  // not by the step: a row's arithmetic is the same in any batch and at any later length of its sequence
+  // (a verification's extra keys fall in parts of their own, which its earlier rows do not see).
   std::vector<Item> items;
   Splits splits;
   int64_t partial_floats = 0;
@@ -707,15 +717,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
       std::memset(static_cast<char*>(out.data_ptr()) + first * out.element_size(), 0, count * out.element_size());
       continue;
     }
-    const int64_t num_parts = (seq_len - begins[s] + part_len - 1) / part_len;
-    if (num_parts == 1) {
-      items.push_back({s, begins[s], seq_len, -1});
+    const int64_t first_part = begins[s] / kPart, last_part = (seq_len - 1) / kPart;
+    if (first_part == last_part) {
+      items.push_back({s, begins[s], seq_len, -1, -1});
       continue;
     }
+    const int64_t split = static_cast<int64_t>(splits.size());
     splits.emplace_back(s, std::vector<int64_t>());
-    for (int64_t p = 0; p < num_parts; ++p) {
-      const int64_t b = begins[s] + p * part_len;
-      items.push_back({s, b, std::min(seq_len, b + part_len), partial_floats});
+    for (int64_t p = first_part; p <= last_part; ++p) {
+      const int64_t b = std::max(begins[s], p * kPart);
+      items.push_back({s, b, std::min(seq_len, (p + 1) * kPart), partial_floats, split});
       splits.back().second.push_back(partial_floats);
       partial_floats += rows * (2 + D);
     }

@@ -146,6 +146,35 @@ def test_one_long_stream_split_across_threads(threads):
     torch.testing.assert_close(got.double(), reference(q, meta, tables, 0.125, None), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", list(TOL), ids=["fp32", "bf16", "fp16"])
+def test_a_rows_output_does_not_depend_on_its_batch_or_later_keys(dtype):
+    """A decode's output is the same bit for bit alone, beside other sequences (which change how many
+    items the threads share) and as the first query of a verification-like chunk whose later queries add
+    keys past it: speculative decoding's verification must give the row a lone decode gives."""
+    ops = _ops()
+    q, _, _, meta, _ = make_step(8, 2, 64, [4, 1, 1], [1300, 2000, 70], dtype)
+    caches, tables = meta.kv_caches[0], meta.block_tables
+    decode_row = q[:1].contiguous()  # query 0 of sequence 0, at position 1296: a decode of 1,297 keys
+
+    def call(q_rows, seqs, seq_lens, starts):
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        starts = None if starts is None else torch.tensor(starts, dtype=torch.int32)
+        return ops.paged_attention(q_rows, *caches, tables[seqs], lens, starts, 0.125, 0)
+
+    alone = call(decode_row, [0], [1297], None)
+    in_batch = call(torch.cat([decode_row, q[4:6]]), [0, 1, 2], [1297, 2000, 70], None)
+    as_verification = call(q, [0, 1, 2], [1300, 2000, 70], [0, 4, 5, 6])
+    for threads in (1, 2, 3):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            assert torch.equal(call(decode_row, [0], [1297], None), alone)
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(in_batch[:1], alone)
+    assert torch.equal(as_verification[:1], alone)
+
+
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("dtype", list(TOL), ids=["fp32", "bf16", "fp16"])
 def test_chunks_with_decodes(dtype, window, monkeypatch):
