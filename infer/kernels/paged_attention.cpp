@@ -1,9 +1,9 @@
 // Attention of short queries (decodes, small prompt chunks) straight over the paged KV cache, the
 // batched step of infer/layers/attention.py in one call, without a gathered copy of the keys.
 //
-// A work item is one sequence, or one part of its keys: a context that crosses a multiple of kPart keys is
-// split there, whatever the step holds, so that both cores work on one stream's attention and a row's
-// arithmetic does not depend on the batch it is in.
+// A work item is one sequence, or one part of its keys: a context that crosses a multiple of kPart keys
+// (of more for chunks longer than kPartQueries) is split there, whatever the step holds, so that every core
+// works on one stream's attention and a row's arithmetic does not depend on the batch it is in.
 // Its rows are every (kv head, query, head of the kv head's group); it walks its keys in tiles:
 //
 //   rows   r = (h * query_len + t) * group + g     kv head h, query t, query head h * group + g
@@ -51,9 +51,12 @@ namespace {
 
 using namespace infer_vec;
 
-constexpr int64_t kTile = 64;      // keys per tile: a tile's keys and values (and the next's) stay in L2
-constexpr int64_t kPart = kTile;  // a context is split into parts at every multiple of kPart keys
-constexpr int64_t kSub = 16;       // slots per sub-tile (llama-50m's 4 kv heads x 64 dims: 8 KB of keys)
+constexpr int64_t kTile = 64;  // keys per tile: a tile's keys and values (and the next's) stay in L2
+// a context is split at every multiple of kPart keys where its queries are at most kPartQueries, and
+// a longer chunk's parts are as many times longer: its partial results (rows x parts) stay bounded
+constexpr int64_t kPart = kTile;
+constexpr int64_t kPartQueries = 8;
+constexpr int64_t kSub = 16;  // slots per sub-tile (llama-50m's 4 kv heads x 64 dims: 8 KB of keys)
 // a sub-tile starts where a block of keys (up to kLanes) and a bf16 pair of keys (2) start
 static_assert(kSub % kLanes == 0 && kTile % kSub == 0);
 constexpr int64_t kStride = kTile + kLanes;  // a row of tile scores, with room for a block's overhang
@@ -704,7 +707,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
     TORCH_CHECK(P.query_len(s) > 0, "a sequence without queries must have seq_len 0");
     begins[s] = P.checked_first_key(s);
   }
-  // Items: a sequence, or its parts where its keys cross a multiple of kPart. Parts are fixed by position,
+  // Items: a sequence, or its parts where its keys cross a multiple of part_len. Parts are fixed by position,
   // not by the step: a row's arithmetic is the same in any batch and at any later length of its sequence
   // (a verification's extra keys fall in parts of their own, which its earlier rows do not see).
   std::vector<Item> items;
@@ -717,7 +720,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
       std::memset(static_cast<char*>(out.data_ptr()) + first * out.element_size(), 0, count * out.element_size());
       continue;
     }
-    const int64_t first_part = begins[s] / kPart, last_part = (seq_len - 1) / kPart;
+    const int64_t part_len = kPart * ((P.query_len(s) + kPartQueries - 1) / kPartQueries);
+    const int64_t first_part = begins[s] / part_len, last_part = (seq_len - 1) / part_len;
     if (first_part == last_part) {
       items.push_back({s, begins[s], seq_len, -1, -1});
       continue;
@@ -725,8 +729,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
     const int64_t split = static_cast<int64_t>(splits.size());
     splits.emplace_back(s, std::vector<int64_t>());
     for (int64_t p = first_part; p <= last_part; ++p) {
-      const int64_t b = std::max(begins[s], p * kPart);
-      items.push_back({s, b, std::min(seq_len, (p + 1) * kPart), partial_floats, split});
+      const int64_t b = std::max(begins[s], p * part_len);
+      items.push_back({s, b, std::min(seq_len, (p + 1) * part_len), partial_floats, split});
       splits.back().second.push_back(partial_floats);
       partial_floats += rows * (2 + D);
     }

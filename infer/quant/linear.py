@@ -147,12 +147,20 @@ class QuantizedLinear(nn.Module):
     def _pack_avx2(self, w: QuantizedWeight, dtype: torch.dtype) -> None:
         self._ops = kernels.avx2_ops()
         q, offsets = _unsigned_int4(w) if w.bits == 4 else (w.q, w.offsets())  # int4: codes 0..15
+        scales = w.scales
+        # channels in whole blocks of 8: a vocabulary of 50,257 (GPT-2) gets channels of zero weight,
+        # whose outputs the forward drops
+        pad = -self.out_features % CHANNELS
+        if pad:
+            q, scales = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scales))
+            offsets = None if offsets is None else nn.functional.pad(offsets, (0, 0, 0, pad))
+        self._padded = pad > 0
         self.register_buffer("qweight", interleave_codes(q, w.bits), persistent=False)
         # float16 where that holds them exactly (a Q8_0 or Q4_0 block's own scale); float32 where it
         # would round them (K-quants' scales and mins are products of two; ours)
-        exact = all(t is None or torch.equal(t.half().float(), t) for t in (w.scales, offsets))
+        exact = all(t is None or torch.equal(t.half().float(), t) for t in (scales, offsets))
         held = torch.float16 if exact else torch.float32
-        self.register_buffer("scales", interleave_groups(w.scales.to(held)), persistent=False)
+        self.register_buffer("scales", interleave_groups(scales.to(held)), persistent=False)
         offsets = None if offsets is None else interleave_groups(offsets.to(held))
         self.register_buffer("offsets", offsets, persistent=False)
 
@@ -180,9 +188,11 @@ class QuantizedLinear(nn.Module):
                 INT8_ACTIVATIONS and flat.shape[0] > self._decode_rows,
             )
         elif self.backend == "avx2" and (INT8_ACTIVATIONS or flat.shape[0] <= KERNEL_ROWS):
-            y = self._ops.avx2_linear(
-                flat, self.qweight, self.scales, self.offsets, self.bias, INT8_ACTIVATIONS
-            )
+            bias = None if self._padded else self.bias
+            y = self._ops.avx2_linear(flat, self.qweight, self.scales, self.offsets, bias, INT8_ACTIVATIONS)
+            if self._padded:
+                y = y[:, : self.out_features].contiguous()
+                y = y if self.bias is None else y + self.bias
         else:
             rows = flat.shape[0]
             if self._widens and rows > (TORCH_WIDEN_ROWS if self.backend == "torch" else WIDEN_ROWS):
@@ -205,6 +215,7 @@ class QuantizedLinear(nn.Module):
             return self.qweight[rows].float() * self.scales[rows, None].float()
         scales, offsets = self.scales, self.offsets
         if self.backend == "avx2":  # the whole blocks of 8 channels that hold `rows`, deinterleaved
+            rows = slice(rows.start, min(rows.stop, self.out_features))  # not the padding channels
             first = rows.start // CHANNELS * CHANNELS
             blocks = slice(first, -(-rows.stop // CHANNELS) * CHANNELS)
             rows = slice(rows.start - first, rows.stop - first)
@@ -247,8 +258,7 @@ def _backends(w: QuantizedWeight, dtype: torch.dtype) -> list[str]:
     # avx2_linear: int8 codes (6-bit ones too, a byte each) and int4 ones, where the CPU has no AVX-512 BF16
     avx2 = (
         ["avx2"]
-        if out_features % CHANNELS == 0
-        and in_features % 32 == 0
+        if in_features % 32 == 0
         and w.group_size % (32 if w.bits == 4 else 16) == 0
         and dtype in (torch.bfloat16, torch.float32)
         and kernels.avx2_ops() is not None

@@ -84,6 +84,27 @@ def _check_every_backend(bits, group, symmetric, rows, int8_activations, monkeyp
             assert err < tol, (backend, dtype, err)
 
 
+@pytest.mark.skipif(not HAS_AVX2_KERNEL, reason="avx2_linear serves CPUs with AVX2 but no AVX-512 BF16")
+@pytest.mark.parametrize("int8_activations", [True, False])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_avx2_runs_a_channel_count_off_its_blocks_of_8(bits, int8_activations, monkeypatch):
+    """An output size that is no multiple of 8 (a vocabulary of 50,257) stays quantized on avx2_linear,
+    padded with channels of zero weight that the output drops, bias included."""
+    monkeypatch.setattr(quant_linear, "INT8_ACTIVATIONS", int8_activations)
+    gen = torch.Generator().manual_seed(bits)
+    qw = quantize_for(torch.randn(53, 256, generator=gen) * 0.05, bits, 32, bits == 8)
+    bias = torch.randn(53, generator=gen)
+    layer = QuantizedLinear(qw, bias, torch.float32)
+    assert layer.backend == "avx2"
+    for rows in (1, 3, 70):
+        x = torch.randn(2, rows, 256, generator=gen)
+        y = layer(x)
+        assert y.shape == (2, rows, 53) and y.is_contiguous()
+        expected = _reference(x.view(-1, 256), qw, bias).view(2, rows, 53)
+        tol = 2e-2 if int8_activations else 1e-4
+        assert (y - expected).abs().max() / expected.abs().max() < tol, rows
+
+
 def _as_held(qw: QuantizedWeight) -> QuantizedWeight:
     """`qw` with the kernel's float16 scales and offsets (the weight at code 0), what it multiplies by."""
     scales, offsets = qw.scales.half().float(), qw.offsets()
