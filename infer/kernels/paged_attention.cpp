@@ -21,13 +21,12 @@
 // the output are zeros; one without queries (query_starts[s] == query_starts[s + 1]) must be one.
 // Threads (at::parallel_for: torch's OpenMP pool, torch.get_num_threads()) take items from a shared
 // counter, longest first, each claiming its next item before it runs one (Prefetcher). A part of a split
-// context leaves (max, sum, unnormalized output) per row; the thread that runs a context's last part merges
-// them. Accumulation is
-// float32 whatever the cache's dtype (float32, bfloat16, float16); the vector ISA is this build's (vec.h),
-// plus vdpbf16ps for bfloat16 scores and probs @ values where present. An fp8 cache (fp8.h) is read with
-// bf16 queries on the same vdpbf16ps path: each 64-dim group of a key or value decoded to bf16 as it is
-// loaded, in an order of its own (the queries permuted to match once per item, the output unpermuted at
-// the end).
+// context leaves (max, sum, unnormalized output) per row; the thread that runs a context's last part
+// merges them. Accumulation is float32 whatever the cache's dtype (float32, bfloat16, float16); the
+// vector ISA is this build's (vec.h), plus vdpbf16ps for bfloat16 scores and probs @ values where present.
+// An fp8 cache (fp8.h) is read with bf16 queries on the same vdpbf16ps path: each 64-dim group of a key or
+// value decoded to bf16 as it is loaded, in an order of its own (the queries permuted to match once per
+// item, the output unpermuted at the end).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -647,7 +646,8 @@ void merge_parts(const Problem& P, int64_t s, const std::vector<int64_t>& offset
       const float w = std::exp(m - max);
       sum += w * P.partials[o + rows + r];
       const float* acc = P.partials + o + 2 * rows + r * D;
-      for (int64_t d = 0; d < D; d += kLanes) vstore(out.data() + d, vfma(vset1(w), vload(acc + d), vload(out.data() + d)));
+      for (int64_t d = 0; d < D; d += kLanes)
+        vstore(out.data() + d, vfma(vset1(w), vload(acc + d), vload(out.data() + d)));
     }
     const float inv = 1.f / sum;
     T* dst = P.out_row<T>(s, r);
@@ -707,9 +707,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
     TORCH_CHECK(P.query_len(s) > 0, "a sequence without queries must have seq_len 0");
     begins[s] = P.checked_first_key(s);
   }
-  // Items: a sequence, or its parts where its keys cross a multiple of part_len. Parts are fixed by position,
-  // not by the step: a row's arithmetic is the same in any batch and at any later length of its sequence
-  // (a verification's extra keys fall in parts of their own, which its earlier rows do not see).
+  // Items: a sequence, or its parts where its keys cross a multiple of part_len. Parts are fixed by
+  // position, not by the step: a row's arithmetic is the same in any batch and at any later length of its
+  // sequence (a verification's extra keys fall in parts of their own, which its earlier rows do not see).
   std::vector<Item> items;
   Splits splits;
   int64_t partial_floats = 0;
