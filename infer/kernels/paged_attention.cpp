@@ -528,6 +528,14 @@ inline void find_slots(const Problem& P, int64_t s, int64_t start, int64_t count
   }
 }
 
+// A row of out: its unnormalized output times the inverse of its sum, for a whole context (run_item) and
+// a split one's merge (merge_parts) alike, so that a context in one part gets the same bits either way
+template <typename T>
+void write_row(T* dst, const float* acc, float sum, int64_t D) {
+  const float inv = 1.f / sum;
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+}
+
 // `following`: the item this thread takes next, or nullptr; its first tile is prefetched during this
 // item's last (`warm`: this item's first tile was, by the item before)
 template <typename T>
@@ -621,17 +629,13 @@ void run_item(const Problem& P, const Item& item, const Item* following, bool wa
     std::copy(ws.acc.begin(), ws.acc.begin() + rows * D, dst + 2 * rows);
     return;
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.f / ws.sum[r];
-    T* dst = P.out_row<T>(s, r);
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(ws.acc[r * D + d] * inv);
-  }
+  for (int64_t r = 0; r < rows; ++r) write_row(P.out_row<T>(s, r), ws.acc.data() + r * D, ws.sum[r], D);
 }
 
 // The parts of one split context into its rows of out: each part's output weighted by exp(its max - the
-// overall max), times the inverse of the weighted sum, as a whole context's output is (run_item): a context
-// whose keys all fall in one part gets that part's output bit for bit, whatever its other parts hold. A part
-// may hold no key of a row (its max is -inf): weight 0.
+// overall max), over the weighted sum (write_row): a context whose keys all fall in one part gets that
+// part's output bit for bit, whatever its other parts hold. A part may hold no key of a row (its max is
+// -inf): weight 0.
 template <typename T>
 void merge_parts(const Problem& P, int64_t s, const std::vector<int64_t>& offsets) {
   const int64_t D = P.head_dim, rows = P.num_kv_heads * P.group * P.query_len(s);
@@ -649,9 +653,7 @@ void merge_parts(const Problem& P, int64_t s, const std::vector<int64_t>& offset
       for (int64_t d = 0; d < D; d += kLanes)
         vstore(out.data() + d, vfma(vset1(w), vload(acc + d), vload(out.data() + d)));
     }
-    const float inv = 1.f / sum;
-    T* dst = P.out_row<T>(s, r);
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(out[d] * inv);
+    write_row(P.out_row<T>(s, r), out.data(), sum, D);
   }
 }
 
