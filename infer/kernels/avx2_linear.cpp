@@ -155,8 +155,16 @@ void group_sums(const float* x, const int8_t* xq, const float* xscale, int64_t M
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < K / group; ++g) {
       float sum = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k)
-        sum += xq ? xscale[m * (K / 32) + k / 32] * xq[m * K + k] : x[m * K + k];
+      if (xq) {
+        const int64_t run = std::min<int64_t>(group, 32);  // codes of one block's scale (groups of 16: half)
+        for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += run) {
+          int32_t codes = 0;  // summed as integers (vectorized), then scaled
+          for (int64_t k = k0; k < k0 + run; ++k) codes += xq[m * K + k];
+          sum += xscale[m * (K / 32) + k0 / 32] * codes;
+        }
+      } else {
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += x[m * K + k];
+      }
       xsum[m * (K / group) + g] = sum;
     }
 }
@@ -203,6 +211,13 @@ inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
+}
+
+// v itself, kept in a register: the sum it ends stays a chain of adds. Without it GCC reassociates a
+// unit's adds into a tree whose partial sums spill to the stack at 4 rows (a third of the GEMM's speed).
+inline __m256i chained(__m256i v) {
+  asm("" : "+x"(v));
+  return v;
 }
 
 // Block nb of 8 output channels: its codes, and its groups' scales and offsets (null without offsets)
@@ -265,8 +280,8 @@ void codes_w8a8(const Problem& P, int64_t nb, int64_t m0) {
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
           for (int r = 0; r < ROWS; ++r) {
             const int8_t* xr = P.xq + (m0 + r) * P.K + k;
-            sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, broadcast4(xr + 4 * t)));
-            sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 16 + 4 * t)));
+            sums[r] = chained(_mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, broadcast4(xr + 4 * t))));
+            sums[r] = chained(_mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 16 + 4 * t))));
           }
         }
         for (int r = 0; r < ROWS; ++r) sums[r] = _mm256_madd_epi16(sums[r], ones);
@@ -277,7 +292,7 @@ void codes_w8a8(const Problem& P, int64_t nb, int64_t m0) {
           const __m256i magnitude = _mm256_sign_epi8(codes, codes);  // |w| as unsigned bytes (-128 -> 128)
           for (int r = 0; r < ROWS; ++r) {
             const __m256i xv = _mm256_sign_epi8(broadcast4(P.xq + (m0 + r) * P.K + k + 4 * t), codes);
-            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), ones));
+            sums[r] = chained(_mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), ones)));
           }
         }
       }
@@ -430,11 +445,21 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   if (w8a8) {
     xq.resize(M * K);
     xscale.resize(M * K / 32);
-    quantize_rows(xf, M, K, xq.data(), xscale.data());
   }
-  if (offsets) {
-    xsum.resize(M * K / group);
-    group_sums(xf, w8a8 ? xq.data() : nullptr, xscale.data(), M, K, group, xsum.data());
+  if (offsets) xsum.resize(M * K / group);
+  // rows in parallel (at a prompt's 512 rows, a tenth of the GEMM's time alone), into this thread's
+  // buffers (a thread_local named in the lambda would be each worker's own)
+  int8_t* const xq_rows = w8a8 ? xq.data() : nullptr;
+  float* const xscale_rows = w8a8 ? xscale.data() : nullptr;
+  float* const xsum_rows = offsets ? xsum.data() : nullptr;
+  if (w8a8 || offsets) {
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      const int64_t rows = m1 - m0;
+      int8_t* const q = w8a8 ? xq_rows + m0 * K : nullptr;
+      float* const qs = w8a8 ? xscale_rows + m0 * (K / 32) : nullptr;
+      if (w8a8) quantize_rows(xf + m0 * K, rows, K, q, qs);
+      if (offsets) group_sums(xf + m0 * K, q, qs, rows, K, group, xsum_rows + m0 * (K / group));
+    });
   }
   at::Tensor bf = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -444,9 +469,9 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                   offsets ? offsets->const_data_ptr() : nullptr,
                   codes && scales->scalar_type() == at::kHalf,
                   int4,
-                  w8a8 ? xq.data() : nullptr,
-                  w8a8 ? xscale.data() : nullptr,
-                  offsets ? xsum.data() : nullptr,
+                  xq_rows,
+                  xscale_rows,
+                  xsum_rows,
                   bias ? bf.const_data_ptr<float>() : nullptr,
                   y.data_ptr(),
                   x.scalar_type() == at::kBFloat16,
