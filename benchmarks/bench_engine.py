@@ -238,7 +238,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens in the overhead section")
     p.add_argument("--pool-order", choices=("fresh", "reversed", "random", "churned"), default="fresh")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3, fp8_e5m2")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2"
+    )
     p.add_argument("--no-prepack", action="store_true", help="plain F.linear: what prepacking buys")
     p.add_argument("--enforce-eager", action="store_true", help="no decode graphs: what replaying them buys")
     p.add_argument(

@@ -23,7 +23,13 @@ from __future__ import annotations
 import torch
 
 from infer import kernels
-from infer.layers.attention_kernels import has_fp8, kernel_serves, prefill_kernel, prefill_kernel_for
+from infer.layers.attention_kernels import (
+    has_fp8,
+    kernel_serves,
+    narrower,
+    prefill_kernel,
+    prefill_kernel_for,
+)
 from infer.layers.attention_metadata import AttentionMetadata, put_rows, take_rows
 from infer.layers.attention_reference import matmul_batched, sdpa_prefill
 from infer.layers.fp8_kv_cache import FP8_DTYPES, to_cache_dtype
@@ -42,18 +48,7 @@ def attention(
     cache = meta.kv_caches[layer_idx] if meta.kv_caches is not None else None
     if cache is not None:
         key_cache, value_cache = cache
-        ops = kernels.layer_ops(k)
-        fp8 = key_cache.dtype in FP8_DTYPES
-        same = k.dtype == v.dtype and key_cache.dtype == value_cache.dtype
-        same = same and (fp8 or k.dtype == key_cache.dtype)
-        dense = key_cache.is_contiguous() and value_cache.is_contiguous()
-        dense = dense and key_cache.shape == value_cache.shape
-        fast = ops is not None and same and dense and k.stride(-1) == v.stride(-1) == 1
-        if fast and (not fp8 or has_fp8(ops)):
-            ops.write_cache(k, v, key_cache, value_cache, meta.slot_mapping)  # both, one call
-        else:  # [num_slots, num_kv_heads, head_dim]
-            key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = to_cache_dtype(k, key_cache.dtype)
-            value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = to_cache_dtype(v, value_cache.dtype)
+        write_cache(k, v, key_cache, value_cache, meta)
     if not meta.loop_seqs:  # one batched call covers every row
         return _batched(q, key_cache, value_cache, meta, scale, sliding_window)
     if cache is None:
@@ -78,10 +73,33 @@ def attention(
     return out
 
 
+def write_cache(k, v, key_cache, value_cache, meta: AttentionMetadata) -> None:
+    """The step's new keys and values into their slots, in the cache's dtype."""
+    if narrower(key_cache.dtype, k.dtype):
+        k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
+    ops = kernels.layer_ops(k)
+    fp8 = key_cache.dtype in FP8_DTYPES
+    same = k.dtype == v.dtype and key_cache.dtype == value_cache.dtype
+    same = same and (fp8 or k.dtype == key_cache.dtype)
+    dense = key_cache.is_contiguous() and value_cache.is_contiguous()
+    dense = dense and key_cache.shape == value_cache.shape
+    fast = ops is not None and same and dense and k.stride(-1) == v.stride(-1) == 1
+    if fast and (not fp8 or has_fp8(ops)):
+        ops.write_cache(k, v, key_cache, value_cache, meta.slot_mapping)  # both, one call
+    else:  # [num_slots, num_kv_heads, head_dim]
+        key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = to_cache_dtype(k, key_cache.dtype)
+        value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = to_cache_dtype(v, value_cache.dtype)
+
+
 def _batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
     """The batch's sequences at once: the C++ kernel where it serves them, else the matmuls. Returns the
     batch's real rows [num_batch_tokens, H, D] in their flat order."""
     ops = kernels.load()
+    if narrower(key_cache.dtype, q.dtype):  # the kernel reads the queries in the cache's dtype
+        narrow = q.to(key_cache.dtype)
+        if ops is not None and kernel_serves(ops, meta, narrow, key_cache):
+            out = _kernel_batched(ops, narrow, key_cache, value_cache, meta, scale, sliding_window)
+            return out.to(q.dtype)
     if ops is not None and kernel_serves(ops, meta, q, key_cache):
         return _kernel_batched(ops, q, key_cache, value_cache, meta, scale, sliding_window)
     return matmul_batched(q, key_cache, value_cache, meta, scale, sliding_window)

@@ -48,6 +48,12 @@ def prefill_kernel(q, cache):
     return prefill_kernel_for(cache[0], q.dtype)
 
 
+def narrower(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
+    """A float16 or bfloat16 cache (`--kv-cache-dtype`) under float32 queries: the batched kernel reads
+    the queries rounded to the cache's dtype (llama.cpp's default cache, half the bytes a decode reads)."""
+    return q_dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
+
+
 def _reads(ops, q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the kernels take queries of q_dtype over a cache of cache_dtype: of its own dtype, or over
     an fp8 cache bf16 queries with a head_dim of a multiple of 64 on a "+fp8" build."""
@@ -89,6 +95,7 @@ def decode_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = Non
     if ops is None or key_cache.device.type != "cpu" or key_cache.shape[-1] % 16:
         return None
     q_dtype = q_dtype or (torch.bfloat16 if key_cache.dtype in FP8_DTYPES else key_cache.dtype)
+    q_dtype = key_cache.dtype if narrower(key_cache.dtype, q_dtype) else q_dtype
     return (
         ops
         if q_dtype in KERNEL_DTYPES and _reads(ops, q_dtype, key_cache.dtype, key_cache.shape[-1])

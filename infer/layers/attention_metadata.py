@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 
 from infer.layers import attention_kernels
-from infer.layers.fp8_kv_cache import FP8_DTYPES
 
 # A step's short queries (decodes, small prefill chunks) join one batched call over their padded
 # contexts when the padding would cost less than this many wasted query x key scores; beyond it, the
@@ -339,11 +338,11 @@ class AttentionMetadata:
             self._scratch[(head_dim, dtype)] = bufs
         return bufs
 
-    def prefill_mask(self, i: int, sliding_window: int | None) -> torch.Tensor | None:
+    def prefill_mask(self, i: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
         """[query_len, seq_len]: where prefill seq i's queries may attend (0, else -inf; True/False
         without a cache); None when SDPA's own causal mask is right (no earlier context, no window in
         reach). Built once per forward, not per layer."""
-        key = (i, sliding_window)
+        key = (i, sliding_window, dtype)
         if key not in self._prefill_masks:
             query_len, seq_len = self.query_lens[i], self.seq_lens[i]
             windowed = sliding_window is not None and seq_len > sliding_window
@@ -354,15 +353,13 @@ class AttentionMetadata:
                 mask = k_pos <= q_pos
                 if windowed:
                     mask &= q_pos - k_pos < sliding_window
-            self._prefill_masks[key] = mask if mask is None else self._additive(mask)
+            self._prefill_masks[key] = mask if mask is None else self._additive(mask, dtype)
         return self._prefill_masks[key]
 
-    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
+    def _additive(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A boolean mask as SDPA would turn it, on every call of every layer, into an additive one (0 / -inf
-        in the cache's dtype); done once here. Without a cache, or over an fp8 one, the queries' dtype is
-        not known here: stays boolean."""
-        dtype = None if self.kv_caches is None else self.kv_caches[0][0].dtype
-        if dtype is None or dtype in FP8_DTYPES:  # the queries' dtype is not the cache's
+        in the queries' dtype); done once here. Without a cache: stays boolean."""
+        if self.kv_caches is None:
             return mask
         return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
 

@@ -49,7 +49,7 @@ def sdpa_prefill(q, k, v, cache, meta: AttentionMetadata, i: int, scale, sliding
         keys = cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
         values = cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # from fp8; no copy otherwise
-    return _attend(q, keys, values, scale, meta.prefill_mask(i, sliding_window))
+    return _attend(q, keys, values, scale, meta.prefill_mask(i, sliding_window, q.dtype))
 
 
 def matmul_batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):

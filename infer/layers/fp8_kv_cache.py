@@ -22,5 +22,5 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """x as an fp8 cache would give it back (in x's dtype); as it is otherwise."""
-    return x if cache_dtype not in FP8_DTYPES else to_cache_dtype(x, cache_dtype).to(x.dtype)
+    """x as a cache of cache_dtype gives it back (in x's dtype): rounded where that is narrower."""
+    return x if cache_dtype == x.dtype else to_cache_dtype(x, cache_dtype).to(x.dtype)

@@ -1,11 +1,13 @@
 """KV cache tensors: one key and one value pool per layer, preallocated once.
 
-Their dtype is the model's, or with `--kv-cache-dtype fp8` (fp8_e4m3, or fp8_e5m2) torch's float8 of one
-byte per element, as vLLM's flag: no scale (vLLM's default without calibration, 1.0), each key and value
-rounded to the nearest fp8 value and saturated at the format's largest (448 for e4m3, 57344 for e5m2) as
-it is written. The attention kernels read the codes as bf16, exactly (infer/kernels/fp8.h); without them
-the Python path converts what it reads (infer/layers/fp8_kv_cache.py). e4m3 keeps 3 mantissa bits (a
-relative error of at most 1/16), e5m2 2 bits with a wider range.
+Their dtype is the model's; `--kv-cache-dtype float16` (or bfloat16) under a float32 model stores keys and
+values in 16 bits, as llama.cpp's default cache does (infer.layers.attention rounds them as they are written,
+and the decode kernel's queries with them: half the bytes a decode step reads); with `--kv-cache-dtype fp8`
+(fp8_e4m3, or fp8_e5m2) torch's float8 of one byte per element, as vLLM's flag: no scale (vLLM's default
+without calibration, 1.0), each key and value rounded to the nearest fp8 value and saturated at the format's
+largest (448 for e4m3, 57344 for e5m2) as it is written. The attention kernels read the codes as bf16, exactly
+(infer/kernels/fp8.h); without them the Python path converts what it reads (infer/layers/fp8_kv_cache.py).
+e4m3 keeps 3 mantissa bits (a relative error of at most 1/16), e5m2 2 bits with a wider range.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache's torch dtype for `--kv-cache-dtype name` (config.KV_CACHE_DTYPES)."""
-    return model_dtype if name == "auto" else FP8_FORMATS[name]
+    if name == "auto":
+        return model_dtype
+    return FP8_FORMATS.get(name) or getattr(torch, name)
 
 
 def warn_unserved_fp8(cache_dtype: torch.dtype, model_dtype: torch.dtype, head_dim: int) -> None:

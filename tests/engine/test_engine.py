@@ -167,6 +167,27 @@ def test_fp8_cache_output_is_invariant(tiny, caplog):
     assert sum("slower Python path" in r.getMessage() for r in caplog.records) == len(outputs)
 
 
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_engine_output_is_invariant_over_a_16_bit_cache(tiny, half):
+    """A float32 model over a 16-bit cache: chunked or whole prompts, prefix hits and preemption attend over
+    the same rounded keys and values (a fresh prompt's own keys rounded as the cache holds them), so the
+    greedy output is the same in every configuration; every request completes, every block comes back,
+    and the cache holds twice the tokens of a float32 one in the same memory."""
+    path, prompts, _ = tiny
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = {}
+    for name in ("default", "odd_chunks", "no_chunking", "no_prefix_caching", "preemption"):
+        llm = LLM(path, dtype="float32", kv_cache_dtype=str(half).removeprefix("torch."), **CONFIGS[name])
+        assert llm.engine.runner.kv_caches[0][0].dtype == half
+        results = llm.generate(prompts, params)
+        assert all(r.finish_reason == "length" for r in results)
+        assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+        outputs[name] = [r.token_ids for r in results]
+    assert all(out == outputs["default"] for out in outputs.values())
+    wide = LLM(path, dtype="float32")
+    assert llm.engine.kv_bytes_per_token * 2 == wide.engine.kv_bytes_per_token
+
+
 @pytest.mark.parametrize("enable", [True, False])
 def test_prefix_cache_serves_a_later_request(tiny, enable):
     path, prompts, expected = tiny
