@@ -280,8 +280,10 @@ void codes_w8a8(const Problem& P, int64_t nb, int64_t m0) {
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
           for (int r = 0; r < ROWS; ++r) {
             const int8_t* xr = P.xq + (m0 + r) * P.K + k;
-            sums[r] = chained(_mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, broadcast4(xr + 4 * t))));
-            sums[r] = chained(_mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, broadcast4(xr + 16 + 4 * t))));
+            const __m256i low_terms = _mm256_maddubs_epi16(lo, broadcast4(xr + 4 * t));
+            sums[r] = chained(_mm256_add_epi16(sums[r], low_terms));
+            const __m256i high_terms = _mm256_maddubs_epi16(hi, broadcast4(xr + 16 + 4 * t));
+            sums[r] = chained(_mm256_add_epi16(sums[r], high_terms));
           }
         }
         for (int r = 0; r < ROWS; ++r) sums[r] = _mm256_madd_epi16(sums[r], ones);
@@ -292,7 +294,8 @@ void codes_w8a8(const Problem& P, int64_t nb, int64_t m0) {
           const __m256i magnitude = _mm256_sign_epi8(codes, codes);  // |w| as unsigned bytes (-128 -> 128)
           for (int r = 0; r < ROWS; ++r) {
             const __m256i xv = _mm256_sign_epi8(broadcast4(P.xq + (m0 + r) * P.K + k + 4 * t), codes);
-            sums[r] = chained(_mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), ones)));
+            const __m256i terms = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xv), ones);
+            sums[r] = chained(_mm256_add_epi32(sums[r], terms));
           }
         }
       }
