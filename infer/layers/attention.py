@@ -75,7 +75,7 @@ def attention(
 
 def write_cache(k, v, key_cache, value_cache, meta: AttentionMetadata) -> None:
     """The step's new keys and values into their slots, in the cache's dtype."""
-    if narrower(key_cache.dtype, k.dtype):
+    if key_cache.dtype != k.dtype and key_cache.dtype not in FP8_DTYPES:  # float32 or bf16 into float16
         k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
     ops = kernels.layer_ops(k)
     fp8 = key_cache.dtype in FP8_DTYPES

@@ -188,6 +188,16 @@ def test_engine_output_is_invariant_over_a_16_bit_cache(tiny, half):
     assert llm.engine.kv_bytes_per_token * 2 == wide.engine.kv_bytes_per_token
 
 
+def test_a_bfloat16_model_over_a_float16_cache_completes(tiny):
+    """A cache of another 16-bit dtype than a bf16 model's: written converted, read through the matmuls
+    (the decode kernel takes queries of its cache's dtype), every request whole."""
+    path, prompts, _ = tiny
+    llm = LLM(path, dtype="bfloat16", kv_cache_dtype="float16")
+    results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert all(r.finish_reason == "length" and len(r.token_ids) == MAX_TOKENS for r in results)
+    assert llm.engine.scheduler.kv_cache_manager.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("enable", [True, False])
 def test_prefix_cache_serves_a_later_request(tiny, enable):
     path, prompts, expected = tiny
