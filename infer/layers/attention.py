@@ -95,13 +95,12 @@ def _batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_
     """The batch's sequences at once: the C++ kernel where it serves them, else the matmuls. Returns the
     batch's real rows [num_batch_tokens, H, D] in their flat order."""
     ops = kernels.load()
-    if narrower(key_cache.dtype, q.dtype):  # the kernel reads the queries in the cache's dtype
-        narrow = q.to(key_cache.dtype)
-        if ops is not None and kernel_serves(ops, meta, narrow, key_cache):
-            out = _kernel_batched(ops, narrow, key_cache, value_cache, meta, scale, sliding_window)
+    if ops is not None:
+        # float32 queries over a 16-bit cache: the kernel reads them rounded to the cache's dtype
+        kq = q.to(key_cache.dtype) if narrower(key_cache.dtype, q.dtype) else q
+        if kernel_serves(ops, meta, kq, key_cache):
+            out = _kernel_batched(ops, kq, key_cache, value_cache, meta, scale, sliding_window)
             return out.to(q.dtype)
-    if ops is not None and kernel_serves(ops, meta, q, key_cache):
-        return _kernel_batched(ops, q, key_cache, value_cache, meta, scale, sliding_window)
     return matmul_batched(q, key_cache, value_cache, meta, scale, sliding_window)
 
 

@@ -25,14 +25,18 @@ from infer.models.config import ModelConfig
 
 logger = logging.getLogger("infer.runner")
 
-FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FORMATS = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache's torch dtype for `--kv-cache-dtype name` (config.KV_CACHE_DTYPES)."""
-    if name == "auto":
-        return model_dtype
-    return FP8_FORMATS.get(name) or getattr(torch, name)
+    return model_dtype if name == "auto" else FORMATS[name]
 
 
 def warn_unserved_fp8(cache_dtype: torch.dtype, model_dtype: torch.dtype, head_dim: int) -> None:
