@@ -2,6 +2,7 @@
 
     python benchmarks/bench_dtype.py --model llama-50m --load-format dummy
     python benchmarks/bench_dtype.py            # the embedded model
+    python benchmarks/bench_dtype.py --model /path/to/SmolLM2-135M --batch 1 8 32
 
 The answer decides what `--dtype auto` picks on CPU (see infer.models.loader.pick_dtype).
 """
@@ -16,7 +17,7 @@ import torch
 
 from infer.layers.attention_metadata import AttentionMetadata
 from infer.models.loader import load_model
-from infer.runner.kv_cache import allocate_kv_cache
+from infer.runner.kv_cache import allocate_kv_cache, auto_cache_dtype
 
 BLOCK = 16
 
@@ -33,7 +34,7 @@ def timed(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def measure(model, prefill_len: int, batch: int, context: int, repeats: int) -> tuple[float, float]:
-    cfg, dtype = model.config, next(model.parameters()).dtype
+    cfg, dtype = model.config, auto_cache_dtype(model)
     ids = torch.randint(0, cfg.vocab_size, (prefill_len,))
     meta = AttentionMetadata.prefill_only([prefill_len])
     prefill_s = timed(lambda: model.compute_logits(model(ids, torch.arange(prefill_len), meta)[-1:]), repeats)
@@ -61,9 +62,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print("| dtype | prefill tok/s | " + " | ".join(f"decode b={b} tok/s" for b in args.batch) + " |")
     print("|---|---:|" + "---:|" * len(args.batch))
-    # the last row: bf16 as torch runs it, without the load-time prepacking (oneDNN's layout, on CPUs
-    # with bf16 hardware) or widening (float32 matmuls above a few rows, on CPUs without it)
+    # the first row: what `--dtype auto` picks for the checkpoint (on a CPU without bf16 arithmetic, a bf16
+    # checkpoint's activations in float32 over its bf16 weights); the last: bf16 as torch runs it, without
+    # the load-time prepacking (oneDNN's layout, on CPUs with bf16 hardware) or widening (avx2_linear)
     for label, dtype, prepack in (
+        ("auto", "auto", True),
         ("float32", "float32", True),
         ("bfloat16", "bfloat16", True),
         ("bfloat16, prepack=False", "bfloat16", False),

@@ -38,7 +38,7 @@ from infer.engine.trace import StepTrace
 from infer.layers.parallel import SINGLE
 from infer.models.loader import load_engine_model, weight_bytes
 from infer.runner.draft_proposer import DraftProposer, DraftWant
-from infer.runner.kv_cache import kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
+from infer.runner.kv_cache import auto_cache_dtype, kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
 from infer.runner.model_runner import ModelRunner
 from infer.runner.ngram_proposer import NgramProposer
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
@@ -118,7 +118,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler.from_config(config, self.tokenizer, self.model_config.vocab_size)
         self.max_model_len = min(config.max_model_len or 10**9, self.model_config.max_position_embeddings)
         model_dtype = next(model.parameters()).dtype
-        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, auto_cache_dtype(model))
         warn_unserved_fp8(self.kv_cache_dtype, model_dtype, self.model_config.head_dim)
         self.kv_bytes_per_token = kv_bytes_per_token(self.model_config, self.kv_cache_dtype, tp)  # per rank
         num_blocks = config.num_kv_blocks or max(

@@ -1,19 +1,18 @@
 // y = x @ W^T + bias on a CPU with AVX2 and FMA but no bf16 arithmetic, reading the weight's own bytes
-// once. bf16 weights, at few rows (decode steps): widened to float32 in registers; steps of many rows go
-// to a float32 GEMM instead (infer/layers/widened_linear.py), where the multiply-adds, not the bytes, set
-// the time. int8 or int4 codes with a scale (and offset) per group of inputs, at any row count:
+// once. bf16 weights, at any row count: widened to float32 in registers (a decode reads half a float32
+// copy's bytes; a prompt multiplies faster than torch's float32 GEMM over a widened copy).
+// int8 or int4 codes with a scale (and offset) per group of inputs, at any row count:
 // multiplied as int8 against x rounded to int8 per block of 32 (as llama.cpp's Q8_0 and Q4_0 on AVX2), or
-// widened to float32 where asked for exact float32 sums (then few rows only, as bf16 weights).
+// widened to float32 where asked for exact float32 sums (then few rows only).
 // torch's bf16 matmul on such a CPU costs about one matrix-vector product per row, an int8 weight in
 // groups (a GGUF file's Q8_0) has no torch kernel at all, and torch's int4 kernel is slower than this.
 // Figures: docs/optimizations.md, "bf16 on a CPU without bf16 arithmetic"; docs/quantization.md, "GGUF
 // files"; docs/performance.md, "On a CPU with AVX2 alone".
 //
-// bf16 layout: the weight as the model holds it, [N, K] row-major (no second copy). x is widened once into
-// a float32 buffer, its inputs reordered within each 16 to match how one unpack widens 16 bf16 weights
-// (lanes 0-3 and 8-11 in the first vector, 4-7 and 12-15 in the second): a dot product does not care
-// about the order of its terms. A tile is ROWS rows x CH output channels, each accumulator a vector of
-// partial sums of one (row, channel), added across its lanes at the end.
+// bf16 layout: infer/layers/linear.py's pack_pairs (the AVX-512 kernels' too), blocks of 16 output
+// channels, each block's inputs pair by pair, a pair's 16 channels side by side with their two inputs
+// adjacent: [N / 16][K / 2][16][2]. A tile is up to 6 rows x 16 channels (one or two rows: 32), x's values
+// broadcast, no sums across lanes at the end.
 //
 // Codes layout (infer/quant/linear.py packs it at load, in place of the row-major codes): output channels
 // in blocks of 8, each block's codes in runs of 4 inputs x 8 channels, 32 bytes, channel i's 4 codes at
@@ -40,11 +39,11 @@ namespace {
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-constexpr int64_t kRowChunk = 4;  // rows per tile: 4 x 2 accumulators, 2 weight vectors, in 16 registers
+constexpr int64_t kRowChunk = 4;  // rows per tile of codes
 
 struct Problem {
-  const float* x;  // [M, K] float32 (bf16 weights: reordered, see above)
-  const void* w;   // bf16 [N, K] row-major, or codes interleaved (file comment)
+  const float* x;  // [M, K] float32 (bf16 weights: packed by row groups, pack_group)
+  const void* w;   // bf16 in pairs, or codes interleaved (file comment)
   const void* scales;   // codes: [N / 8, K / group, 8], float16 or float32
   const void* offsets;  // codes: as the scales, or null
   bool half_scales;
@@ -57,71 +56,9 @@ struct Problem {
   const float* bias;     // [N] float32 or null
   void* y;               // [M, N] in x's dtype
   bool bf16_out;
+  float* sums;  // bf16 weights: the tiles' float32 sums [M, N]: y itself where y is float32 and no bias
   int64_t M, N, K, group;
 };
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// each (row, channel)'s partial sums added, plus the bias
-template <int ROWS, int CH, int S>
-void store(const Problem& P, __m256 (&acc)[ROWS][CH][S], int64_t n0, int64_t m0) {
-  for (int r = 0; r < ROWS; ++r)
-    for (int c = 0; c < CH; ++c) {
-      __m256 sum = acc[r][c][0];
-      for (int i = 1; i < S; ++i) sum = _mm256_add_ps(sum, acc[r][c][i]);
-      const float v = hsum(sum) + (P.bias ? P.bias[n0 + c] : 0.f);
-      const int64_t i = (m0 + r) * P.N + n0 + c;
-      if (P.bf16_out)
-        static_cast<c10::BFloat16*>(P.y)[i] = c10::BFloat16(v);  // rounded to nearest even
-      else
-        static_cast<float*>(P.y)[i] = v;
-    }
-}
-
-// 16 bf16 weights as two float32 vectors, in the reordered input order (file comment)
-inline void widen16(const c10::BFloat16* p, __m256& lo, __m256& hi) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i zero = _mm256_setzero_si256();
-  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
-  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
-}
-
-// Few rows have few accumulators: each (row, channel) then keeps SPLIT of them, so that enough independent
-// FMAs are in flight to cover their latency (2 units, 4-5 cycles each on these cores).
-template <int ROWS>
-constexpr int kSplit = ROWS <= 2 ? 2 : 1;
-
-// the next tile's weights, a cache line of each of its channels' streams, while this tile computes
-template <int CH>
-inline void prefetch_next(const char* w, int64_t row_bytes, int64_t offset) {
-  for (int c = 0; c < CH; ++c) _mm_prefetch(w + (CH + c) * row_bytes + offset, _MM_HINT_T0);
-}
-
-template <int ROWS, int CH>
-void tile_bf16(const Problem& P, int64_t n0, int64_t m0) {
-  constexpr int S = kSplit<ROWS>;
-  __m256 acc[ROWS][CH][S];
-  std::fill_n(&acc[0][0][0], ROWS * CH * S, _mm256_setzero_ps());
-  const auto* w = static_cast<const c10::BFloat16*>(P.w) + n0 * P.K;
-  const float* x = P.x + m0 * P.K;
-  for (int64_t k = 0; k < P.K; k += 16) {
-    if (k % 32 == 0) prefetch_next<CH>(reinterpret_cast<const char*>(w), P.K * 2, k * 2);
-    __m256 lo[CH], hi[CH];
-    for (int c = 0; c < CH; ++c) widen16(w + c * P.K + k, lo[c], hi[c]);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m256 x0 = _mm256_loadu_ps(x + r * P.K + k), x1 = _mm256_loadu_ps(x + r * P.K + k + 8);
-      for (int c = 0; c < CH; ++c) {
-        acc[r][c][0] = _mm256_fmadd_ps(lo[c], x0, acc[r][c][0]);
-        acc[r][c][S - 1] = _mm256_fmadd_ps(hi[c], x1, acc[r][c][S - 1]);
-      }
-    }
-  }
-  store<ROWS, CH, S>(P, acc, n0, m0);
-}
 
 // x [M, K] float32 -> int8 per block of 32 (scale max|x| / 127, rounded to nearest even), for codes_w8a8
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xscale) {
@@ -169,33 +106,134 @@ void group_sums(const float* x, const int8_t* xq, const float* xscale, int64_t M
     }
 }
 
-template <int CH>
-void rows_of(const Problem& P, int64_t n0, int64_t m0, int64_t rows) {
-  switch (rows) {
-    case 1: return tile_bf16<1, CH>(P, n0, m0);
-    case 2: return tile_bf16<2, CH>(P, n0, m0);
-    case 3: return tile_bf16<3, CH>(P, n0, m0);
-    default: return tile_bf16<4, CH>(P, n0, m0);
+// ---- bf16 weights in pairs (file comment) ----
+
+#define UNROLL _Pragma("GCC unroll 8")
+
+constexpr int kGroupRows = 6;       // rows of a tile: 6 x 2 accumulators, 2 weight vectors, a broadcast
+constexpr int kChunkGroups = 8;     // row groups whose packed x stays in L2 while a thread's blocks pass
+constexpr int64_t kAheadPairs = 16;  // input pairs prefetched ahead in each block's stream
+
+// the first row of group g when M rows make groups of at most kGroupRows, as even as can be (8 rows:
+// 4 + 4, not 6 + 2: 2 rows keep half the FMA units waiting on their accumulators)
+inline int64_t group_start(int64_t g, int64_t M) {
+  const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
+  return g * (M / groups) + std::min(g, M % groups);
+}
+
+// x's rows in groups of R, each group's inputs pair by pair: [K / 2][2][R] float32, so that a tile's
+// broadcasts read one stream, in order (6 row streams from L2 halved the tiles' speed)
+template <typename T>
+void pack_group(const T* x, int64_t K, int64_t m0, int64_t R, float* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const T* row = x + (m0 + r) * K;
+    for (int64_t k = 0; k < K; ++k) out[(k / 2) * 2 * R + (k % 2) * R + r] = static_cast<float>(row[k]);
   }
 }
 
-void run_bf16(const Problem& P) {
-  // one row: 4 channels a tile (4 weight streams hide the widening); more: 2 channels x up to 4 rows
-  const int64_t ch = P.M == 1 ? 4 : 2;
-  const int64_t tiles = (P.N + ch - 1) / ch;
-  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * ch;
-      const bool whole = n0 + ch <= P.N;
-      for (int64_t m0 = 0; m0 < P.M; m0 += kRowChunk) {
-        const int64_t rows = std::min(kRowChunk, P.M - m0);
-        if (!whole) {
-          for (int64_t n = n0; n < P.N; ++n) rows_of<1>(P, n, m0, rows);
-        } else if (ch == 4) {
-          rows_of<4>(P, n0, m0, rows);
-        } else {
-          rows_of<2>(P, n0, m0, rows);
+// 8 float32 -> bf16, rounded to nearest even as c10::BFloat16 rounds (NaN -> 0x7FC0)
+inline __m128i bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// A tile's float32 sums (`sums`, row stride N), plus the bias, into y's dtype
+void finish(const Problem& P, const float* sums, int64_t n0, int64_t channels, int64_t m0, int64_t rows) {
+  for (int64_t m = m0; m < m0 + rows; ++m)
+    for (int64_t n = n0; n < n0 + channels; n += 8) {
+      __m256 v = _mm256_loadu_ps(sums + m * P.N + n);
+      if (P.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(P.bias + n));
+      if (P.bf16_out)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::BFloat16*>(P.y) + m * P.N + n), bf16x8(v));
+      else
+        _mm256_storeu_ps(static_cast<float*>(P.y) + m * P.N + n, v);
+    }
+}
+
+// R rows (packed x: xp) times CB blocks of 16 channels from block nb. Each load holds one input pair of 8
+// channels, a 32-bit lane per channel: shifted left by 16 it is the pair's first weight in float32, its
+// high half alone the second. Every (row, channel) sums its terms in input order in one accumulator, in
+// every tile shape: a row's outputs do not depend on the rows beside it.
+// Built as -O2, its loops unrolled by hand: GCC -O3 stores every accumulator to the stack at every input pair
+// (never read back in the loop), which halved the tile's speed.
+template <int R, int CB>
+__attribute__((optimize("O2"))) void tile_pairs(const Problem& P, const float* xp, int64_t nb, int64_t m0) {
+  const int64_t K = P.K;
+  __m256 acc[R][CB][2];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int c = 0; c < CB; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const auto* w = static_cast<const uint16_t*>(P.w) + nb * 16 * K;
+  for (int64_t k = 0; k < K; k += 2, xp += 2 * R, w += 32) {
+    __m256i pair[CB][2];
+    UNROLL for (int c = 0; c < CB; ++c) {
+      const uint16_t* p = w + c * 16 * K;
+      _mm_prefetch(reinterpret_cast<const char*>(p + kAheadPairs * 32), _MM_HINT_T0);
+      pair[c][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      pair[c][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    }
+    UNROLL for (int c = 0; c < CB; ++c) {
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pair[c][0], 16));
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_slli_epi32(pair[c][1], 16));
+      UNROLL for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(xp + r);
+        acc[r][c][0] = _mm256_fmadd_ps(w0, xb, acc[r][c][0]);
+        acc[r][c][1] = _mm256_fmadd_ps(w1, xb, acc[r][c][1]);
+      }
+    }
+    UNROLL for (int c = 0; c < CB; ++c) {
+      const __m256 w0 = _mm256_castsi256_ps(_mm256_and_si256(pair[c][0], high));
+      const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(pair[c][1], high));
+      UNROLL for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(xp + R + r);
+        acc[r][c][0] = _mm256_fmadd_ps(w0, xb, acc[r][c][0]);
+        acc[r][c][1] = _mm256_fmadd_ps(w1, xb, acc[r][c][1]);
+      }
+    }
+  }
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int c = 0; c < CB; ++c) {
+      float* out = P.sums + (m0 + r) * P.N + (nb + c) * 16;
+      _mm256_storeu_ps(out, acc[r][c][0]);
+      _mm256_storeu_ps(out + 8, acc[r][c][1]);
+    }
+  if (P.sums != P.y) finish(P, P.sums, nb * 16, CB * 16, m0, R);
+}
+
+template <int CB>
+void group_tile(const Problem& P, const float* xp, int64_t nb, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: return tile_pairs<1, CB>(P, xp, nb, m0);
+    case 2: return tile_pairs<2, CB>(P, xp, nb, m0);
+    case 3: return tile_pairs<3, CB>(P, xp, nb, m0);
+    case 4: return tile_pairs<4, CB>(P, xp, nb, m0);
+    case 5: return tile_pairs<5, CB>(P, xp, nb, m0);
+    default: return tile_pairs<6, CB>(P, xp, nb, m0);
+  }
+}
+
+// Row groups (group_start) times ranges of 16-channel blocks, a range a thread. One or two rows, whose
+// time is the weight's bytes: two blocks a tile, two weight streams with enough accumulators.
+void run_pairs(const Problem& P, const float* xp) {
+  const int64_t groups = (P.M + kGroupRows - 1) / kGroupRows;
+  at::parallel_for(0, P.N / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
+      const int64_t g1 = std::min(groups, g0 + kChunkGroups);
+      for (int64_t nb = b0; nb < b1;) {
+        if (P.M <= 2 && nb + 2 <= b1) {
+          group_tile<2>(P, xp, nb, 0, P.M);
+          nb += 2;
+          continue;
         }
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t m0 = group_start(g, P.M);
+          group_tile<1>(P, xp + m0 * P.K, nb, m0, group_start(g + 1, P.M) - m0);
+        }
+        ++nb;
       }
     }
   });
@@ -418,27 +456,35 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                              offsets->scalar_type() == scales->scalar_type() && offsets->is_contiguous()),
                 "avx2_linear: offsets as the scales");
   } else {
-    TORCH_CHECK(K % 16 == 0, "avx2_linear: bf16 weights of a multiple of 16 inputs");
+    TORCH_CHECK(N % 16 == 0 && K % 2 == 0,
+                "avx2_linear: bf16 weights in pairs, of a multiple of 16 channels and an even number of inputs");
   }
-  // x in float32 (bf16 weights: each 16 inputs reordered as widen16 widens the weight's), in a buffer of
-  // the calling thread's that outlives the call's threads
+  // x in float32: as given (codes), or widened (codes), or packed by row groups (bf16 weights: pack_group),
+  // in a buffer of the calling thread's that outlives the call's threads
   thread_local std::vector<float> buffer;
   const float* xf = nullptr;
   at::Tensor xc = x.contiguous();
-  if (codes && x.scalar_type() == at::kFloat) {
+  if (!codes) {
+    buffer.resize(M * K);
+    float* const packed = buffer.data();
+    const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t m0 = group_start(g, M);
+        const int64_t R = group_start(g + 1, M) - m0;
+        if (x.scalar_type() == at::kBFloat16)
+          pack_group(xc.const_data_ptr<c10::BFloat16>(), K, m0, R, packed + m0 * K);
+        else
+          pack_group(xc.const_data_ptr<float>(), K, m0, R, packed + m0 * K);
+      }
+    });
+    xf = packed;
+  } else if (x.scalar_type() == at::kFloat) {
     xf = xc.const_data_ptr<float>();
   } else {
     buffer.resize(M * K);
-    static constexpr int kOrder[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
-    const bool bf16_in = x.scalar_type() == at::kBFloat16;
-    const auto* xb = bf16_in ? xc.const_data_ptr<c10::BFloat16>() : nullptr;
-    const auto* xs = bf16_in ? nullptr : xc.const_data_ptr<float>();
-    auto at = [&](int64_t i) { return bf16_in ? static_cast<float>(xb[i]) : xs[i]; };
-    if (codes)
-      for (int64_t i = 0; i < M * K; ++i) buffer[i] = at(i);
-    else
-      for (int64_t i = 0; i < M * K; i += 16)
-        for (int j = 0; j < 16; ++j) buffer[i + j] = at(i + kOrder[j]);
+    const auto* xb = xc.const_data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M * K; ++i) buffer[i] = static_cast<float>(xb[i]);
     xf = buffer.data();
   }
   // int8 activations where asked (as llama.cpp rounds x for its Q8_0 and Q4_0 dot products)
@@ -466,6 +512,15 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   }
   at::Tensor bf = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   at::Tensor y = at::empty({M, N}, x.options());
+  // the bf16 tiles' float32 sums: y itself, unless a bias or bf16 y comes after them
+  thread_local std::vector<float> sum_buffer;
+  float* sums = nullptr;
+  if (!codes && x.scalar_type() == at::kFloat && !bias) {
+    sums = y.data_ptr<float>();
+  } else if (!codes) {
+    sum_buffer.resize(M * N);
+    sums = sum_buffer.data();
+  }
   const Problem P{xf,
                   weight.const_data_ptr(),
                   codes ? scales->const_data_ptr() : nullptr,
@@ -478,8 +533,9 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                   bias ? bf.const_data_ptr<float>() : nullptr,
                   y.data_ptr(),
                   x.scalar_type() == at::kBFloat16,
+                  sums,
                   M, N, K, group};
-  if (M > 0) codes ? run_codes(P) : run_bf16(P);
+  if (M > 0) codes ? run_codes(P) : run_pairs(P, xf);
   return y;
 #else
   TORCH_CHECK(false, "avx2_linear needs AVX2 and FMA; this build has ", infer_vec::kIsa);

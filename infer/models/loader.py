@@ -97,8 +97,8 @@ def pick_dtype(cfg: ModelConfig, dtype: str) -> torch.dtype:
     Measured (benchmarks/bench_dtype.py, docs/benchmarks.md), bf16 weights prepacked for oneDNN: on an
     Intel Xeon with AMX, bf16 prefills 2-3x faster than fp32 and decodes a batch of 8 1.5-2x faster; on an
     AMD EPYC with AVX-512 BF16 and no AMX, 2.2-2.8x faster prefill and 2.5-3.6x faster decode at batch 1
-    and 8. A CPU with neither keeps the checkpoint's dtype: there bf16 (infer.layers.widened_linear)
-    decodes 1.4-2.2x faster than float32 and prefills at 0.8-1x its speed (docs/optimizations.md).
+    and 8. A CPU with neither keeps the checkpoint's dtype; a bf16 one there holds its linears' weights
+    in bf16 under float32 activations (widens_activations; docs/optimizations.md).
     """
     if dtype != "auto":
         return to_torch_dtype(dtype)
@@ -147,16 +147,24 @@ def load_model(
     if cfg.classifier_from_token and load_format != "dummy":  # random weights need no LM head rows
         cfg = with_classifier_token_ids(cfg, tokenizer_folder(path))
     torch_dtype = pick_dtype(cfg, dtype)
+    quant = None if load_format == "dummy" else parse_quantization_config(hf_config)
+    if gguf_model is not None and gguf_model.quantized() and load_format != "dummy":
+        quant = "gguf"  # its quantized matrices (Q8_0, Q4_K, ...)
+    wide = dtype == "auto" and prepack and not pooling and quant is None and quantization == "none"
+    wide = wide and widens_activations(torch_dtype)
     with torch.device("meta"):
         net = model_class(cfg.architecture, pooling)(cfg, tp)
-    net = net.to(dtype=torch_dtype).to_empty(device="cpu")
+    net = net.to(dtype=torch.float32 if wide else torch_dtype)
+    if wide:  # the linears keep the checkpoint's bf16 (widens_activations), a tied head the embedding's
+        embedding = net.input_embeddings().weight
+        for module in net.modules():
+            if isinstance(module, nn.Linear) and module.weight is not embedding:
+                module.to(torch_dtype)
+    net = net.to_empty(device="cpu")
     net.tie_weights()
     for module in net.modules():  # buffers (rope tables) were left uninitialised by to_empty
         if hasattr(module, "init_buffers"):
             module.init_buffers()
-    quant = None if load_format == "dummy" else parse_quantization_config(hf_config)
-    if gguf_model is not None and gguf_model.quantized() and load_format != "dummy":
-        quant = "gguf"  # its quantized matrices (Q8_0, Q4_K, ...)
     if quant is not None and quantization != "none":
         raise ValueError(
             f"{path.name} is already quantized ({_method(quant)}): drop --quantization {quantization}"
@@ -181,8 +189,21 @@ def load_model(
     if prepack and can_prepack(torch_dtype):
         prepack_linears(net)
     elif prepack and widens(torch_dtype):
-        widen_linears(net)
+        widen_linears(net, tied_head=wide)
+    # the KV cache `--kv-cache-dtype auto` picks: the checkpoint's 16 bits where the activations widened
+    net.auto_kv_cache_dtype = torch_dtype if wide else None
     return net, cfg, path
+
+
+def widens_activations(torch_dtype: torch.dtype) -> bool:
+    """A bf16 checkpoint under `--dtype auto` on a CPU without bf16 arithmetic, where infer's kernels are
+    built: its activations run in float32 and its linears keep their bf16 weights (avx2_linear widens
+    them as it reads them). A decode still reads 2 bytes a weight; the norms, rotary, attention and
+    elementwise ops run in float32, which that CPU computes natively (bf16 ones convert at every op):
+    faster prompts and wide batches, and closer to the float32 reference (docs/optimizations.md, "bf16 on
+    a CPU without bf16 arithmetic"). The embedding is held in float32 (looked up, not streamed; a tied
+    head gets a bf16 copy of its own); the KV cache stays bf16 unless asked."""
+    return torch_dtype == torch.bfloat16 and widens(torch_dtype) and kernels.avx2_ops() is not None
 
 
 def _method(quant) -> str:

@@ -37,7 +37,7 @@ from torch import nn
 from infer import kernels
 from infer.config import QUANTIZATION_METHODS
 from infer.layers.linear import MergedLinear, pack_pairs
-from infer.layers.widened_linear import KERNEL_ROWS, WIDEN_ROWS, widened_matmul, widens
+from infer.layers.widened_linear import WIDEN_ROWS, widened_matmul, widens
 from infer.quant.interleaved import (
     CHANNELS,
     deinterleave_codes,
@@ -65,6 +65,7 @@ INT8_ACTIVATIONS = os.environ.get("INFER_INT8_ACTIVATIONS", "1") != "0"
 # up to about this many rows of a bf16 model, and loses by up to 2x at 512; torch's int4 kernel is not
 # widened (its packed codes have no cheap slice).
 TORCH_WIDEN_ROWS = 64
+KERNEL_ROWS = 64  # INFER_INT8_ACTIVATIONS=0: steps of up to this many rows widen the codes in registers
 
 
 class QuantizedLinear(nn.Module):

@@ -39,6 +39,12 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else FORMATS[name]
 
 
+def auto_cache_dtype(model: torch.nn.Module) -> torch.dtype:
+    """What `auto` means for `model`: its activations' dtype, or the checkpoint's bf16 where the loader
+    runs a bf16 checkpoint's activations in float32 (infer.models.loader.widens_activations)."""
+    return getattr(model, "auto_kv_cache_dtype", None) or next(model.parameters()).dtype
+
+
 def warn_unserved_fp8(cache_dtype: torch.dtype, model_dtype: torch.dtype, head_dim: int) -> None:
     """A log line where an fp8 cache will not be read by the kernels (they take bf16 queries and a
     head_dim of a multiple of 64, on an AVX-512 BF16 + VBMI build): it works, through the slower Python

@@ -130,7 +130,7 @@ def run_worker(config) -> int:
     """A rank > 0 (RANK and WORLD_SIZE set): load its shard, then run every step rank 0 broadcasts
     until it broadcasts None. Returns the exit code (0 after a clean stop)."""
     from infer.models.loader import load_engine_model
-    from infer.runner.kv_cache import kv_cache_dtype
+    from infer.runner.kv_cache import auto_cache_dtype, kv_cache_dtype
     from infer.runner.model_runner import ModelRunner
 
     rank, local = launched_rank(), os.environ.get("INFER_TP_LOCAL") == "1"
@@ -139,7 +139,7 @@ def run_worker(config) -> int:
         ranks = Ranks(rank, config.tensor_parallel_size, local)
         model, _, _ = load_engine_model(config, ranks.tp)
         num_blocks = ranks.broadcast(None)
-        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, next(model.parameters()).dtype)
+        cache_dtype = kv_cache_dtype(config.kv_cache_dtype, auto_cache_dtype(model))
         runner = ModelRunner(
             model,
             num_blocks,

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from infer import kernels
+from infer.layers.linear import pack_pairs
 from infer.quant.interleaved import (
     deinterleave_codes,
     deinterleave_groups,
@@ -55,18 +56,48 @@ def _codes(bits: int, shape, gen) -> torch.Tensor:
     return torch.randint(low, high, shape, generator=gen, dtype=torch.int8)
 
 
-# 4-channel tiles (one row), 2-channel tiles (more), and the channels left over
-@pytest.mark.parametrize("out_features", [8, 66, 203])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
+# one or two rows (two blocks a tile, and the block left over), row groups of up to 6 (8 rows: 4 + 4)
+@pytest.mark.parametrize("out_features", [16, 48, 208])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 13, 100])
 def test_bf16_weights_are_the_float32_product(rows, out_features):
     gen = torch.Generator().manual_seed(rows * out_features)
     w = torch.randn(out_features, 96, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16()
+    packed = pack_pairs(w)
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         ref = x.float() @ w.float().T + bias.float()
-        _check(OPS.avx2_linear(x, w, None, None, bias.to(dtype)), ref, dtype)
-        _check(OPS.avx2_linear(x, w, None, None, None), ref - bias.float(), dtype)
+        _check(OPS.avx2_linear(x, packed, None, None, bias.to(dtype)), ref, dtype)
+        _check(OPS.avx2_linear(x, packed, None, None, None), ref - bias.float(), dtype)
+
+
+def test_a_rows_bf16_outputs_do_not_depend_on_the_rows_beside_it():
+    """Every (row, channel) sums its terms in input order whatever the tile: a decode step's row equals
+    the same row inside a prompt's step, bit for bit (what batch-invariant outputs and speculative
+    decoding's verification need)."""
+    gen = torch.Generator().manual_seed(0)
+    w = pack_pairs(torch.randn(64, 160, generator=gen).bfloat16())
+    x = torch.randn(50, 160, generator=gen)
+    whole = OPS.avx2_linear(x, w, None, None, None)
+    for rows in (1, 2, 3, 7, 8, 13, 49):
+        assert torch.equal(OPS.avx2_linear(x[:rows], w, None, None, None), whole[:rows])
+    assert torch.equal(OPS.avx2_linear(x[20:21], w, None, None, None), whole[20:21])
+
+
+def test_bf16_outputs_round_to_nearest_even_as_torch():
+    """Channel c sums inputs 2c and 2c + 1; ties, overflow and NaN (a NaN weight in channel 5) round as
+    torch rounds float32 to bf16."""
+    w = torch.zeros(16, 32)
+    for c in range(16):
+        w[c, 2 * c] = w[c, 2 * c + 1] = 1
+    w[5, 10] = float("nan")
+    pairs = [(1, 2**-8), (1 + 2**-7, 2**-8), (-1, -(2**-8)), (2, 2**-7), (3e38, 3e38), (0, 1)]
+    pairs += [(0.1 * c, 0.3 / c) for c in range(1, 11)]
+    x = torch.tensor([v for pair in pairs for v in pair]).bfloat16()[None]
+    y = OPS.avx2_linear(x, pack_pairs(w.bfloat16()), None, None, None)
+    expected = (x.float() @ w.T).bfloat16()
+    assert expected[0, 5].isnan() and expected[0, 4].isinf() and expected[0, 0] == 1
+    assert torch.equal(y.isnan(), expected.isnan()) and torch.equal(y.nan_to_num(), expected.nan_to_num())
 
 
 @pytest.mark.parametrize("bits, group", [(8, 16), (8, 32), (8, 96), (4, 32), (4, 64), (4, 192)])
@@ -93,7 +124,7 @@ def test_bad_arguments_are_refused():
     x = torch.randn(2, 32).bfloat16()
     with pytest.raises(RuntimeError, match="have scales"):
         OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.int8), None, None, None)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
+    with pytest.raises(RuntimeError, match="multiple of 16 channels"):
         OPS.avx2_linear(torch.randn(2, 24).bfloat16(), torch.zeros(8, 24).bfloat16(), None, None, None)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         OPS.avx2_linear(x, torch.zeros(8, 32, dtype=torch.int8), torch.ones(8, 4).half(), None, None)
