@@ -150,6 +150,17 @@ def measure_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
     return matrix.numel() * 4 / seconds
 
 
+def matmul_dtype(dtype: str) -> str:
+    """The dtype infer multiplies `dtype` weights in here: float32 for bf16 on a CPU without bf16
+    arithmetic (infer/layers/widened_linear.py), where torch's own bf16 matmul is a slow path infer
+    does not take."""
+    import torch
+
+    from infer.layers.widened_linear import widens
+
+    return "float32" if dtype == "bfloat16" and widens(torch.bfloat16) else dtype
+
+
 def measure_matmul(dtype: str, n: int = 1024, repeats: int = 5) -> float:
     """FLOP/s of an n x n matmul in `dtype`, best of `repeats`."""
     import torch
@@ -194,7 +205,10 @@ def rows(shape: dict, roof: dict) -> list[tuple[str, str]]:
         ("KV bytes per token", f"{shape['kv_bytes_per_token'] / 1024:,.1f} KiB"),
         ("KV capacity", "-" if cap is None else f"{cap:,} tokens in {budget / gb:,.1f} GB"),
         ("memory bandwidth (measured)", f"{roof['bandwidth_bytes_per_s'] / gb:,.1f} GB/s"),
-        ("matmul throughput (measured)", f"{roof['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s"),
+        (
+            f"matmul throughput (measured, {roof.get('matmul_dtype', shape['dtype'])})",
+            f"{roof['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s",
+        ),
         ("decode ceiling, 1 stream", f"{roof['decode_ceiling_tokens_per_s']:,.1f} tok/s"),
         ("prefill ceiling", f"{roof['prefill_ceiling_tokens_per_s']:,.1f} tok/s"),
         ("decode turns compute-bound at batch", f"{roof['compute_bound_batch']:,.1f}"),
@@ -218,7 +232,9 @@ def cmd_roofline(args: argparse.Namespace, out=None) -> int:
     out = sys.stdout if out is None else out
     shape = model_shape(args.model, args.dtype, args.quantization)
     memory = int(args.memory_gb * 1e9) if args.memory_gb is not None else total_memory_bytes()
-    roof = roofline(shape, measure_bandwidth(), measure_matmul(args.dtype, args.matmul_size), memory)
+    compute = matmul_dtype(args.dtype)
+    roof = roofline(shape, measure_bandwidth(), measure_matmul(compute, args.matmul_size), memory)
+    roof["matmul_dtype"] = compute
     tables = [table(["Roofline", "Value"], rows(shape, roof), "== roofline (ceilings before overheads)")]
     print(render_tables(tables), file=out)
     if args.json is not None:

@@ -120,3 +120,16 @@ def test_a_gguf_files_weight_bytes_are_its_own(tmp_path, tied):
     assert shape["num_params"] == 96 * 64 * (1 if tied else 2) + 64 * 64 + 2 * 64
     assert shape["kv_bytes_per_token"] == 2 * 1 * 4 * 16 * 2
     assert "Q8_0" in shape["dtype"] and "Q4_0" in shape["dtype"]
+
+
+def test_the_matmul_ceiling_is_measured_in_the_dtype_infer_multiplies_in(monkeypatch):
+    """bf16 weights on a CPU without bf16 arithmetic multiply in float32 (widened_linear): torch's bf16
+    matmul there is a path infer never takes, ~100x slower, and would put the prefill ceiling below
+    what infer does."""
+    from infer.bench.roofline import matmul_dtype
+    from infer.layers import widened_linear
+
+    monkeypatch.setattr(widened_linear, "widens", lambda dtype: dtype == torch.bfloat16)
+    assert matmul_dtype("bfloat16") == "float32" and matmul_dtype("float16") == "float16"
+    monkeypatch.setattr(widened_linear, "widens", lambda dtype: False)
+    assert matmul_dtype("bfloat16") == "bfloat16"
