@@ -156,9 +156,9 @@ def matmul_dtype(dtype: str) -> str:
     does not take."""
     import torch
 
-    from infer.layers.widened_linear import widens
+    from infer.models import loader
 
-    return "float32" if dtype == "bfloat16" and widens(torch.bfloat16) else dtype
+    return "float32" if dtype == "bfloat16" and loader.widens(torch.bfloat16) else dtype
 
 
 def measure_matmul(dtype: str, n: int = 1024, repeats: int = 5) -> float:

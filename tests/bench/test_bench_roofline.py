@@ -127,9 +127,9 @@ def test_the_matmul_ceiling_is_measured_in_the_dtype_infer_multiplies_in(monkeyp
     matmul there is a path infer never takes, ~100x slower, and would put the prefill ceiling below
     what infer does."""
     from infer.bench.roofline import matmul_dtype
-    from infer.layers import widened_linear
+    from infer.models import loader
 
-    monkeypatch.setattr(widened_linear, "widens", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(loader, "widens", lambda dtype: dtype == torch.bfloat16)
     assert matmul_dtype("bfloat16") == "float32" and matmul_dtype("float16") == "float16"
-    monkeypatch.setattr(widened_linear, "widens", lambda dtype: False)
+    monkeypatch.setattr(loader, "widens", lambda dtype: False)
     assert matmul_dtype("bfloat16") == "bfloat16"
