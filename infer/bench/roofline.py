@@ -206,7 +206,7 @@ def rows(shape: dict, roof: dict) -> list[tuple[str, str]]:
         ("KV capacity", "-" if cap is None else f"{cap:,} tokens in {budget / gb:,.1f} GB"),
         ("memory bandwidth (measured)", f"{roof['bandwidth_bytes_per_s'] / gb:,.1f} GB/s"),
         (
-            f"matmul throughput (measured, {roof.get('matmul_dtype', shape['dtype'])})",
+            f"matmul throughput (measured, {roof['matmul_dtype']})",
             f"{roof['matmul_flops_per_s'] / 1e9:,.1f} GFLOP/s",
         ),
         ("decode ceiling, 1 stream", f"{roof['decode_ceiling_tokens_per_s']:,.1f} tok/s"),

@@ -114,10 +114,13 @@ constexpr int kGroupRows = 6;       // rows of a tile: 6 x 2 accumulators, 2 wei
 constexpr int kChunkGroups = 8;     // row groups whose packed x stays in L2 while a thread's blocks pass
 constexpr int64_t kAheadPairs = 16;  // input pairs prefetched ahead in each block's stream
 
-// the first row of group g when M rows make groups of at most kGroupRows, as even as can be (8 rows:
-// 4 + 4, not 6 + 2: 2 rows keep half the FMA units waiting on their accumulators)
+// M rows make this many groups of at most kGroupRows
+inline int64_t row_groups(int64_t M) { return (M + kGroupRows - 1) / kGroupRows; }
+
+// the first row of group g, the groups as even as can be (8 rows: 4 + 4, not 6 + 2: 2 rows keep half the
+// FMA units waiting on their accumulators)
 inline int64_t group_start(int64_t g, int64_t M) {
-  const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
+  const int64_t groups = row_groups(M);
   return g * (M / groups) + std::min(g, M % groups);
 }
 
@@ -148,7 +151,8 @@ void finish(const Problem& P, const float* sums, int64_t n0, int64_t channels, i
       __m256 v = _mm256_loadu_ps(sums + m * P.N + n);
       if (P.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(P.bias + n));
       if (P.bf16_out)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::BFloat16*>(P.y) + m * P.N + n), bf16x8(v));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::BFloat16*>(P.y) + m * P.N + n),
+                         bf16x8(v));
       else
         _mm256_storeu_ps(static_cast<float*>(P.y) + m * P.N + n, v);
     }
@@ -158,8 +162,8 @@ void finish(const Problem& P, const float* sums, int64_t n0, int64_t channels, i
 // channels, a 32-bit lane per channel: shifted left by 16 it is the pair's first weight in float32, its
 // high half alone the second. Every (row, channel) sums its terms in input order in one accumulator, in
 // every tile shape: a row's outputs do not depend on the rows beside it.
-// Built as -O2, its loops unrolled by hand: GCC -O3 stores every accumulator to the stack at every input pair
-// (never read back in the loop), which halved the tile's speed.
+// Built as -O2, its loops unrolled by hand: GCC -O3 stores every accumulator to the stack at every input
+// pair (never read back in the loop), which halved the tile's speed.
 template <int R, int CB>
 __attribute__((optimize("O2"))) void tile_pairs(const Problem& P, const float* xp, int64_t nb, int64_t m0) {
   const int64_t K = P.K;
@@ -218,20 +222,20 @@ void group_tile(const Problem& P, const float* xp, int64_t nb, int64_t m0, int64
 
 // Row groups (group_start) times ranges of 16-channel blocks, a range a thread. One or two rows, whose
 // time is the weight's bytes: two blocks a tile, two weight streams with enough accumulators.
-void run_pairs(const Problem& P, const float* xp) {
-  const int64_t groups = (P.M + kGroupRows - 1) / kGroupRows;
+void run_pairs(const Problem& P) {
+  const int64_t groups = row_groups(P.M);
   at::parallel_for(0, P.N / 16, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
       const int64_t g1 = std::min(groups, g0 + kChunkGroups);
       for (int64_t nb = b0; nb < b1;) {
         if (P.M <= 2 && nb + 2 <= b1) {
-          group_tile<2>(P, xp, nb, 0, P.M);
+          group_tile<2>(P, P.x, nb, 0, P.M);
           nb += 2;
           continue;
         }
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t m0 = group_start(g, P.M);
-          group_tile<1>(P, xp + m0 * P.K, nb, m0, group_start(g + 1, P.M) - m0);
+          group_tile<1>(P, P.x + m0 * P.K, nb, m0, group_start(g + 1, P.M) - m0);
         }
         ++nb;
       }
@@ -457,7 +461,8 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                 "avx2_linear: offsets as the scales");
   } else {
     TORCH_CHECK(N % 16 == 0 && K % 2 == 0,
-                "avx2_linear: bf16 weights in pairs, of a multiple of 16 channels and an even number of inputs");
+                "avx2_linear: bf16 weights in pairs, of a multiple of 16 channels and an even number of "
+                "inputs");
   }
   // x in float32: as given (codes), or widened (codes), or packed by row groups (bf16 weights: pack_group),
   // in a buffer of the calling thread's that outlives the call's threads
@@ -467,8 +472,7 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   if (!codes) {
     buffer.resize(M * K);
     float* const packed = buffer.data();
-    const int64_t groups = (M + kGroupRows - 1) / kGroupRows;
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    at::parallel_for(0, row_groups(M), 1, [&](int64_t g0, int64_t g1) {
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t m0 = group_start(g, M);
         const int64_t R = group_start(g + 1, M) - m0;
@@ -535,7 +539,7 @@ at::Tensor avx2_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                   x.scalar_type() == at::kBFloat16,
                   sums,
                   M, N, K, group};
-  if (M > 0) codes ? run_codes(P) : run_pairs(P, xf);
+  if (M > 0) codes ? run_codes(P) : run_pairs(P);
   return y;
 #else
   TORCH_CHECK(false, "avx2_linear needs AVX2 and FMA; this build has ", infer_vec::kIsa);
