@@ -177,8 +177,11 @@ def total_memory_bytes() -> int | None:
         return None
 
 
-def roofline(shape: dict, bandwidth: float, flops: float, memory_bytes: int | None) -> dict:
-    """The ceilings implied by a model's shape and a machine's measured speeds (pure arithmetic)."""
+def roofline(
+    shape: dict, bandwidth: float, flops: float, matmul_dtype: str, memory_bytes: int | None
+) -> dict:
+    """The ceilings implied by a model's shape and a machine's measured speeds (pure arithmetic);
+    `flops` is the matmul rate measured in `matmul_dtype`."""
     params, wbytes = shape["num_params"], shape["weight_bytes"]
     kv_capacity = None
     if memory_bytes is not None:
@@ -186,6 +189,7 @@ def roofline(shape: dict, bandwidth: float, flops: float, memory_bytes: int | No
     return {
         "bandwidth_bytes_per_s": bandwidth,
         "matmul_flops_per_s": flops,
+        "matmul_dtype": matmul_dtype,
         "memory_budget_bytes": memory_bytes,
         "kv_capacity_tokens": kv_capacity,
         "decode_ceiling_tokens_per_s": bandwidth / wbytes,
@@ -233,8 +237,7 @@ def cmd_roofline(args: argparse.Namespace, out=None) -> int:
     shape = model_shape(args.model, args.dtype, args.quantization)
     memory = int(args.memory_gb * 1e9) if args.memory_gb is not None else total_memory_bytes()
     compute = matmul_dtype(args.dtype)
-    roof = roofline(shape, measure_bandwidth(), measure_matmul(compute, args.matmul_size), memory)
-    roof["matmul_dtype"] = compute
+    roof = roofline(shape, measure_bandwidth(), measure_matmul(compute, args.matmul_size), compute, memory)
     tables = [table(["Roofline", "Value"], rows(shape, roof), "== roofline (ceilings before overheads)")]
     print(render_tables(tables), file=out)
     if args.json is not None:

@@ -284,7 +284,7 @@ def roofline_record() -> dict:
         "max_position_embeddings": 128,
         "flops_per_token": 2000,
     }
-    roof = roofline.roofline(shape, bandwidth=4_000.0, flops=1e6, memory_bytes=12_000)
+    roof = roofline.roofline(shape, bandwidth=4_000.0, flops=1e6, matmul_dtype="float32", memory_bytes=12_000)
     tables = [table(["Roofline", "Value"], roofline.rows(shape, roof), "== roofline")]
     return new_record("roofline", "infer bench roofline", {}, tables=tables, shape=shape, roofline=roof)
 

@@ -24,12 +24,13 @@ def test_shape_of_a_preset_matches_its_published_size():
 
 def test_ceilings_arithmetic():
     shape = {"num_params": 1_000, "weight_bytes": 2_000, "kv_bytes_per_token": 10}
-    r = roofline(shape, bandwidth=4_000.0, flops=1e6, memory_bytes=12_000)
+    r = roofline(shape, bandwidth=4_000.0, flops=1e6, matmul_dtype="float32", memory_bytes=12_000)
     assert r["decode_ceiling_tokens_per_s"] == pytest.approx(2.0)  # 4000 B/s / 2000 B per token
     assert r["prefill_ceiling_tokens_per_s"] == pytest.approx(500.0)  # 1e6 / (2 * 1000)
     assert r["compute_bound_batch"] == pytest.approx(250.0)  # (1e6 / 4000) * 2000 / 2000
     assert r["kv_capacity_tokens"] == 1_000  # (12000 - 2000) / 10
-    assert roofline(shape, 4_000.0, 1e6, None)["kv_capacity_tokens"] is None
+    assert r["matmul_dtype"] == "float32"
+    assert roofline(shape, 4_000.0, 1e6, "float32", None)["kv_capacity_tokens"] is None
 
 
 @pytest.mark.slow  # measures the machine's memory bandwidth and matmul rate
