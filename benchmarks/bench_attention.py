@@ -41,7 +41,7 @@ from infer.layers import attention as attention_module
 from infer.layers import attention_kernels, attention_metadata
 from infer.layers.attention import attention
 from infer.layers.attention_metadata import AttentionMetadata, take_rows
-from infer.runner.kv_cache import FP8_FORMATS
+from infer.runner.kv_cache import FORMATS
 
 BLOCK = 16
 SHAPES = {"llama-50m": (8, 4, 64), "Llama-3.2-1B": (32, 8, 64)}  # q heads, kv heads, head_dim
@@ -415,7 +415,7 @@ def fp8_table(args) -> None:
     """--kv-cache-dtype: the shipped attention(...) call over a bf16 cache and over an fp8 one holding the
     same values (the fp8 codes and their bf16), per layer, FP8_LAYERS layers' caches in turn (as a
     forward reads them: a cache that one layer's call alone would leave in L3 is not), alternated."""
-    fp8 = FP8_FORMATS[args.kv_cache_dtype]
+    fp8 = FORMATS[args.kv_cache_dtype]
     print(f"One layer's attention(...) call, its cache write included, ms: a bf16 cache against {fp8}.")
     print("max diff: the outputs' largest difference, from the step's own keys and values rounded to fp8.")
     print("| shape | step | bf16 cache | fp8 cache | bf16 / fp8 | max diff |")
