@@ -134,16 +134,6 @@ void pack_group(const T* x, int64_t K, int64_t m0, int64_t R, float* out) {
   }
 }
 
-// 8 float32 -> bf16, rounded to nearest even as c10::BFloat16 rounds (NaN -> 0x7FC0)
-inline __m128i bf16x8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
 // A tile's float32 sums (`sums`, row stride N), plus the bias, into y's dtype
 void finish(const Problem& P, const float* sums, int64_t n0, int64_t channels, int64_t m0, int64_t rows) {
   for (int64_t m = m0; m < m0 + rows; ++m)
@@ -152,7 +142,7 @@ void finish(const Problem& P, const float* sums, int64_t n0, int64_t channels, i
       if (P.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(P.bias + n));
       if (P.bf16_out)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<c10::BFloat16*>(P.y) + m * P.N + n),
-                         bf16x8(v));
+                         infer_vec::bf16x8(v));
       else
         _mm256_storeu_ps(static_cast<float*>(P.y) + m * P.N + n, v);
     }

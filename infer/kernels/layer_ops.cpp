@@ -161,7 +161,8 @@ void rotary(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at:
 // (docs/optimizations.md, "C++ layer ops").
 // Slots are distinct (each token its own); a repeated one would get either token's row. Slot -1 is
 // padding (a decode graph's rows past its step's tokens): nothing is written. An fp8 cache
-// (fp8.h) gets each element's code: bf16, float16 or float32 keys and values in, one byte each out.
+// (fp8.h) gets each element's code: bf16, float16 or float32 keys and values in, one byte each out; a
+// bf16 or float16 cache under float32 keys and values (a float32 model's 16-bit cache), each rounded.
 void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache, at::Tensor& value_cache,
                  const at::Tensor& slots) {
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
@@ -171,9 +172,10 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache
               "caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim] of k's heads");
   const at::ScalarType cache_type = key_cache.scalar_type();
   const bool fp8 = infer_fp8::is_fp8(cache_type);
+  const bool narrow = k.scalar_type() == at::kFloat && (cache_type == at::kBFloat16 || cache_type == at::kHalf);
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && value_cache.scalar_type() == cache_type &&
-                  (fp8 || cache_type == k.scalar_type()),
-              "k, v and the caches share a dtype (or the caches are fp8)");
+                  (fp8 || narrow || cache_type == k.scalar_type()),
+              "k, v and the caches share a dtype (or the caches are fp8, or 16-bit under float32 k and v)");
   TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.size(0) == k.size(0),
               "slots: int64 [num_tokens]");
@@ -207,6 +209,29 @@ void write_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& key_cache
 #else
     TORCH_CHECK(false, "write_cache: an fp8 cache needs AVX-512 BF16 and VBMI; this build has ", kIsa);
 #endif
+  }
+  if (narrow) {  // rounded as torch's .to() rounds (vstore_as)
+    const int64_t D = k.size(2);
+    TORCH_CHECK(D % kLanes == 0, "a 16-bit cache under float32 k and v needs a head_dim of a multiple of ", kLanes);
+    const float* kp = k.const_data_ptr<float>();
+    const float* vp = v.const_data_ptr<float>();
+    dispatch(cache_type, "write_cache", [&](auto t) {
+      using T = decltype(t);
+      T* kc = static_cast<T*>(key_cache.data_ptr());
+      T* vc = static_cast<T*>(value_cache.data_ptr());
+      for_rows(tokens, 2 * heads * D, [&](int64_t row) {
+        for (int64_t h = 0; h < heads && slot[row] >= 0; ++h) {
+          const int64_t dst = (slot[row] * heads + h) * D;
+          const float* ks = kp + row * k.stride(0) + h * k.stride(1);
+          const float* vs = vp + row * v.stride(0) + h * v.stride(1);
+          for (int64_t d = 0; d < D; d += kLanes) {
+            vstore_as(kc + dst + d, vload(ks + d));
+            vstore_as(vc + dst + d, vload(vs + d));
+          }
+        }
+      });
+    });
+    return;
   }
   const int64_t size = k.element_size(), row = k.size(2) * size;
   const char* kp = static_cast<const char*>(k.const_data_ptr());

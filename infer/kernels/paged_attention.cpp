@@ -22,8 +22,11 @@
 // Threads (at::parallel_for: torch's OpenMP pool, torch.get_num_threads()) take items from a shared
 // counter, longest first, each claiming its next item before it runs one (Prefetcher). A part of a split
 // context leaves (max, sum, unnormalized output) per row; the thread that runs a context's last part
-// merges them. Accumulation is float32 whatever the cache's dtype (float32, bfloat16, float16); the
-// vector ISA is this build's (vec.h), plus vdpbf16ps for bfloat16 scores and probs @ values where present.
+// merges them. Float32 queries over a bfloat16 or float16 cache (a float32 model's 16-bit cache) are read
+// rounded to the cache's dtype and the output rounded to it, as if q were given in that dtype, without
+// the two conversions around the call. Accumulation is float32 whatever the cache's dtype (float32,
+// bfloat16, float16); the vector ISA is this build's (vec.h), plus vdpbf16ps for bfloat16 scores and
+// probs @ values where present.
 // An fp8 cache (fp8.h) is read with bf16 queries on the same vdpbf16ps path: each 64-dim group of a key or
 // value decoded to bf16 as it is loaded, in an order of its own (the queries permuted to match once per
 // item, the output unpermuted at the end).
@@ -529,16 +532,19 @@ inline void find_slots(const Problem& P, int64_t s, int64_t start, int64_t count
 }
 
 // A row of out: its unnormalized output times the inverse of its sum, for a whole context (run_item) and
-// a split one's merge (merge_parts) alike, so that a context in one part gets the same bits either way
-template <typename T>
-void write_row(T* dst, const float* acc, float sum, int64_t D) {
+// a split one's merge (merge_parts) alike, so that a context in one part gets the same bits either way.
+// Rounded to the cache's dtype T, then stored as out's Q (float32 queries over a 16-bit cache).
+template <typename T, typename Q>
+void write_row(Q* dst, const float* acc, float sum, int64_t D) {
   const float inv = 1.f / sum;
-  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<Q>(static_cast<T>(acc[d] * inv));
 }
 
 // `following`: the item this thread takes next, or nullptr; its first tile is prefetched during this
-// item's last (`warm`: this item's first tile was, by the item before)
-template <typename T>
+// item's last (`warm`: this item's first tile was, by the item before). T: the cache's element type (the
+// queries' over fp8); Q: the queries' and the output's, T or float32 over a 16-bit cache, whose queries
+// are read rounded to T as if given in T.
+template <typename T, typename Q>
 void run_item(const Problem& P, const Item& item, const Item* following, bool warm) {
   Workspace& ws = workspace;
   const int64_t s = item.seq, D = P.head_dim, G = P.group, num_kv_heads = P.num_kv_heads;
@@ -546,10 +552,11 @@ void run_item(const Problem& P, const Item& item, const Item* following, bool wa
   const int64_t head_rows = G * q_len, rows = num_kv_heads * head_rows;
   ws.reserve(rows, D);
   for (int64_t r = 0; r < rows; ++r) {
-    const T* src = static_cast<const T*>(P.q) + P.token_of(s, r) * P.q_token_stride;
+    const Q* src = static_cast<const Q*>(P.q) + P.token_of(s, r) * P.q_token_stride;
     src += P.head_of(s, r) * P.q_head_stride;
-    std::transform(src, src + D, ws.q.begin() + r * D, [](T x) { return static_cast<float>(x); });
-    if constexpr (std::is_same_v<T, c10::BFloat16>) std::copy(src, src + D, ws.q_bf16.begin() + r * D);
+    std::transform(src, src + D, ws.q.begin() + r * D, [](Q x) { return static_cast<float>(static_cast<T>(x)); });
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      std::transform(src, src + D, ws.q_bf16.begin() + r * D, [](Q x) { return static_cast<T>(x); });
   }
   if (P.fp8) {
 #if defined(INFER_FP8)
@@ -629,14 +636,14 @@ void run_item(const Problem& P, const Item& item, const Item* following, bool wa
     std::copy(ws.acc.begin(), ws.acc.begin() + rows * D, dst + 2 * rows);
     return;
   }
-  for (int64_t r = 0; r < rows; ++r) write_row(P.out_row<T>(s, r), ws.acc.data() + r * D, ws.sum[r], D);
+  for (int64_t r = 0; r < rows; ++r) write_row<T>(P.out_row<Q>(s, r), ws.acc.data() + r * D, ws.sum[r], D);
 }
 
 // The parts of one split context into its rows of out: each part's output weighted by exp(its max - the
 // overall max), over the weighted sum (write_row): a context whose keys all fall in one part gets that
 // part's output bit for bit, whatever its other parts hold. A part may hold no key of a row (its max is
 // -inf): weight 0.
-template <typename T>
+template <typename T, typename Q>
 void merge_parts(const Problem& P, int64_t s, const std::vector<int64_t>& offsets) {
   const int64_t D = P.head_dim, rows = P.num_kv_heads * P.group * P.query_len(s);
   std::vector<float> out(D);
@@ -653,13 +660,13 @@ void merge_parts(const Problem& P, int64_t s, const std::vector<int64_t>& offset
       for (int64_t d = 0; d < D; d += kLanes)
         vstore(out.data() + d, vfma(vset1(w), vload(acc + d), vload(out.data() + d)));
     }
-    write_row(P.out_row<T>(s, r), out.data(), sum, D);
+    write_row<T>(P.out_row<Q>(s, r), out.data(), sum, D);
   }
 }
 
 using Splits = std::vector<std::pair<int64_t, std::vector<int64_t>>>;  // (sequence, its parts' offsets)
 
-template <typename T>
+template <typename T, typename Q>
 void run(const Problem& P, std::vector<Item>& items, const Splits& splits) {
   // longest first, then each thread takes the next item: the threads finish close together
   std::stable_sort(items.begin(), items.end(),
@@ -679,9 +686,9 @@ void run(const Problem& P, std::vector<Item>& items, const Splits& splits) {
       if (next.load(std::memory_order_relaxed) < num_items - num_threads) j = next.fetch_add(1);
       const Item* following = j >= 0 && j < num_items ? &items[j] : nullptr;
       const Item& item = items[i];
-      run_item<T>(P, item, following, warm);
+      run_item<T, Q>(P, item, following, warm);
       if (item.partial >= 0 && parts_left[item.split].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        merge_parts<T>(P, splits[item.split].first, splits[item.split].second);
+        merge_parts<T, Q>(P, splits[item.split].first, splits[item.split].second);
       i = j >= 0 ? j : next.fetch_add(1);
       warm = following != nullptr;
     }
@@ -696,7 +703,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   at::Tensor out;
   Problem P{};
   static_cast<infer_paged::PagedCall&>(P) = infer_paged::check_call(
-      q, key_cache, value_cache, block_tables, seq_lens, query_starts ? &*query_starts : nullptr, scale, window, out);
+      q, key_cache, value_cache, block_tables, seq_lens, query_starts ? &*query_starts : nullptr, scale, window, out,
+      /*float32_over_16bit=*/true);
   const int64_t num_seqs = P.num_seqs, num_heads = P.num_heads, D = P.head_dim;
 #if !defined(INFER_FP8)
   TORCH_CHECK(!P.fp8, "paged_attention: an fp8 cache needs AVX-512 BF16 and VBMI; this build has ", kIsa);
@@ -741,9 +749,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache, con
   P.partials = partials.data_ptr<float>();
 
   switch (q.scalar_type()) {
-    case at::kFloat: run<float>(P, items, splits); break;
-    case at::kBFloat16: run<c10::BFloat16>(P, items, splits); break;
-    case at::kHalf: run<c10::Half>(P, items, splits); break;
+    case at::kFloat:  // over a 16-bit cache (check_call) or a float32 one
+      if (key_cache.scalar_type() == at::kBFloat16) run<c10::BFloat16, float>(P, items, splits);
+      else if (key_cache.scalar_type() == at::kHalf) run<c10::Half, float>(P, items, splits);
+      else run<float, float>(P, items, splits);
+      break;
+    case at::kBFloat16: run<c10::BFloat16, c10::BFloat16>(P, items, splits); break;
+    case at::kHalf: run<c10::Half, c10::Half>(P, items, splits); break;
     default: TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16, not ", q.scalar_type());
   }
   return out;

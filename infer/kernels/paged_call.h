@@ -48,17 +48,22 @@ struct PagedCall {
 
 // Checks the tensors of a call and describes it; `out` is allocated here ([num_tokens, num_heads,
 // head_dim], q's dtype). query_starts: int32 [num_seqs + 1] from 0 to num_tokens, or none.
+// float32_over_16bit: the op also takes float32 queries over a bfloat16 or float16 cache.
 inline PagedCall check_call(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            const at::Tensor* query_starts, double scale, int64_t window, at::Tensor& out) {
+                            const at::Tensor* query_starts, double scale, int64_t window, at::Tensor& out,
+                            bool float32_over_16bit = false) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q: [num_tokens, num_heads, head_dim], last dim contiguous");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   key_cache.sizes() == value_cache.sizes(),
               "caches: contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
   const at::ScalarType cache_type = key_cache.scalar_type();
   const bool fp8 = infer_fp8::is_fp8(cache_type);
-  TORCH_CHECK(value_cache.scalar_type() == cache_type && (q.scalar_type() == cache_type || fp8),
-              "q and the caches must share a dtype (or the caches are fp8)");
+  const bool narrow = float32_over_16bit && q.scalar_type() == at::kFloat &&
+                      (cache_type == at::kBFloat16 || cache_type == at::kHalf);
+  TORCH_CHECK(value_cache.scalar_type() == cache_type && (q.scalar_type() == cache_type || fp8 || narrow),
+              "q and the caches must share a dtype (or the caches are fp8",
+              float32_over_16bit ? ", or 16-bit under float32 queries)" : ")");
   TORCH_CHECK(!fp8 || (q.scalar_type() == at::kBFloat16 && q.size(2) % 64 == 0),
               "an fp8 cache is read with bfloat16 queries and a head_dim of a multiple of 64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong && block_tables.stride(1) == 1,

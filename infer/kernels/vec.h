@@ -204,8 +204,20 @@ inline VecF vexp(VecF x) {
 // this one, so that the fused path keeps giving the same bits as the two ops
 inline VecF vsilu(VecF x) { return vdiv(x, vadd(vset1(1.f), vexp(vsub(vzero(), x)))); }
 
+#if defined(__AVX2__)
+// 8 float32 -> bf16, rounded to nearest even as c10::BFloat16 rounds (NaN -> 0x7FC0)
+inline __m128i bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+#endif
+
 // Stores that convert to the destination's dtype, rounding to nearest even as torch's conversions do.
-// Any ISA: through a float array and c10's conversion; AVX-512: in registers (below).
+// Any ISA: through a float array and c10's conversion; AVX-512 and AVX2: in registers (below).
 template <typename T>
 inline void vstore_as(T* p, VecF x) {
   alignas(64) float f[kLanes];
@@ -228,6 +240,13 @@ inline void vstore_as(c10::BFloat16* p, VecF x) {
 inline void vstore_as(c10::Half* p, VecF x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline void vstore_as(c10::BFloat16* p, VecF x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16x8(x)); }
+#if defined(__F16C__)
+inline void vstore_as(c10::Half* p, VecF x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
 #endif
 
 // x rounded to T's precision, as a float (a no-op for float): where a reference rounds in between

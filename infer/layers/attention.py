@@ -74,13 +74,15 @@ def attention(
 
 
 def write_cache(k, v, key_cache, value_cache, meta: AttentionMetadata) -> None:
-    """The step's new keys and values into their slots, in the cache's dtype."""
-    if key_cache.dtype != k.dtype and key_cache.dtype not in FP8_DTYPES:  # float32 or bf16 into float16
-        k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
+    """The step's new keys and values into their slots, in the cache's dtype (the kernel rounds float32
+    ones into a 16-bit cache itself)."""
     ops = kernels.layer_ops(k)
     fp8 = key_cache.dtype in FP8_DTYPES
+    narrow = ops is not None and narrower(key_cache.dtype, k.dtype)
+    if key_cache.dtype != k.dtype and not fp8 and not narrow:  # bf16 into float16, or no kernels
+        k, v = k.to(key_cache.dtype), v.to(value_cache.dtype)
     same = k.dtype == v.dtype and key_cache.dtype == value_cache.dtype
-    same = same and (fp8 or k.dtype == key_cache.dtype)
+    same = same and (fp8 or narrow or k.dtype == key_cache.dtype)
     dense = key_cache.is_contiguous() and value_cache.is_contiguous()
     dense = dense and key_cache.shape == value_cache.shape
     fast = ops is not None and same and dense and k.stride(-1) == v.stride(-1) == 1
@@ -95,12 +97,9 @@ def _batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_
     """The batch's sequences at once: the C++ kernel where it serves them, else the matmuls. Returns the
     batch's real rows [num_batch_tokens, H, D] in their flat order."""
     ops = kernels.load()
-    if ops is not None:
-        # float32 queries over a 16-bit cache: the kernel reads them rounded to the cache's dtype
-        kq = q.to(key_cache.dtype) if narrower(key_cache.dtype, q.dtype) else q
-        if kernel_serves(ops, meta, kq, key_cache):
-            out = _kernel_batched(ops, kq, key_cache, value_cache, meta, scale, sliding_window)
-            return out.to(q.dtype)
+    if ops is not None and kernel_serves(ops, meta, q, key_cache):
+        # float32 queries over a 16-bit cache: read rounded to the cache's dtype, the output rounded to it
+        return _kernel_batched(ops, q, key_cache, value_cache, meta, scale, sliding_window)
     return matmul_batched(q, key_cache, value_cache, meta, scale, sliding_window)
 
 

@@ -50,7 +50,8 @@ def prefill_kernel(q, cache):
 
 def narrower(cache_dtype: torch.dtype, q_dtype: torch.dtype) -> bool:
     """A float16 or bfloat16 cache (`--kv-cache-dtype`) under float32 queries: the batched kernel reads
-    the queries rounded to the cache's dtype (llama.cpp's default cache, half the bytes a decode reads)."""
+    the queries rounded to the cache's dtype and rounds its output to it, and write_cache rounds the keys
+    and values (llama.cpp's default cache, half the bytes a decode reads)."""
     return q_dtype == torch.float32 and cache_dtype in (torch.float16, torch.bfloat16)
 
 
@@ -117,7 +118,7 @@ def kernel_serves(ops, meta: AttentionMetadata, q, key_cache) -> bool:
     return (
         meta.max_query_len <= KERNEL_MAX_QUERY_LEN
         and q.dtype in KERNEL_DTYPES
-        and _reads(ops, q.dtype, key_cache.dtype, key_cache.shape[-1])
+        and (_reads(ops, q.dtype, key_cache.dtype, key_cache.shape[-1]) or narrower(key_cache.dtype, q.dtype))
         and q.device.type == "cpu"
         and q.shape[-1] % 16 == 0
         and q.stride(-1) == 1

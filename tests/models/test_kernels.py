@@ -175,6 +175,22 @@ def test_a_rows_output_does_not_depend_on_its_batch_or_later_keys(dtype):
     assert torch.equal(as_verification[:1], alone)
 
 
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_float32_queries_over_a_16_bit_cache_are_the_cache_dtypes_call(half):
+    """Float32 queries over a bf16 or fp16 cache (a float32 model's 16-bit cache): the kernel reads them
+    rounded to the cache's dtype and rounds its output to it, bit for bit the call with q converted first
+    and its output widened after, decodes and a chunk, split contexts included."""
+    ops = _ops()
+    q, _, _, meta, _ = make_step(8, 2, 64, [1, 5, 1], [1300, 200, 70], half, seed=3)
+    wide = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)) * 3  # finer than the cache
+    lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+    starts = torch.tensor([0, 1, 6, 7], dtype=torch.int32)
+    args = (*meta.kv_caches[0], meta.block_tables, lens, starts, 0.125, 0)
+    got = ops.paged_attention(wide, *args)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, ops.paged_attention(wide.to(half), *args).float())
+
+
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("dtype", list(TOL), ids=["fp32", "bf16", "fp16"])
 def test_chunks_with_decodes(dtype, window, monkeypatch):

@@ -4,6 +4,8 @@ replace, and a bf16 model through both paths."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,17 +89,30 @@ def test_write_cache_is_index_put(dtype, tokens):
     check_write_cache(_ops(), dtype, tokens)
 
 
-def check_write_cache(ops, dtype, tokens) -> None:
+@pytest.mark.parametrize("tokens", [1, 300])
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_write_cache_rounds_float32_into_a_16_bit_cache(half, tokens):
+    """A float32 model's keys and values into a bf16 or fp16 cache: each rounded as torch's .to() rounds
+    (ties to even, NaN, overflow to inf), as the index_put of the converted rows writes them."""
+    check_write_cache(_ops(), torch.float32, tokens, cache_dtype=half, special=True)
+
+
+def check_write_cache(ops, dtype, tokens, cache_dtype=None, special=False) -> None:
     gen = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, (8 + 2 * 4) * 64, generator=gen).to(dtype)
+    if special:  # a bf16 tie, its neighbours, NaN, infinities, beyond float16's range, a subnormal
+        ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-8 + 2**-20, math.nan, math.inf, -math.inf])
+        qkv[0, 512 : 512 + 10] = torch.cat([ties, torch.tensor([7e4, -1e5, 1e-6, 3e-8])])
     _, k, v = (t.view(tokens, -1, 64) for t in qkv.split([512, 256, 256], dim=1))
-    caches = [torch.randn(40, 16, 4, 64, generator=gen).to(dtype) for _ in range(2)]
+    cache_dtype = cache_dtype or dtype
+    caches = [torch.randn(40, 16, 4, 64, generator=gen).to(cache_dtype) for _ in range(2)]
     slots = torch.randperm(40 * 16, generator=gen)[:tokens]
     expected = [c.clone() for c in caches]
-    expected[0].view(-1, 4, 64)[slots] = k
-    expected[1].view(-1, 4, 64)[slots] = v
+    expected[0].view(-1, 4, 64)[slots] = k.to(cache_dtype)
+    expected[1].view(-1, 4, 64)[slots] = v.to(cache_dtype)
     ops.write_cache(k, v, *caches, slots)
-    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    for got, want in zip(caches, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def test_bad_arguments_raise():
@@ -119,7 +134,7 @@ def test_bad_arguments_raise():
     with pytest.raises(RuntimeError, match="slot out of range"):
         ops.write_cache(k, k, cache, cache.clone(), torch.tensor([3, 32]))
     with pytest.raises(RuntimeError, match="share a dtype"):
-        ops.write_cache(k, k, cache.bfloat16(), cache.bfloat16(), torch.tensor([3, 4]))
+        ops.write_cache(k.half(), k.half(), cache.bfloat16(), cache.bfloat16(), torch.tensor([3, 4]))
 
 
 @pytest.mark.parametrize("name", ["llama_bias", "qwen3"])  # head_dim 32: the rotary kernel serves them
