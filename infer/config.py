@@ -323,9 +323,10 @@ class EngineConfig:
     quantization: none, int8 (per output channel) or int4 (groups of 128): weight-only, done at load on
         a bf16/fp32 checkpoint (infer/quant). A pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors)
         is recognised from its config.json whatever this says, unless it asks for another method.
-    kv_cache_dtype: auto (the model's dtype); float16 or bfloat16: under a float32 model (a CPU without
-        bf16 arithmetic), keys and values stored in 16 bits as llama.cpp's default cache, the decode
-        kernel's queries rounded to match; or fp8 / fp8_e4m3 / fp8_e5m2: keys and values stored as one
+    kv_cache_dtype: auto (the model's dtype, or 16 bits where dtype auto chose float32 activations: a bf16
+        checkpoint's bf16, a quantized GGUF file's float16); float16 or bfloat16: under a float32 model (a
+        CPU without bf16 arithmetic), keys and values stored in 16 bits as llama.cpp's default cache, the
+        decode kernel's queries rounded to match; or fp8 / fp8_e4m3 / fp8_e5m2: keys and values stored as one
         byte each, no scale (vLLM's flag and its default scale of 1.0): twice the tokens in the same
         memory, half the bytes a long-context decode step reads (infer/runner/kv_cache.py).
     trace_path: record the engine trace (infer.engine.trace: Chrome trace-event JSON for Perfetto) and

@@ -190,9 +190,20 @@ def load_model(
         prepack_linears(net)
     elif prepack and widens(torch_dtype):
         widen_linears(net, tied_head=wide)
-    # the KV cache `--kv-cache-dtype auto` picks: the checkpoint's 16 bits where the activations widened
-    net.auto_kv_cache_dtype = torch_dtype if wide else None
+    net.auto_kv_cache_dtype = auto_kv_cache_dtype(dtype, torch_dtype, wide, quant)
     return net, cfg, path
+
+
+def auto_kv_cache_dtype(dtype: str, torch_dtype: torch.dtype, wide: bool, quant) -> torch.dtype | None:
+    """The KV cache `--kv-cache-dtype auto` picks where it is not the model's dtype (None): under float32
+    activations that `--dtype auto` chose, 16 bits, as llama.cpp's default cache (half the bytes every
+    decode step reads; docs/quantization.md, "16-bit KV cache under a float32 model"): a widened bf16
+    checkpoint's bf16, a quantized GGUF file's float16."""
+    if wide:
+        return torch_dtype
+    if dtype == "auto" and quant == "gguf" and torch_dtype == torch.float32:
+        return torch.float16
+    return None
 
 
 def widens_activations(torch_dtype: torch.dtype) -> bool:

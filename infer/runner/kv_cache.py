@@ -40,8 +40,8 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def auto_cache_dtype(model: torch.nn.Module) -> torch.dtype:
-    """What `auto` means for `model`: its activations' dtype, or the checkpoint's bf16 where the loader
-    runs a bf16 checkpoint's activations in float32 (infer.models.loader.widens_activations)."""
+    """What `auto` means for `model`: its activations' dtype, or 16 bits where the loader chose float32
+    activations for a bf16 checkpoint or a quantized GGUF file (infer.models.loader.auto_kv_cache_dtype)."""
     return getattr(model, "auto_kv_cache_dtype", None) or next(model.parameters()).dtype
 
 

@@ -249,10 +249,11 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "--kv-cache-dtype",
         default=d["kv_cache_dtype"],
         choices=KV_CACHE_DTYPES,
-        help="auto: the model's dtype; float16 or bfloat16 under a float32 model (llama.cpp's default "
-        "cache): half the bytes, faster decoding at 8 and more streams; fp8 (= fp8_e4m3) or fp8_e5m2: one "
-        "byte per cached key and value element, no scale, as vLLM's flag: twice the tokens, faster "
-        "long-context decoding",
+        help="auto: the model's dtype, or 16 bits where --dtype auto runs float32 activations (a bf16 "
+        "checkpoint's bf16, a quantized GGUF file's float16, llama.cpp's default cache); float16 or "
+        "bfloat16 under a float32 model: half the bytes, faster decoding at 8 and more streams; fp8 "
+        "(= fp8_e4m3) or fp8_e5m2: one byte per cached key and value element, no scale, as vLLM's flag: "
+        "twice the tokens, faster long-context decoding",
     )
     parser.add_argument(
         "--seed", type=int, default=d["seed"], help="engine seed (dummy weights, unseeded sampling)"
