@@ -53,6 +53,7 @@ SOURCES = [
     for n in (
         "paged_attention.cpp",
         "prefill_attention.cpp",
+        "float_prefill_attention.cpp",
         "quant_linear.cpp",
         "small_linear.cpp",
         "six_bit_linear.cpp",
@@ -60,7 +61,10 @@ SOURCES = [
         "layer_ops.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(n) for n in ("vec.h", "paged_call.h", "amx.h", "fp8.h")]
+HEADERS = [
+    Path(__file__).with_name(n)
+    for n in ("vec.h", "paged_call.h", "amx.h", "fp8.h", "float_prefill_attention.h")
+]
 _REPO = Path(__file__).resolve().parents[2]
 
 _state: dict = {}  # "ops": the loaded namespace or None, once load() has run

@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "float_prefill_attention.h"
 #include "fp8.h"
 #include "paged_call.h"
 #include "vec.h"
@@ -786,8 +787,11 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, c
     default: TORCH_CHECK(false, "prefill_attention: float32, bfloat16 or float16, not ", q.scalar_type());
   }
   return out;
+#elif defined(__AVX2__) || defined(__AVX512F__)
+  return infer_float_prefill::prefill_attention(q, key_cache, value_cache, block_tables, seq_lens, query_starts,
+                                                scale, window);
 #else
-  TORCH_CHECK(false, "prefill_attention needs AVX-512 BF16; this build has ", infer_vec::kIsa);
+  TORCH_CHECK(false, "prefill_attention needs AVX2 or AVX-512; this build has ", infer_vec::kIsa);
 #endif
 }
 

@@ -10,8 +10,8 @@ every size measured (2-5x one layer's matmul path), so nothing dispatches by siz
 
 Prefill: the prefill kernel (infer/kernels/prefill_attention.cpp: flash attention's forward over the
 paged cache, tiles of 64 keys packed once per call, no tile past the diagonal; with AMX its two products
-on the tiles) serves `loop_seqs` wherever it was built with AVX-512 BF16 (`isa()` has "+bf16"), in
-PREFILL_KERNEL_DTYPES, for a head_dim that is a multiple of 16.
+on the tiles; on a build without AVX-512 BF16, float_prefill_attention.cpp's float32 FMAs) serves
+`loop_seqs` in PREFILL_KERNEL_DTYPES, for a head_dim that is a multiple of 16.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ KERNEL_MAX_QUERY_LEN = 128
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The prefill kernel (infer/kernels/prefill_attention.cpp) serves the sequences the batched call leaves
-# out (loop_seqs: prompts, longer chunks), all of them in one call per layer, in these dtypes, wherever
-# it was built with AVX-512 BF16; SDPA one sequence at a time otherwise (see the module docstring). It
-# won at every point measured, in each dtype.
+# out (loop_seqs: prompts, longer chunks), all of them in one call per layer, in these dtypes, on any
+# AVX2 or AVX-512 build; SDPA one sequence at a time otherwise (see the module docstring). It won at
+# every point measured, in each dtype.
 PREFILL_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -72,8 +72,9 @@ def kernels_read_fp8(q_dtype: torch.dtype, head_dim: int) -> bool:
 
 def prefill_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = None):
     """The kernels' ops where the prefill kernel serves queries of q_dtype (None: what the cache takes, bf16
-    over fp8) over this cache (PREFILL_KERNEL_DTYPES or fp8, a head_dim that is a multiple of 16, an
-    AVX-512 BF16 build, `_reads`), else None."""
+    over fp8) over this cache (PREFILL_KERNEL_DTYPES or fp8, a head_dim that is a multiple of 16), else
+    None. An AVX-512 BF16 build takes what `_reads` says; an AVX2 or AVX-512 one without BF16 runs
+    float_prefill_attention.cpp, which takes the cache's dtype or float32 over a 16-bit cache."""
     fp8 = key_cache.dtype in FP8_DTYPES
     if (
         (key_cache.dtype not in PREFILL_KERNEL_DTYPES and not fp8)
@@ -82,9 +83,12 @@ def prefill_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = No
     ):
         return None
     ops = kernels.load()
-    if ops is None or not _avx512_bf16(ops):
+    if ops is None:
         return None
     q_dtype = q_dtype or (torch.bfloat16 if fp8 else key_cache.dtype)
+    if not _avx512_bf16(ops):
+        served = not fp8 and (q_dtype == key_cache.dtype or narrower(key_cache.dtype, q_dtype))
+        return ops if served and ops.isa() != "scalar" else None
     return ops if _reads(ops, q_dtype, key_cache.dtype, key_cache.shape[-1]) else None
 
 
