@@ -179,7 +179,8 @@ def test_llama_quantizes_q4_k_m_file_follows_its_dequantized_weights(tmp_path):
     """The embedded model as llama-quantize writes Q4_K_M (rows of 384 fall back to Q5_0 / Q8_0, ffn_down
     in Q4_K / Q6_K): every type loads, the weights are gguf.quants' bit for bit, and the logits follow the
     dequantized weights': float32 within 1% of the largest logit (a split q/k/v layer sums in another
-    order than the fused one), the same top token at every position of a text."""
+    order than the fused one), the same top token wherever the two best logits are further apart than
+    twice that error, and at 95% of all positions (measured: all but one, whose two best differ by 0.005)."""
     quantize = _llama_quantize()
     if quantize is None:
         pytest.skip("llama-quantize is not built (~/.cache/infer/llama.cpp-build/*/build/bin)")
@@ -193,8 +194,12 @@ def test_llama_quantizes_q4_k_m_file_follows_its_dequantized_weights(tmp_path):
     ref, _, _ = load_model(str(twin), dtype="float32", prepack=False)
     ids = [0, *range(5, cfg.vocab_size, cfg.vocab_size // 80)]
     a, b = forward_logits(ours, ids), forward_logits(ref, ids)
-    assert (a - b).abs().max() <= 0.01 * b.abs().max()
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    error = (a - b).abs().max()
+    assert error <= 0.01 * b.abs().max()
+    top2 = b.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * error  # a top token no logit error this size can move
+    assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
 
 
 def test_a_served_gguf_file_is_sized_by_its_own_shape(files):
