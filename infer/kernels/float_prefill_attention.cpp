@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -137,9 +138,9 @@ void block(const float* q, const float* kt, const float* v, int64_t D, float* s,
     }
     const float new_max = std::max(max[r], tile_max);
     if (new_max > max[r] && sum[r] > 0.f) {
-      const VecF alpha = vset1(std::exp(max[r] - new_max));
-      sum[r] *= std::exp(max[r] - new_max);
-      for (int64_t d = 0; d < D; d += kLanes) vstore(o + r * D + d, vmul(vload(o + r * D + d), alpha));
+      const float alpha = std::exp(max[r] - new_max);
+      sum[r] *= alpha;
+      for (int64_t d = 0; d < D; d += kLanes) vstore(o + r * D + d, vmul(vload(o + r * D + d), vset1(alpha)));
     }
     VecF total = vzero();
     for (int64_t j = 0; j < kTile; j += kLanes) {
