@@ -88,9 +88,10 @@ def write_cache(k, v, key_cache, value_cache, meta: AttentionMetadata) -> None:
     fast = ops is not None and same and dense and k.stride(-1) == v.stride(-1) == 1
     if fast and (not fp8 or has_fp8(ops)):
         ops.write_cache(k, v, key_cache, value_cache, meta.slot_mapping)  # both, one call
-    else:  # [num_slots, num_kv_heads, head_dim]
-        key_cache.view(-1, *k.shape[1:])[meta.slot_mapping] = to_cache_dtype(k, key_cache.dtype)
-        value_cache.view(-1, *v.shape[1:])[meta.slot_mapping] = to_cache_dtype(v, value_cache.dtype)
+    else:  # [num_slots, num_kv_heads, head_dim], in the cache's dtype
+        for rows, cache in ((k, key_cache), (v, value_cache)):
+            rows = to_cache_dtype(rows, cache.dtype).to(cache.dtype)
+            cache.view(-1, *rows.shape[1:])[meta.slot_mapping] = rows
 
 
 def _batched(q, key_cache, value_cache, meta: AttentionMetadata, scale, sliding_window):
