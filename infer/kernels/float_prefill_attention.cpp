@@ -53,11 +53,6 @@ struct Scratch {  // one thread's buffers, kept from call to call
 };
 thread_local Scratch scratch;
 
-template <typename V>
-void grow(V& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-}
-
 // keys [start, start + count) of sequence s, kv head h, into Kt and V (float32), zeros past count
 template <typename T>
 void pack_tile(const infer_paged::PagedCall& P, int64_t s, int64_t h, int64_t start, int64_t count, float* kt,
@@ -128,28 +123,7 @@ void block(const float* q, const float* kt, const float* v, int64_t D, float* s,
     float* row = s + r * kTile;
     for (int64_t j = 0; j < std::min<int64_t>(lo[r], kTile); ++j) row[j] = kNegInf;
     for (int64_t j = std::max<int64_t>(hi[r] + 1, 0); j < kTile; ++j) row[j] = kNegInf;
-    // online softmax: the tile's max, the row's earlier sum and output rescaled where the max grows
-    VecF m = vset1(kNegInf);
-    for (int64_t j = 0; j < kTile; j += kLanes) m = vmax(m, vload(row + j));
-    const float tile_max = vhmax(m);
-    if (tile_max == kNegInf) {
-      std::fill(row, row + kTile, 0.f);
-      continue;
-    }
-    const float new_max = std::max(max[r], tile_max);
-    if (new_max > max[r] && sum[r] > 0.f) {
-      const float alpha = std::exp(max[r] - new_max);
-      sum[r] *= alpha;
-      for (int64_t d = 0; d < D; d += kLanes) vstore(o + r * D + d, vmul(vload(o + r * D + d), vset1(alpha)));
-    }
-    VecF total = vzero();
-    for (int64_t j = 0; j < kTile; j += kLanes) {
-      const VecF p = vexp(vsub(vload(row + j), vset1(new_max)));
-      vstore(row + j, p);
-      total = vadd(total, p);
-    }
-    sum[r] += vsum(total);
-    max[r] = new_max;
+    infer_paged::softmax_row(row, kTile, max[r], sum[r], o + r * D, D);
   }
   int64_t d0 = 0;
   for (; d0 + 2 * kLanes <= D; d0 += 2 * kLanes) accumulate<R, 2>(s, v, D, d0, o);
@@ -170,13 +144,13 @@ void run_item(const infer_paged::PagedCall& P, const Item& item) {
   Scratch& ws = scratch;
   const int64_t s = item.seq, h = item.head, D = P.head_dim, G = P.group;
   const int64_t rows = item.n * G;
-  grow(ws.kt, D * kTile);
-  grow(ws.v, kTile * D);
-  grow(ws.q, rows * D);
-  grow(ws.s, kRows * kTile);
-  grow(ws.o, rows * D);
-  grow(ws.max, rows);
-  grow(ws.sum, rows);
+  infer_paged::grow(ws.kt, D * kTile);
+  infer_paged::grow(ws.v, kTile * D);
+  infer_paged::grow(ws.q, rows * D);
+  infer_paged::grow(ws.s, kRows * kTile);
+  infer_paged::grow(ws.o, rows * D);
+  infer_paged::grow(ws.max, rows);
+  infer_paged::grow(ws.sum, rows);
   const int64_t seq_len = P.seq_lens[s], q_len = P.query_len(s), token0 = P.query_start(s) + item.t0;
   const int64_t first_pos = seq_len - q_len + item.t0;  // the item's first query's position
   const float scale = P.scale;
@@ -226,11 +200,6 @@ void run(const infer_paged::PagedCall& P, std::vector<Item>& items) {
 }
 
 }  // namespace
-
-bool serves(at::ScalarType q, at::ScalarType cache) {
-  const bool sixteen = cache == at::kBFloat16 || cache == at::kHalf;
-  return (q == cache && (sixteen || cache == at::kFloat)) || (q == at::kFloat && sixteen);
-}
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,

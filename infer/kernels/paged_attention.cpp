@@ -483,35 +483,6 @@ bool bf16_values(int64_t head_dim) {
 #endif
 }
 
-// Online softmax over one tile for one row: scores -> probabilities against the running max, the row's
-// earlier sum and output rescaled when the max grows. A row that sees no key of the tile (a chunk's early
-// query, a window) gets probabilities 0.
-void softmax_row(float* s, int64_t count, float& max, float& sum, float* acc, int64_t head_dim) {
-  const int64_t padded = (count + kLanes - 1) / kLanes * kLanes;
-  std::fill(s + count, s + padded, kNegInf);
-  VecF m = vset1(kNegInf);
-  for (int64_t j = 0; j < padded; j += kLanes) m = vmax(m, vload(s + j));
-  const float tile_max = vhmax(m);
-  if (tile_max == kNegInf) {
-    std::fill(s, s + padded, 0.f);  // the padding too: bf16's pairs of keys read past an odd count
-    return;
-  }
-  const float new_max = std::max(max, tile_max);
-  if (new_max > max && sum > 0.f) {
-    const float alpha = std::exp(max - new_max);
-    sum *= alpha;
-    for (int64_t d = 0; d < head_dim; d += kLanes) vstore(acc + d, vmul(vload(acc + d), vset1(alpha)));
-  }
-  VecF total = vzero();
-  for (int64_t j = 0; j < padded; j += kLanes) {
-    const VecF p = vexp(vadd(vload(s + j), vset1(-new_max)));
-    vstore(s + j, p);
-    total = vadd(total, p);
-  }
-  sum += vsum(total);
-  max = new_max;
-}
-
 // ---- items ----
 
 // the slots of sequence s's positions [start, start + count): position p is in slot
@@ -612,7 +583,7 @@ void run_item(const Problem& P, const Item& item, const Item* following, bool wa
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      softmax_row(ws.scores.data() + r * kStride, count, ws.max[r], ws.sum[r], ws.acc.data() + r * D, D);
+      infer_paged::softmax_row(ws.scores.data() + r * kStride, count, ws.max[r], ws.sum[r], ws.acc.data() + r * D, D);
       if (bf16 || P.fp8) probs_to_bf16(ws.scores.data() + r * kStride, count, ws.p_bf16.data() + r * kStride);
     }
     ws.values[count] = ws.values[count - 1];  // bf16 pairs: an odd count's last pair has p = 0

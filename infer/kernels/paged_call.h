@@ -1,15 +1,19 @@
 // What both attention ops (paged_attention.cpp: decodes and short chunks; prefill_attention.cpp: prompts
 // and long chunks) take from a call over the paged KV cache, checked in one place: q, the caches, the
-// block tables, seq_lens and query_starts, and each sequence's blocks.
+// block tables, seq_lens and query_starts, and each sequence's blocks; and the online softmax of their
+// float32 paths.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "fp8.h"
+#include "vec.h"
 
 namespace infer_paged {
 
@@ -115,6 +119,38 @@ inline PagedCall check_call(const at::Tensor& q, const at::Tensor& key_cache, co
 template <typename V>
 inline void grow(V& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
+// Online softmax over one tile for one row: scores -> probabilities against the running max, the row's
+// earlier sum and output rescaled when the max grows. A row that sees no key of the tile (a chunk's early
+// query, a window) gets probabilities 0. The float32 paths of both attention ops take it
+// (paged_attention.cpp, float_prefill_attention.cpp).
+inline void softmax_row(float* s, int64_t count, float& max, float& sum, float* acc, int64_t head_dim) {
+  using namespace infer_vec;
+  const int64_t padded = (count + kLanes - 1) / kLanes * kLanes;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  std::fill(s + count, s + padded, kNegInf);
+  VecF m = vset1(kNegInf);
+  for (int64_t j = 0; j < padded; j += kLanes) m = vmax(m, vload(s + j));
+  const float tile_max = vhmax(m);
+  if (tile_max == kNegInf) {
+    std::fill(s, s + padded, 0.f);  // the padding too: bf16's pairs of keys read past an odd count
+    return;
+  }
+  const float new_max = std::max(max, tile_max);
+  if (new_max > max && sum > 0.f) {
+    const float alpha = std::exp(max - new_max);
+    sum *= alpha;
+    for (int64_t d = 0; d < head_dim; d += kLanes) vstore(acc + d, vmul(vload(acc + d), vset1(alpha)));
+  }
+  VecF total = vzero();
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const VecF p = vexp(vadd(vload(s + j), vset1(-new_max)));
+    vstore(s + j, p);
+    total = vadd(total, p);
+  }
+  sum += vsum(total);
+  max = new_max;
 }
 
 }  // namespace infer_paged

@@ -88,7 +88,7 @@ def prefill_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = No
     q_dtype = q_dtype or (torch.bfloat16 if fp8 else key_cache.dtype)
     if not _avx512_bf16(ops):
         served = not fp8 and (q_dtype == key_cache.dtype or narrower(key_cache.dtype, q_dtype))
-        return ops if served and ops.isa() != "scalar" else None
+        return ops if served and _vector_isa(ops) else None
     return ops if _reads(ops, q_dtype, key_cache.dtype, key_cache.shape[-1]) else None
 
 
@@ -111,6 +111,12 @@ def decode_kernel_for(key_cache: torch.Tensor, q_dtype: torch.dtype | None = Non
 @functools.cache
 def _avx512_bf16(ops) -> bool:
     return "+bf16" in ops.isa()
+
+
+@functools.cache
+def _vector_isa(ops) -> bool:
+    """An AVX2 or AVX-512 build: float_prefill_attention.cpp is in it."""
+    return ops.isa() != "scalar"
 
 
 @functools.cache
