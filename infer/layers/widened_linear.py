@@ -91,8 +91,8 @@ class WidenedLinear(nn.Module):
             if out.shape[1] != self.out_features:
                 out = out[:, : self.out_features].contiguous()
             return out.view(*x.shape[:-1], self.out_features)
-        if flat.shape[0] <= WIDEN_ROWS:
-            return F.linear(x, self.weight, self.bias)
+        if flat.shape[0] <= WIDEN_ROWS and x.dtype == self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)  # float32 x (a float32 model's) takes the widened path
         out = widened_matmul(flat, self.out_features, lambda rows: self.weight[rows].float(), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 

@@ -209,9 +209,7 @@ def test_at_load_quantization_matches_its_dequantized_weights_greedily(
     net, _, _ = load_model(str(tiny), dtype="float32", quantization=method)
     # float32: torch's kernels (on AVX2 CPUs: avx2_linear); 2 x 4 layers + head
     int8 = "avx2" if HAS_AVX2_KERNEL else "torch"
-    assert net.quantization["backends"] == (
-        {int8: 9} if method == "int8" or HAS_AVX2_KERNEL else {"torch": 8, int8: 1}
-    )
+    assert net.quantization["backends"] == {int8: 9}  # int4 layers: torch's kernel, or avx2_linear
     # the reference: the same quantization, done by hand on the checkpoint, dequantized
     weights = {}
     for name, t in load_file(tiny / "model.safetensors").items():
