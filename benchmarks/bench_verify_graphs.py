@@ -56,7 +56,7 @@ def main() -> None:
     if args.threads is not None:  # one thread: no OpenMP barrier waits on a descheduled thread
         torch.set_num_threads(args.threads)
     decode_graph.MIN_GAIN = float("inf")
-    spec = json.loads(args.speculative_config)
+    spec = {**json.loads(args.speculative_config), "disable_by_gain": False}  # verifications, every step
     model, dtype, _ = prepare_model(args.model, "auto", None, False)
     on = _Context(model, dtype, args.load_format, args.repeats, min_seconds=2.0)
     off = dataclasses.replace(on, verify_graphs=False, engines=[])

@@ -191,6 +191,7 @@ SPECULATIVE_FIELDS = (
     "model",
     "draft_tensor_parallel_size",
     "disable_by_batch_size",
+    "disable_by_gain",
 )
 DEFAULT_SPEC_BATCH_SIZE = 4  # speculate only while this many requests or fewer run
 
@@ -212,6 +213,9 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: draft_model only; 1, the draft runs in the engine's process.
     disable_by_batch_size: speculate only in steps where at most this many requests run: a larger
         batch is compute-bound, and the proposals' extra tokens would cost what they save.
+    disable_by_gain: ours, not vLLM's: below that cap, speculate at a batch size only while this engine
+        measures that it pays there (its verification steps' tokens against their cost over a plain
+        decode step's: infer/core/speculation_gate.py); false: wherever the cap allows.
     """
 
     method: str | None = None
@@ -221,6 +225,7 @@ class SpeculativeConfig:
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
     disable_by_batch_size: int = DEFAULT_SPEC_BATCH_SIZE
+    disable_by_gain: bool = True
 
     def __post_init__(self) -> None:
         method = self.method or ("draft_model" if self.model is not None else "ngram")
@@ -230,6 +235,10 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs num_speculative_tokens (proposals per step, >= 1)")
         _positive_int("speculative_config num_speculative_tokens", self.num_speculative_tokens)
         _positive_int("speculative_config disable_by_batch_size", self.disable_by_batch_size)
+        if not isinstance(self.disable_by_gain, bool):
+            raise ValueError(
+                f"speculative_config disable_by_gain must be true or false, got {self.disable_by_gain!r}"
+            )
         if method == "draft_model":
             self._check_draft_model()
         else:

@@ -23,6 +23,7 @@ class DecodeCosts:
         self._samples: dict[int, deque[float]] = {}
         self._median: dict[int, float] = {}
         self._sizes: list[int] = []  # the sizes measured, ascending
+        self._counts: dict[int, int] = {}  # steps measured per size, in all
 
     def add(self, rows: int, seconds: float) -> None:
         samples = self._samples.get(rows)
@@ -30,10 +31,15 @@ class DecodeCosts:
             samples = self._samples[rows] = deque(maxlen=SAMPLES)
             bisect.insort(self._sizes, rows)
         samples.append(seconds)
+        self._counts[rows] = self._counts.get(rows, 0) + 1
         self._median[rows] = statistics.median(samples)
 
     def __bool__(self) -> bool:
         return bool(self._sizes)
+
+    def count(self, rows: int) -> int:
+        """How many steps of exactly `rows` rows were measured, in all."""
+        return self._counts.get(rows, 0)
 
     def measured(self, lo: float, hi: float) -> bool:
         """Whether a size in [lo, hi] was measured."""

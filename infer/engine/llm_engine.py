@@ -31,6 +31,7 @@ from infer.core.outputs import ModelRunnerOutput, SchedulerOutput, StepStats
 from infer.core.request import Request, RequestStatus
 from infer.core.scheduler import Scheduler
 from infer.core.slo import Objectives, SloClasses
+from infer.core.speculation_gate import SpeculationGate
 from infer.engine.detokenizer import IncrementalDetokenizer
 from infer.engine.draft_model import draft_proposer
 from infer.engine.tokenizer import load_tokenizer
@@ -151,6 +152,11 @@ class LLMEngine:
         if model.gguf is not None:  # what the GGUF file held
             self.quantization["gguf"] = model.gguf
         self.proposer = self._proposer(config, num_blocks)
+        spec = config.speculative_config
+        self.speculation_gate = (
+            None if spec is None else SpeculationGate(spec.disable_by_batch_size, spec.disable_by_gain)
+        )
+        self._propose_s = 0.0  # the last _propose's time: part of the next step's cost
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs: dict[str, list[PromptLogprobChunk]] = {}  # req_id -> computed chunks
@@ -338,7 +344,10 @@ class LLMEngine:
         updated = time.perf_counter()
         outputs += self._detokenize_all(updates)
         if self.proposer is not None:
+            self._observe_speculation(sched, runner_out, failures, time.perf_counter() - start)
+            proposing = time.perf_counter()
             self._propose()
+            self._propose_s = time.perf_counter() - proposing
         self.last_timing = StepTiming(
             schedule_s=scheduled - start,
             prepare_s=self.runner.last_prepare_s,
@@ -352,13 +361,24 @@ class LLMEngine:
             self.trace.record_step(start, self.last_timing, sched, outputs)
         return outputs
 
+    def _observe_speculation(self, sched, runner_out, failures, seconds: float) -> None:
+        """A decode-only step's cost (with the proposing for it) and tokens, for the speculation gate."""
+        if failures or sched.stats.num_prefill_tokens or not sched.scheduled:
+            return
+        accepted = runner_out.accepted_token_ids
+        tokens = sum(1 + len(accepted.get(s.req_id, ())) for s in sched.scheduled)
+        verified = sched.stats.num_spec_tokens > 0
+        self.speculation_gate.observe(len(sched.scheduled), verified, seconds + self._propose_s, tokens)
+
     def _propose(self) -> None:
-        """Proposals for the next step's decodes, in a step where few enough requests run (a large batch
-        is compute-bound: the proposals' extra tokens would cost what they save). None for a request
-        that asks for logprobs (its entries are kept one token per step) or whose grammar starts after
-        grammar_after_ids (the start may fall among the proposals)."""
+        """Proposals for the next step's decodes, where the speculation gate says they pay (few enough
+        requests run, and at their number verification steps measured worth their cost:
+        infer/core/speculation_gate.py). None for a request that asks for logprobs (its entries are
+        kept one token per step) or whose grammar starts after grammar_after_ids (the start may fall
+        among the proposals)."""
         running = self.scheduler.running
-        speculate = len(running) <= self.config.speculative_config.disable_by_batch_size
+        decoding = sum(not req.is_prefill for req in running)
+        speculate = self.speculation_gate.speculate(len(running), decoding)
         wanted = []
         for req in running:
             p = req.sampling_params

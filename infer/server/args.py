@@ -273,7 +273,9 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         "occurrence of the text's last n tokens and verifies them in one forward; "
         '\'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}\' has a small model of the '
         "same vocabulary propose them; "
-        '"disable_by_batch_size" (default 4): speculate only while at most that many requests run',
+        '"disable_by_batch_size" (default 4): speculate only while at most that many requests run; '
+        '"disable_by_gain" (default true): below that, only at the batch sizes where it measured that '
+        "speculating pays",
     )
     parser.add_argument(
         "--tensor-parallel-size",

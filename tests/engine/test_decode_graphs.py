@@ -290,7 +290,13 @@ def test_whether_graphs_pay_is_decided_on_pairs_of_timings(monkeypatch, eager, r
 
 
 # n-gram proposals from single tokens on: the random prompts repeat some, so most steps verify
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_gain": False,  # every step speculates
+}
 SPEC_ALWAYS = {**SPEC, "disable_by_batch_size": 64}  # the six prompts speculate together
 PROPOSED = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # no logprobs: they get proposals
 

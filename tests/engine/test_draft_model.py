@@ -20,12 +20,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def draft_config(path, k: int = 3) -> dict:
-    # speculate whatever the batch, so that the configurations with 8 requests do too
+    # speculate in every step whatever the batch, so that the configurations with 8 requests do too
     return {
         "method": "draft_model",
         "model": str(path),
         "num_speculative_tokens": k,
         "disable_by_batch_size": 64,
+        "disable_by_gain": False,
     }
 
 

@@ -9,6 +9,7 @@ from scipy.stats import chisquare
 
 from infer.config import SpeculativeConfig
 from infer.core.request import Request
+from infer.core.speculation_gate import MIN_PLAIN, MIN_VERIFY
 from infer.engine.llm import LLM
 from infer.models.loader import EMBEDDED_MODEL
 from infer.sampling_params import SamplingParams
@@ -16,9 +17,15 @@ from infer.structured_outputs.constraint import StructuredOutputs
 from tests.engine.test_engine import CONFIGS, MAX_TOKENS
 from tests.models.tiny_models import VARIANTS, save_tiny_model
 
-# speculate whatever the batch, so that the engine configurations with 8 requests do too
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-SPEC_ALWAYS = {**SPEC, "disable_by_batch_size": 64}
+# every step speculates (no gain gate: its choices depend on timings; tests/unit/test_speculation_gate.py)
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_gain": False,
+}
+SPEC_ALWAYS = {**SPEC, "disable_by_batch_size": 64}  # whatever the batch: CONFIGS' 8 requests too
 # texts that repeat themselves, as the embedded model (trained on the King James Bible) continues them
 REPEATING = [
     "And God said, Let there be light: and there was light. And God said, Let there be light: and there",
@@ -293,3 +300,19 @@ def test_bfloat16_greedy_output_is_invariant_under_speculation(tmp_path, row_inv
     llm = LLM(str(path), **args, speculative_config=SPEC)
     assert [r.token_ids for r in llm.generate(prompts, params)] == plain
     assert llm.engine.scheduler.num_spec_accepted_tokens > 0
+
+
+def test_the_gain_gate_measures_both_kinds_of_step_and_keeps_the_output():
+    """One stream with n-gram proposals through the speculation gate (the default): it measures
+    verification steps and plain ones at one decoding request, whichever it then keeps, and the greedy
+    output is plain decoding's."""
+    spec = {key: value for key, value in SPEC.items() if key != "disable_by_gain"}
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    outputs = []
+    for config in (None, spec):
+        llm = LLM(str(EMBEDDED_MODEL), dtype="float32", num_kv_blocks=256, speculative_config=config)
+        outputs.append(llm.generate([REPEATING[0]], params)[0].token_ids)
+    gate = llm.engine.speculation_gate
+    assert gate.by_gain
+    assert gate.verify.count(1) >= MIN_VERIFY and gate.plain.count(1) >= MIN_PLAIN
+    assert outputs[1] == outputs[0]

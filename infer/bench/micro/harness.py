@@ -266,8 +266,11 @@ MAX_REPEATS = 30
 HIGHER_IS_BETTER = ("tok_s", "prompt_tok_s", "prefill_tok_s", "decode_tok_s")  # rates, not times
 
 
-def best_of(samples: list[dict]) -> dict:
-    """Best value of each timing over the repeats (max rates, min times); counts must agree."""
+def best_of(samples: list[dict], exact: bool = True) -> dict:
+    """Best value of each timing over the repeats (max rates, min times); counts must agree, unless not
+    `exact` (a mode whose work depends on timings: the counts are then the fastest repeat's)."""
+    rate = next(key for key in (*HIGHER_IS_BETTER, "wall_s") if key in samples[0])
+    fastest = (min if rate == "wall_s" else max)(samples, key=lambda s: s[rate])
     best = {}
     for key, first in samples[0].items():
         values = [s[key] for s in samples]
@@ -275,6 +278,8 @@ def best_of(samples: list[dict]) -> dict:
             best[key] = max(values)
         elif key.endswith(("_ms", "_s")):
             best[key] = min(values)
+        elif not exact:
+            best[key] = fastest[key]
         elif any(v != first for v in values):
             raise RuntimeError(f"{key} differs between repeats of the same workload: {values}")
         else:
@@ -282,11 +287,14 @@ def best_of(samples: list[dict]) -> dict:
     return best
 
 
-def compare(ctx: Context, modes: dict[str, Callable[[], Run]]) -> tuple[dict[str, dict], dict[str, Run]]:
+def compare(
+    ctx: Context, modes: dict[str, Callable[[], Run]], varying: tuple[str, ...] = ()
+) -> tuple[dict[str, dict], dict[str, Run]]:
     """Run the modes interleaved (A B, B A, A B, ...) so that a drift of the machine hits both alike: at
     least ctx.repeats rounds, and more (up to MAX_REPEATS) until every mode has run ctx.min_seconds in
     all, since a run of a few tens of milliseconds is at the mercy of a single hiccup. Returns the
-    best-of metrics per mode (with "runs", the rounds taken) and each mode's last run."""
+    best-of metrics per mode (with "runs", the rounds taken) and each mode's last run. The modes named
+    in `varying` choose their work by timings: their counts may differ between repeats (best_of)."""
     samples: dict[str, list[dict]] = {name: [] for name in modes}
     last: dict[str, Run] = {}
     names = list(modes)
@@ -298,7 +306,8 @@ def compare(ctx: Context, modes: dict[str, Callable[[], Run]]) -> tuple[dict[str
             last[name] = modes[name]()
             samples[name].append(metrics(last[name]))
         rep += 1
-    return {name: best_of(samples[name]) | {"runs": rep} for name in names}, last
+    best = {name: best_of(samples[name], exact=name not in varying) | {"runs": rep} for name in names}
+    return best, last
 
 
 def ratio(a: float, b: float) -> float:

@@ -4,9 +4,12 @@
     ngram         by default {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
                   "prompt_lookup_max": 4}, or the micro command's --speculative-config (named by its
                   method: `draft_model` for {"model": PATH, ...}): speculates while at most
-                  disable_by_batch_size requests run (default 4), so 8 and 32 streams decode plainly
-    ngram_always  the same, speculating whatever the batch (streams > 1 only): what speculation would
-                  cost or gain at that batch size
+                  disable_by_batch_size requests run (default 4), so 8 and 32 streams decode plainly,
+                  and below that where the engine measured that it pays (disable_by_gain)
+    ngram_gain    the same without the cap (streams > 1 only): speculating at any batch size where
+                  the gate measures that it pays
+    ngram_always  the same, speculating in every step whatever the batch and the gain: what
+                  speculation costs or gains there
 
 Workloads, each at 1, 8 and 32 concurrent streams (greedy, ignore_eos, every stream its own prompt):
 
@@ -165,9 +168,12 @@ def run_case(
     specs = workload_specs(ctx, workload, tokenizer, streams, max_tokens)
     method = method_of(spec_config)
     modes = {"plain": run_mode(ctx, specs, None), method: run_mode(ctx, specs, spec_config)}
+    uncapped = {**spec_config, "disable_by_batch_size": 1024}
     if streams > 1:
-        modes[f"{method}_always"] = run_mode(ctx, specs, {**spec_config, "disable_by_batch_size": 1024})
-    best, _ = compare(ctx, modes)
+        modes[f"{method}_gain"] = run_mode(ctx, specs, uncapped)
+    modes[f"{method}_always"] = run_mode(ctx, specs, {**uncapped, "disable_by_gain": False})
+    # the gate's choices follow the step times
+    best, _ = compare(ctx, modes, varying=(method, f"{method}_gain"))
     plain = best["plain"]["decode_tok_s"]
     ratios = {
         f"{mode}_speedup": ratio(m["decode_tok_s"], plain) for mode, m in best.items() if mode != "plain"
@@ -186,13 +192,14 @@ def summary_rows(cases: list[CaseResult]) -> list[list[str]]:
     for c in cases:
         method = c.knobs["method"]
         spec = c.modes.get(f"{method}_always", c.modes[method])
-        always = c.ratios.get(f"{method}_always_speedup")
+        gain, always = c.ratios.get(f"{method}_gain_speedup"), c.ratios.get(f"{method}_always_speedup")
         rows.append(
             [
                 c.knobs["workload"],
                 str(c.knobs["streams"]),
                 f"{c.modes['plain']['decode_tok_s']:.2f}",
                 f"{c.ratios[f'{method}_speedup']:.2f}x",
+                "-" if gain is None else f"{gain:.2f}x",
                 "-" if always is None else f"{always:.2f}x",
                 f"{100 * spec['acceptance']:.1f}%",
                 spec["per_pos"],
@@ -202,8 +209,8 @@ def summary_rows(cases: list[CaseResult]) -> list[list[str]]:
 
 
 def headers(method: str) -> list[str]:
-    always = f"{method}_always"
-    return ["workload", "streams", "plain tok/s/stream", method, always, "accepted", "per position"]
+    gain, always = f"{method}_gain", f"{method}_always"
+    return ["workload", "streams", "plain tok/s/stream", method, gain, always, "accepted", "per position"]
 
 
 def verdicts(cases: list[CaseResult]) -> list[Verdict]:
@@ -227,7 +234,12 @@ def oracle_engine(ctx: Context, specs: list[RequestSpec], k: int):
     """An engine that verifies K proposals whatever the batch, its proposer an OracleProposer that has
     learned the target's greedy continuation of every prompt from a plain run on this engine (which
     also captures its decode graph; the verification graph is captured here too)."""
-    config = {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": 1024}
+    config = {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "disable_by_batch_size": 1024,
+        "disable_by_gain": False,
+    }
     engine = ctx.engine(
         num_kv_blocks=num_blocks_for(specs, 16) + len(specs),
         max_num_seqs=len(specs),
