@@ -16,6 +16,7 @@ so every run of a workload generates exactly sum(max_tokens) tokens and repeats 
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import statistics
 import sys
@@ -62,6 +63,9 @@ def prepare_model(
         model, dtype, threads = str(path), "float32" if dtype == "auto" else dtype, threads or 1
     torch.set_num_threads(threads or torch.get_num_threads())
     return model, dtype, torch.get_num_threads()
+
+
+MAX_SETTING_CHARS = 160  # of an engine configuration in a trace's file name (a name holds 255 bytes)
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,9 @@ class Context:
         if self.trace_dir is not None and self.benchmark:
             setting = "-".join(f"{k}={v}" for k, v in sorted(knobs.items()))
             setting = "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in setting)
+            if len(setting) > MAX_SETTING_CHARS:  # the rest as a digest
+                digest = hashlib.sha1(setting.encode()).hexdigest()[:12]
+                setting = f"{setting[: MAX_SETTING_CHARS - 13]}-{digest}"
             trace = str(self.trace_dir / f"{self.benchmark}-{setting}.trace.json")
         # the mechanisms in step counts: no prefill pacing, which times steps and so varies run to run
         knobs.setdefault("max_decode_slowdown", 0)
