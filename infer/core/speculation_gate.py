@@ -52,7 +52,7 @@ class SpeculationGate:
             return False
         if not self.by_gain or decoding == 0:
             return True
-        if self.verify.count(decoding) < MIN_VERIFY or not self.yields:
+        if self.verify.count(decoding) < MIN_VERIFY:  # each verification step measured left a yield
             return True
         if self.plain.count(decoding) < MIN_PLAIN:
             return False

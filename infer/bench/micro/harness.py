@@ -276,8 +276,9 @@ HIGHER_IS_BETTER = ("tok_s", "prompt_tok_s", "prefill_tok_s", "decode_tok_s")  #
 def best_of(samples: list[dict], exact: bool = True) -> dict:
     """Best value of each timing over the repeats (max rates, min times); counts must agree, unless not
     `exact` (a mode whose work depends on timings: the counts are then the fastest repeat's)."""
-    rate = next(key for key in (*HIGHER_IS_BETTER, "wall_s") if key in samples[0])
-    fastest = (min if rate == "wall_s" else max)(samples, key=lambda s: s[rate])
+    if not exact:
+        rate = next(key for key in (*HIGHER_IS_BETTER, "wall_s") if key in samples[0])
+        fastest = (min if rate == "wall_s" else max)(samples, key=lambda s: s[rate])
     best = {}
     for key, first in samples[0].items():
         values = [s[key] for s in samples]
