@@ -15,6 +15,10 @@ streamed greedy completion of --bystander-tokens tokens, ignore_eos) alone, then
 (each with its ratio to alone; return_token_ids streams a chunk per token, even of random weights' bytes
 that are no text yet), and the long prompt's time to first token (and its ratio to the first variant's).
 The variants run one server at a time.
+
+With --newcomer-every S, newcomers instead of the bystander stream: the long prompt alone, then again
+with a short request (one token) sent every S seconds until its first token; reports the long prompt's
+time to first token both ways, and the newcomers' times to first token (alone, then p50 and max beside).
 docs/robustness.md, "Long prompts: the streams' gaps against the prompt's first token", has the figures.
 """
 
@@ -86,13 +90,7 @@ def measure(
     stream_times(url, {**bystander, "max_tokens": 4})  # warm
     alone = stream_times(url, bystander)
     found: dict = {}
-    # a prompt no earlier measurement on this server has cached: its first token differs
-    n = next(MEASUREMENTS)
-    prompt = (
-        f"[{n}] {prompt}"
-        if isinstance(prompt, str)
-        else prompt[n % len(prompt) :] + prompt[: n % len(prompt)]
-    )
+    prompt = fresh_prompt(prompt)  # its first token differs from a cached one's
     long_body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
     if prompt_logprobs:
         long_body["prompt_logprobs"] = prompt_logprobs
@@ -118,6 +116,45 @@ def measure(
     }
 
 
+def fresh_prompt(prompt: str | list[int]) -> str | list[int]:
+    """The prompt, changed so that no earlier measurement on this server has cached it."""
+    n = next(MEASUREMENTS)
+    if isinstance(prompt, str):
+        return f"[{n}] {prompt}"
+    return prompt[n % len(prompt) :] + prompt[: n % len(prompt)]
+
+
+def measure_newcomers(url: str, prompt: str | list[int], every: float) -> dict:
+    newcomer = {"prompt": "Once upon a time", "max_tokens": 1, "temperature": 0}
+    alone = sorted(stream_times(url, newcomer)[0] for _ in range(5))[2]
+    long_ttft: dict[bool, float] = {}
+    newcomers: list[float] = []
+
+    def send_long(beside: bool) -> None:
+        body = {"prompt": fresh_prompt(prompt), "max_tokens": 1, "temperature": 0}
+        long_ttft[beside] = first_token_time(url, body)
+
+    for beside in (False, True):
+        worker = threading.Thread(target=send_long, args=(beside,))
+        worker.start()
+        while beside and worker.is_alive():
+            time.sleep(every)
+            if worker.is_alive():
+                newcomers.append(stream_times(url, newcomer)[0])
+        worker.join()
+    newcomers.sort()
+    return {
+        "newcomer_every_s": every,
+        "newcomers": len(newcomers),
+        "newcomer_ttft_alone_ms": round(1000 * alone, 1),
+        "newcomer_ttft_p50_ms": round(1000 * newcomers[len(newcomers) // 2], 1) if newcomers else None,
+        "newcomer_ttft_max_ms": round(1000 * newcomers[-1], 1) if newcomers else None,
+        "long_ttft_alone_s": round(long_ttft[False], 3),
+        "long_ttft_s": round(long_ttft[True], 3),
+        "long_ttft_beside_ratio": round(long_ttft[True] / long_ttft[False], 2),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="Qwen3-0.6B")
@@ -130,6 +167,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=["--max-decode-slowdown 0", "--max-decode-slowdown 2"])
     p.add_argument("--rounds", type=int, default=1, help="every variant in turn, this many times")
     p.add_argument("--max-model-len", type=int, default=0, help="0: the longest prompt + the bystander")
+    p.add_argument("--newcomer-every", type=float, default=0, help="newcomers, not a bystander (docstring)")
     p.add_argument("--out", type=Path, default=None, help="JSON file for the results")
     args = p.parse_args()
     lens = [0] if args.prompt_repeat else args.prompt_lens
@@ -157,6 +195,16 @@ def main() -> None:
                                 "tokens"
                             ]
                         )
+                    if args.newcomer_every:
+                        row = {
+                            "variant": variant,
+                            "round": round_,
+                            "prompt_len": num if args.prompt_repeat else prompt_len,
+                        }
+                        row.update(measure_newcomers(s.url, prompt, args.newcomer_every))
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                        continue
                     for tokens in args.bystander_tokens:
                         for logprobs in args.prompt_logprobs:
                             row = {

@@ -61,7 +61,7 @@ to `group_chunk`. Beside anyone else, that is a step of at most about max_decode
 one at the latest chunks' price (a few dozen tokens for a 135M model at a 4k context, where a chunk's
 attention costs more than its weights), so other clients' gaps keep their bound; the flood's prefill
 then runs at that chunk's cost per token. Alone, the flood gets GROUP_ALONE_CHUNK tokens a step: near
-the largest chunks' cost per token, and a newcomer waits for one such step, not a 2,048-token one. A lone
+the largest chunks' cost per token (a newcomer stops such a step between layers: llm_engine.py). A lone
 long prompt keeps its whole chunks and the order above (its time to first token is bounded too).
 docs/robustness.md, "Long prompts: the streams' gaps against the prompt's first token", has what no
 schedule can do and how to measure the tradeoff.

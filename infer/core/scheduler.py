@@ -640,6 +640,20 @@ class Scheduler:
         finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(scheduled, num_prefill + num_decode, finished, plan.preempted_req_ids, stats)
 
+    def undo(self, sched_out: SchedulerOutput) -> None:
+        """Forget a step of prefill chunks that was stopped before its end (LLMEngine: a long prefill step
+        interrupted for a newcomer), in place of `update`: each request's computed tokens go back to
+        where the step started. Its blocks stay its own, and none of them was cached (cache_blocks runs in
+        update), so the keys and values the step wrote are overwritten when the chunk runs again."""
+        for sched in sched_out.scheduled:
+            assert not sched.spec_token_ids, "a step with decodes is not undone"
+            req = self.requests.get(sched.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = sched.start_pos
+            req.num_prefill_tokens_computed -= sched.num_tokens
+        self._last_step = ([], 0)
+
     def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         """Apply a step's results: cache newly full blocks, append sampled tokens, finish on EOS / stop
         token ids / max_tokens (min_tokens and ignore_eos respected) and free finished requests' blocks.
@@ -778,7 +792,8 @@ class Scheduler:
         for req in self.running:
             assert req.status == RequestStatus.RUNNING and kv.holds(req), req.req_id
             num_known = req.num_tokens + self._spec_in_flight.get(req.req_id, 0)  # proposals fed count
-            assert 0 < req.num_computed_tokens <= num_known, (req.req_id, req.num_computed_tokens)
+            # 0: admitted by a step that was undone, its first chunk not yet run
+            assert 0 <= req.num_computed_tokens <= num_known, (req.req_id, req.num_computed_tokens)
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), (req.req_id, req.status)
             assert not kv.holds(req) and req.num_computed_tokens == 0, req.req_id

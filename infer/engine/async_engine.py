@@ -24,6 +24,12 @@ thread), it waits for that thread to drop the GIL, which Python does every switc
 default): a decode step of many small ops then takes many times its length. `start` lowers the interval
 to GIL_SWITCH_INTERVAL_S, which bounds each such wait; a thread alone keeps the GIL whatever the interval.
 
+A short request (a prompt the scheduler would prefill first, alone: at most half the step's token budget)
+that arrives while the engine runs a long step of prefill chunks alone stops that step between two layers
+(LLMEngine's "Interrupted steps"): its first token then waits for a layer, not for the whole step. The
+event loop counts such arrivals; the engine thread notes the count when it takes its commands, and a
+step asks whether it moved since.
+
 An engine that cannot go on (`LLMEngine.fatal_error`: a tensor-parallel rank died) ends every request
 with RequestFailed, refuses new ones, and calls `on_fatal`: the server then exits non-zero. The idle
 thread looks at it every IDLE_CHECK_S, so a death between requests is noticed too.
@@ -76,6 +82,7 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._arrivals = ShortArrivals()
 
     def start(self) -> None:
         """Start the engine thread (which first builds the engine); call from the event loop that will
@@ -128,6 +135,8 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         added = self._loop.create_future()
         self._streams[req_id] = stream
+        if self._is_short(prompt):
+            self._arrivals.sent += 1
         self._send(("add", (prompt, params, req_id, priority, slo, matcher, group_id), added))
         try:
             await added
@@ -167,6 +176,12 @@ class AsyncEngine:
             async for out in outputs:
                 yield out
 
+    def _is_short(self, prompt: str | list[int]) -> bool:
+        """Whether the scheduler would prefill the prompt first, alone (a text's UTF-8 bytes bound its
+        tokens from above)."""
+        size = len(prompt.encode()) if isinstance(prompt, str) else len(prompt)
+        return size <= self.engine.scheduler_config.max_num_batched_tokens // 2
+
     def abort(self, req_id: str) -> None:
         self._send(("abort", req_id, None))
 
@@ -186,6 +201,7 @@ class AsyncEngine:
             return
         self._loop.call_soon_threadsafe(_settle, self._built, None)
         engine = self.engine
+        engine.newcomer_waiting = self._arrivals  # not a closure over self: no cycle to keep both alive
         while not self._stopping:
             idle = not engine.has_unfinished()
             self._apply_commands()
@@ -238,6 +254,7 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self.on_fatal, exc)
 
     def _apply_commands(self) -> None:
+        self._arrivals.taken = self._arrivals.sent  # those counted so far are in the queue
         while True:
             try:
                 kind, payload, future = self._commands.get_nowait()
@@ -272,6 +289,18 @@ class AsyncEngine:
         self.engine.abort(req_ids)
         for req_id in req_ids:
             self._deliver(req_id, RequestFailed(req_id, f"{type(exc).__name__}: {exc}"))
+
+
+class ShortArrivals:
+    """Short requests sent to the engine thread (counted on the event loop), and their count when the
+    engine thread last took its commands: called, whether one came since (the module docstring)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.taken = 0
+
+    def __call__(self) -> bool:
+        return self.sent != self.taken
 
 
 class RequestFailed(RuntimeError):

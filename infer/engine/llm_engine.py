@@ -14,6 +14,15 @@ is queued, and as a second line of defence a step that raises is run again in ha
 requests that still fail; those end with finish_reason "error" and the rest of the step goes on. Running a
 part again is safe: it writes the same tokens' keys and values to the same slots. It costs nothing until a
 step fails, and log2(batch) extra forwards when one does. Detokenizing (stop strings) is per request too.
+
+Interrupted steps. A step of long prefill chunks alone (no decode in it) takes hundreds of milliseconds on
+a CPU, and a short request that arrives meanwhile would wait for its end before its own prefill runs
+(which the scheduler then puts first, alone). Where the engine's owner says when such a request arrives
+(`newcomer_waiting`, set by AsyncEngine), the step stops between two layers instead, and is forgotten
+(Scheduler.undo): its chunks run again later, over the same cache slots. A request's steps are stopped
+at most once, and once more for every INTERRUPT_EVERY of its steps that ran, so however many newcomers
+come, a long prompt loses at most one step's work and a 1 / INTERRUPT_EVERY share of the rest; a step with
+decodes, or of fewer than INTERRUPTIBLE_PREFILL_TOKENS tokens, always runs to its end.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import gc
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +50,7 @@ from infer.layers.parallel import SINGLE
 from infer.models.loader import load_engine_model, weight_bytes
 from infer.runner.draft_proposer import DraftProposer, DraftWant
 from infer.runner.kv_cache import auto_cache_dtype, kv_bytes_per_token, kv_cache_dtype, warn_unserved_fp8
-from infer.runner.model_runner import ModelRunner
+from infer.runner.model_runner import ModelRunner, StepInterrupted
 from infer.runner.ngram_proposer import NgramProposer
 from infer.runner.parallel import ParallelRunner, RankFailure, run_worker, start_ranks, stop_ranks
 from infer.runner.prompt_logprobs import PromptLogprobChunk, PromptLogprobs
@@ -48,6 +58,9 @@ from infer.sampling_params import MAX_BAD_WORDS, SamplingParams, Unsatisfiable
 from infer.structured_outputs.compiler import GrammarCompiler
 
 logger = logging.getLogger("infer.engine")
+# a step of prefill chunks alone may be interrupted for a newcomer from this many tokens (module docstring)
+INTERRUPTIBLE_PREFILL_TOKENS = 128
+INTERRUPT_EVERY = 4  # a request's steps are interrupted once, and once more per this many that ran
 
 
 @dataclass
@@ -157,6 +170,12 @@ class LLMEngine:
             None if spec is None else SpeculationGate(spec.disable_by_batch_size, spec.disable_by_gain)
         )
         self._propose_s = 0.0  # the last _propose's time: part of the next step's cost
+        # whether a short request arrived since the current step began (module docstring, "Interrupted
+        # steps"); None: steps are never interrupted (an offline LLM's engine)
+        self.newcomer_waiting: Callable[[], bool] | None = None
+        # req_id -> [its steps interrupted, its steps run since its first interruption]
+        self._interruptions: dict[str, list[int]] = {}
+        self.num_interrupted_steps = 0
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.prompt_logprobs: dict[str, list[PromptLogprobChunk]] = {}  # req_id -> computed chunks
@@ -333,7 +352,24 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.last_stats = sched.stats
         scheduled = time.perf_counter()
-        runner_out, failures = self._execute(sched)
+        interruptible = self._interruptible(sched)
+        if interruptible:
+            self.runner.interrupted = self.newcomer_waiting
+        try:
+            runner_out, failures = self._execute(sched)
+        except StepInterrupted:
+            self.scheduler.undo(sched)
+            for s in sched.scheduled:
+                self._interruptions.setdefault(s.req_id, [0, 0])[0] += 1
+            self.num_interrupted_steps += 1
+            return []
+        finally:
+            if interruptible:
+                self.runner.interrupted = None
+        if self._interruptions:
+            for s in sched.scheduled:
+                if s.req_id in self._interruptions:
+                    self._interruptions[s.req_id][1] += 1
         executed = time.perf_counter()
         for req_id, chunk in (runner_out.prompt_logprobs or {}).items():
             found = self.prompt_logprobs.get(req_id)
@@ -360,6 +396,20 @@ class LLMEngine:
         if self.trace is not None:
             self.trace.record_step(start, self.last_timing, sched, outputs)
         return outputs
+
+    def _interruptible(self, sched: SchedulerOutput) -> bool:
+        """Whether this step may stop for a newcomer (module docstring, "Interrupted steps")."""
+        return (
+            self.newcomer_waiting is not None
+            and isinstance(self.runner, ModelRunner)
+            and not sched.stats.num_decode_tokens
+            and sched.stats.num_prefill_tokens >= INTERRUPTIBLE_PREFILL_TOKENS
+            and all(self._may_interrupt(s.req_id) for s in sched.scheduled)
+        )
+
+    def _may_interrupt(self, req_id: str) -> bool:
+        interrupted, ran = self._interruptions.get(req_id, (0, 0))
+        return interrupted <= ran // INTERRUPT_EVERY
 
     def _observe_speculation(self, sched, runner_out, failures, seconds: float) -> None:
         """A decode-only step's cost (with the proposing for it) and tokens, for the speculation gate."""
@@ -417,11 +467,13 @@ class LLMEngine:
         """The runner's output, and the requests whose part of the step raised (see the module docstring)."""
         try:
             return self.runner.execute(sched), {}
-        except RankFailure:
-            raise  # no request's fault: the engine stops
+        except (RankFailure, StepInterrupted):
+            raise  # no request's fault: the engine stops, or runs the step again later
         except Exception as exc:
             if len(sched.scheduled) == 1:
                 return ModelRunnerOutput([], []), {sched.scheduled[0].req_id: exc}
+        if isinstance(self.runner, ModelRunner):  # a part that ran would not run again: halves run whole
+            self.runner.interrupted = None
         mid = len(sched.scheduled) // 2
         merged, failures = ModelRunnerOutput([], [], [], {}), {}
         for part in (sched.scheduled[:mid], sched.scheduled[mid:]):
@@ -482,6 +534,7 @@ class LLMEngine:
             prompt_logprobs = PromptLogprobs(req.num_prompt_tokens, self.prompt_logprobs.pop(req_id))
         if reason is not None:
             del self.requests[req_id], self.detokenizers[req_id]
+            self._interruptions.pop(req_id, None)
         return StepOutput(
             req_id=req_id,
             text=text,

@@ -45,6 +45,7 @@ def attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    meta.check_interrupted()  # between layers: nothing of this layer is written yet
     cache = meta.kv_caches[layer_idx] if meta.kv_caches is not None else None
     if cache is not None:
         key_cache, value_cache = cache

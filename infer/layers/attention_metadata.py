@@ -19,6 +19,7 @@ through the prefill kernel, all in one call per layer, or else one at a time thr
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -92,6 +93,11 @@ def batched_seqs(
     return riders if wasted_queries * padded_keys <= MAX_PADDED_SCORES else decodes
 
 
+class StepInterrupted(Exception):
+    """A forward stopped between layers because `AttentionMetadata.interrupted` said so: the step is to be
+    run again from its start (infer/engine/llm_engine.py, "Interrupted steps")."""
+
+
 @dataclass
 class AttentionMetadata:
     query_lens: list[int]
@@ -101,6 +107,8 @@ class AttentionMetadata:
     # one (key_cache, value_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     query_dtype: torch.dtype | None = None  # the model's; None: the cache's (an fp8 cache's: bfloat16)
+    # asked before each layer's attention: True stops the forward there (StepInterrupted)
+    interrupted: Callable[[], bool] | None = None
     # derived once per forward (not per layer) in __post_init__
     batch_seqs: list[int] = field(init=False, default_factory=list)  # served by one batched call
     loop_seqs: list[int] = field(init=False, default_factory=list)  # prompts, long chunks: see attention()
@@ -216,6 +224,11 @@ class AttentionMetadata:
             ids = self.batch_tables[0].tolist()
             if ids == list(range(ids[0], ids[0] + num_blocks)):
                 self.decode_span = (ids[0] * block_size, self.batch_seq_lens[0])
+
+    def check_interrupted(self) -> None:
+        """Raise StepInterrupted if the step's owner wants it stopped."""
+        if self.interrupted is not None and self.interrupted():
+            raise StepInterrupted
 
     def batch_keys(self, num_kv_heads: int, sliding_window: int | None):
         """(rows, mask) for the batched sequences' keys under one window, built once per forward.

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 import torch
 
 from infer import kernels
 from infer.core.outputs import ModelRunnerOutput, SchedulerOutput, sampled_rows
 from infer.layers.attention_metadata import AttentionMetadata
+from infer.layers.attention_metadata import StepInterrupted as StepInterrupted  # what `logits` raises
 from infer.layers.parallel import SINGLE, TensorParallel
 from infer.runner.decode_graph import STEADY_STEPS, DecodeGraphs
 from infer.runner.kv_cache import allocate_kv_cache
@@ -80,6 +82,9 @@ class ModelRunner:
                 max_len=decode_graphs_max_len,
             )
         self.last_prepare_s = 0.0
+        # set by the engine for a step it may stop (llm_engine.py, "Interrupted steps"): asked between
+        # layers and prompt-logprob parts, True raises StepInterrupted out of `logits`
+        self.interrupted: Callable[[], bool] | None = None
         self.last_prompt_logprobs: dict | None = None  # of the last `logits` call
         self.history: dict[str, list[int]] = {}  # no-cache mode only: each request's tokens so far
 
@@ -108,7 +113,7 @@ class ModelRunner:
         self.last_prepare_s = time.perf_counter() - start
         hidden = self.model(input_ids, positions, meta)  # [num_tokens, hidden_size]
         if any(s.prompt_logprobs for s in sched.scheduled):
-            self.last_prompt_logprobs = self._prompt_logprobs(sched.scheduled, hidden, meta.query_lens)
+            self.last_prompt_logprobs = self._prompt_logprobs(sched.scheduled, hidden, meta)
         sampled = [s for s in sched.scheduled if s.sample]
         if not sampled:
             return None, []
@@ -151,13 +156,13 @@ class ModelRunner:
         out.prompt_logprobs = self.last_prompt_logprobs
         return out
 
-    def _prompt_logprobs(self, reqs, hidden: torch.Tensor, query_lens: list[int]) -> dict:
+    def _prompt_logprobs(self, reqs, hidden: torch.Tensor, meta: AttentionMetadata) -> dict:
         """req_id -> PromptLogprobChunk: the rows this step computed at prompt positions p, p + 1, ...
         predict the prompt tokens at p + 1, ...; kept as tensors (prompt_logprobs.py: read where the
         response is written, not in the step). Logits are computed PROMPT_LOGPROBS_ROWS rows at a time,
         not [prompt, vocab] at once."""
         found, end = {}, 0
-        for s, num_rows in zip(reqs, query_lens, strict=True):
+        for s, num_rows in zip(reqs, meta.query_lens, strict=True):
             row0, end = end, end + num_rows
             top_n = s.sampling_params.prompt_logprobs if s.prompt_logprobs else None
             pos0 = s.start_pos if self.kv_caches is not None else 0  # no-cache mode recomputes from 0
@@ -168,6 +173,7 @@ class ModelRunner:
             targets = torch.tensor(s.history[first + 1 : last + 1])
             parts = []
             for i in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+                meta.check_interrupted()
                 part = targets[i : i + PROMPT_LOGPROBS_ROWS]
                 logits = self.model.compute_logits(rows[i : i + len(part)])  # float32 [rows, vocab]
                 norm = logsumexp_rows(logits)  # [rows, 1]; logprob = logit - norm
@@ -212,6 +218,7 @@ class ModelRunner:
             block_tables=block_tables,
             kv_caches=self.kv_caches,
             query_dtype=self.dtype,
+            interrupted=self.interrupted,
         )
         return torch.tensor(token_ids), torch.tensor(positions), meta
 
@@ -224,7 +231,9 @@ class ModelRunner:
             sequences.append(history)
         input_ids = torch.tensor([t for seq in sequences for t in seq])
         positions = torch.cat([torch.arange(len(seq)) for seq in sequences])
-        return input_ids, positions, AttentionMetadata.prefill_only([len(seq) for seq in sequences])
+        meta = AttentionMetadata.prefill_only([len(seq) for seq in sequences])
+        meta.interrupted = self.interrupted
+        return input_ids, positions, meta
 
 
 def logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:

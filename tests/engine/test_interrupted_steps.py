@@ -1,0 +1,156 @@
+"""A long step of prefill chunks stops between layers for a newcomer and runs again later: the outputs, the
+prompt logprobs and the prefix cache are as if it never stopped, and the newcomer's first token comes
+before the long prompt's."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from infer.config import EngineConfig
+from infer.engine import llm_engine
+from infer.engine.async_engine import AsyncEngine
+from infer.engine.llm_engine import LLMEngine
+from infer.sampling_params import SamplingParams
+from tests.models.tiny_models import save_byte_tokenizer, save_tiny_model
+
+BUDGET = 128  # the tiny model's 256 positions hold two such chunks and a decode's tokens
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    _, path = save_tiny_model("llama", tmp_path_factory.mktemp("interrupted"))
+    save_byte_tokenizer(path)
+    return str(path)
+
+
+def long_prompts() -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return {f"long-{i}": torch.randint(2, 256, (200 - 30 * i,), generator=gen).tolist() for i in range(3)}
+
+
+def engine_of(model_path: str, budget: int = BUDGET) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_path, dtype="float32", seed=0, max_num_batched_tokens=budget))
+
+
+def run(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams) -> dict:
+    """Every request's (token ids, prompt logprobs: (token id, logprob to 1e-4, rank)), checking the
+    scheduler's integrity after each step. A rerun step may chunk the rest of a prompt apart from the
+    step it replaces (a running request's chunk, not an admission's), which moves float32 sums in their
+    last digits."""
+    for req_id, prompt in prompts.items():
+        engine.add_request(prompt, params, req_id)
+    results: dict = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            ids, logprobs = results.get(out.req_id, ([], None))
+            if out.prompt_logprobs is not None:
+                logprobs = [
+                    None if e is None else (e[0], pytest.approx(e[1], abs=1e-4), e[2])
+                    for e in out.prompt_logprobs
+                ]
+            results[out.req_id] = (ids + out.token_ids, logprobs)
+        engine.scheduler.check_integrity()
+    return results
+
+
+class EverySecond:
+    """An owner whose newcomers arrive at every second question: steps stop after a layer has written its
+    keys and values (the tiny model has two), or at the prompt-logprob parts."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.calls % 2 == 0
+
+
+@pytest.mark.parametrize("prompt_logprobs", [None, 2])
+def test_interrupted_steps_leave_outputs_logprobs_and_cache_as_they_were(
+    model_path, prompt_logprobs, monkeypatch
+):
+    # prompt-logprob tokens cost more of the budget: their chunks are shorter; every rerun step may be
+    # interrupted again, so that many are
+    monkeypatch.setattr(llm_engine, "INTERRUPTIBLE_PREFILL_TOKENS", 32)
+    monkeypatch.setattr(llm_engine, "INTERRUPT_EVERY", 1)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+    expected = run(engine_of(model_path), long_prompts(), params)
+
+    engine = engine_of(model_path)
+    engine.newcomer_waiting = EverySecond()
+    assert run(engine, long_prompts(), params) == expected
+    assert engine.num_interrupted_steps >= 2
+    assert engine.scheduler.kv_cache_manager.num_used_blocks == 0  # every block back in the pool
+
+    # the prompts' blocks are in the prefix cache: hits now read what the interrupted steps wrote again
+    engine.newcomer_waiting = None
+    again = run(engine, {f"again-{k}": p for k, p in long_prompts().items()}, params)
+    assert {k.removeprefix("again-"): v for k, v in again.items()} == expected
+
+
+def test_a_request_is_interrupted_once_and_once_per_four_steps_run_and_decodes_never(model_path, monkeypatch):
+    monkeypatch.setattr(llm_engine, "INTERRUPTIBLE_PREFILL_TOKENS", 16)
+    engine = engine_of(model_path, budget=32)
+    asked = []
+    engine.newcomer_waiting = lambda: asked.append(engine.last_stats) or True  # a newcomer always waits
+    prompt = {"long": long_prompts()["long-0"][:250]}  # 8 chunks of at most 32 tokens
+    assert run(engine, prompt, GREEDY) == run(engine_of(model_path, budget=32), prompt, GREEDY)
+    # asked only in steps of prefill chunks alone, each time stopped at its first layer
+    assert asked and all(not s.num_decode_tokens and s.num_prefill_tokens >= 16 for s in asked)
+    assert engine.num_interrupted_steps == len(asked)
+    # the first chunk interrupted; four run (the rerun among them); the fifth interrupted; four run
+    assert engine.num_interrupted_steps == 2
+
+
+def test_a_short_newcomer_stops_a_long_prefill_step_and_gets_its_token_first(model_path):
+    """Through AsyncEngine: the long prompt's first interruptible step waits before its second layer
+    until the newcomer has been sent (so that the newcomer is sure to arrive during it)."""
+    built: list[LLMEngine] = []
+    holding = threading.Event()  # the long prompt's step is at its second layer
+
+    def factory() -> LLMEngine:
+        engine = engine_of(model_path)
+
+        def hold(module, args):
+            if engine.runner.interrupted is None or engine.num_interrupted_steps:
+                return
+            holding.set()
+            deadline = time.monotonic() + 30
+            while not engine.newcomer_waiting():
+                assert time.monotonic() < deadline, "the short request was never sent"
+                time.sleep(0.001)
+
+        engine.runner.model.model.layers[1].register_forward_pre_hook(hold)
+        built.append(engine)
+        return engine
+
+    async def main():
+        aengine = AsyncEngine(factory=factory)
+        aengine.start()
+        await aengine.ready()
+        engine = built[0]
+        order = []
+
+        async def consume(outputs, name):
+            async for out in outputs:
+                order.append(name)
+                if out.finished:
+                    return
+
+        long_out = await aengine.add(long_prompts()["long-0"], GREEDY, "long")
+        assert await asyncio.to_thread(holding.wait, 30)
+        short_out = await asyncio.wait_for(aengine.add([7, 8, 9], GREEDY, "short"), 30)
+        await asyncio.gather(consume(long_out, "long"), consume(short_out, "short"))
+        aengine.shutdown()
+        return engine, order
+
+    engine, order = asyncio.run(main())
+    assert engine.num_interrupted_steps == 1
+    assert order[0] == "short"  # the short request's first token before the long prompt's
+    assert order.count("short") == order.count("long") == GREEDY.max_tokens
