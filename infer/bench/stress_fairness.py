@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -77,7 +78,10 @@ async def bystander(http: httpx.AsyncClient, model: str, max_tokens: int) -> dic
 def heavy_request(kind: str, model: str, i: int, max_model_len: int, max_n: int = 128) -> tuple[str, dict]:
     """The route and body of the i-th request of a kind, at what the server allows."""
     half = max(16, max_model_len // 2)
-    long_prompt = (WORDS * (half // 10 + 1))[: half * 4]  # ~4 characters a token; trimmed by the server
+    # ~4 characters a token, trimmed by the server (from the left); each sentence begins with the
+    # request's own tag, so that no prefix cache serves it
+    tag = "".join("abcdefghijklmnopqrstuvwxyz"[i // 26**k % 26] for k in range(5))
+    long_prompt = ((tag + " " + WORDS) * (half // 11 + 1))[: half * 4]
     base = {"model": model, "temperature": 0}
     if kind in ("prompt_logprobs", "long_prompt"):
         extra = {"prompt_logprobs": 20} if kind == "prompt_logprobs" else {}
@@ -113,7 +117,7 @@ async def heavy_client(
     waits as Retry-After says (1 s without it): a flood of refusals measures another thing. headers: its
     key, its own where the server has several."""
     statuses: dict[str, int] = {}
-    counter = iter(range(10**9))
+    counter = itertools.count(1000 * time.time_ns())  # distinct from every earlier run's requests
 
     async def worker() -> None:
         while not stop.is_set():

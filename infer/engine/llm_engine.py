@@ -361,6 +361,11 @@ class LLMEngine:
             self.scheduler.undo(sched)
             for s in sched.scheduled:
                 self._interruptions.setdefault(s.req_id, [0, 0])[0] += 1
+            logger.debug(
+                "step of %d prefill tokens interrupted after %.1f ms for a newcomer",
+                sched.stats.num_prefill_tokens,
+                1000 * (time.perf_counter() - scheduled),
+            )
             self.num_interrupted_steps += 1
             return []
         finally:

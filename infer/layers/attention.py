@@ -44,8 +44,25 @@ def attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
+    """One layer's attention over the paged cache (its keys and values written first). A step that may
+    be interrupted (AttentionMetadata.interrupted) stops before it and after it: halfway through a
+    layer's work, its projections and MLP on either side."""
+    meta.check_interrupted()  # nothing of this layer is written yet
+    out = _attention(q, k, v, meta, layer_idx, scale, sliding_window)
+    meta.check_interrupted()  # this layer's keys and values are written; a rerun overwrites them
+    return out
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-    meta.check_interrupted()  # between layers: nothing of this layer is written yet
     cache = meta.kv_caches[layer_idx] if meta.kv_caches is not None else None
     if cache is not None:
         key_cache, value_cache = cache

@@ -18,6 +18,8 @@ Where each number comes from:
                                      pooling input is one, "stop" (vLLM's engine request per input)
       num_preemptions_total, prefix_cache_queries_total, prefix_cache_hits_total
                                      read from the scheduler at scrape time (tokens, as vLLM counts them)
+      num_interrupted_steps_total    ours: steps of prefill chunks stopped between layers for a newcomer
+                                     and run again (infer/engine/llm_engine.py, "Interrupted steps")
     gauges (read at scrape time)
       num_requests_running, num_requests_waiting, kv_cache_usage_perc (blocks held by requests / pool;
       cached blocks no request holds count as free)
@@ -166,6 +168,9 @@ class _EngineCollector:
              "Prefix cache queries, in terms of number of queried tokens.", kv.num_query_tokens),
             (CounterMetricFamily, "prefix_cache_hits_total",
              "Prefix cache hits, in terms of number of cached tokens.", kv.num_hit_tokens),
+            (CounterMetricFamily, "num_interrupted_steps_total",
+             "Steps of prefill chunks stopped between layers for a newcomer, to be run again.",
+             engine.num_interrupted_steps),
         ):  # fmt: skip
             family = kind(PREFIX + name, help, labels=["model_name"])
             family.add_metric([self.model_name], value)

@@ -39,8 +39,9 @@ def value(family, suffix: str = "", **labels) -> float:
     )
 
 
-def test_documented_names_are_vllms_thirteen():
-    assert len(DOCUMENTED) == 13 and set(HISTOGRAM_BUCKETS) <= DOCUMENTED, DOCUMENTED
+def test_documented_names_are_vllms_thirteen_and_one_of_ours():
+    assert len(DOCUMENTED) == 14 and set(HISTOGRAM_BUCKETS) <= DOCUMENTED, DOCUMENTED
+    assert "num_interrupted_steps_total" in DOCUMENTED
 
 
 def test_exposition_parses_with_every_documented_name(server, client, model):
@@ -114,7 +115,9 @@ def test_spec_decode_counters_with_a_speculative_config():
         (None, set()),
         (SpeculativeConfig(num_speculative_tokens=3), {"drafts", "per_pos"}),
     ):
-        metrics.engine = SimpleNamespace(scheduler=sched, config=SimpleNamespace(speculative_config=spec))
+        metrics.engine = SimpleNamespace(
+            scheduler=sched, config=SimpleNamespace(speculative_config=spec), num_interrupted_steps=0
+        )
         found = {f.name.removeprefix("infer:"): f for f in collector.collect()}
         spec_names = {n for n in found if n.startswith("spec_decode")}
         if not expected:
