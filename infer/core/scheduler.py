@@ -79,6 +79,10 @@ from infer.core.prefill_pacer import NextPrompt, PrefillPacer
 from infer.core.request import Request, RequestStatus
 from infer.core.slo import LateRequest, StepCostModel
 
+# A prompt whose prefill a newcomer interrupted (LLMEngine, "Interrupted steps") gets chunks of at most
+# this many tokens: a later newcomer that may not stop a step waits for one such step, not a 2,048-token
+# one. On a CPU they cost the prompt a few percent (docs/robustness.md, "Newcomers during a long prompt").
+INTERRUPTED_CHUNK = 256
 MIN_SLO_PREFILL_TOKENS = 16  # "slo": the prefill a step keeps however tight the decodes' objectives
 SLOW_GAP_SHARE = 0.04  # "slo": the share of a request's gaps that may exceed its tpot (clients judge the p95)
 
@@ -314,6 +318,8 @@ class Scheduler:
             threshold = self.config.long_prefill_token_threshold
             if 0 < threshold < num_new:
                 num_new = threshold
+            if req.num_interruptions:  # newcomers came while it was prefilled: more may (INTERRUPTED_CHUNK)
+                num_new = min(num_new, INTERRUPTED_CHUNK)
             if crowded_units is not None and self._cut(req, num_computed):
                 num_new = min(num_new, int(crowded_units // self._token_cost(req, num_computed)))
             return min(num_new, self.config.prefill_chunk_size, budget)
@@ -652,6 +658,7 @@ class Scheduler:
                 continue
             req.num_computed_tokens = sched.start_pos
             req.num_prefill_tokens_computed -= sched.num_tokens
+            req.num_interruptions += 1
         self._last_step = ([], 0)
 
     def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
@@ -669,6 +676,8 @@ class Scheduler:
             req = self.requests.get(sched.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
+            if req.num_interruptions:
+                req.num_steps_since_interrupted += 1
             if sched.spec_token_ids:
                 accepted = runner_out.accepted_token_ids.get(req.req_id, [])
                 outputs.append(self._update_spec(req, sched, accepted, sampled[req.req_id], now))

@@ -18,11 +18,13 @@ step fails, and log2(batch) extra forwards when one does. Detokenizing (stop str
 Interrupted steps. A step of long prefill chunks alone (no decode in it) takes hundreds of milliseconds on
 a CPU, and a short request that arrives meanwhile would wait for its end before its own prefill runs
 (which the scheduler then puts first, alone). Where the engine's owner says when such a request arrives
-(`newcomer_waiting`, set by AsyncEngine), the step stops between two layers instead, and is forgotten
+(`newcomer_waiting`, set by AsyncEngine), the step stops before or after a layer's attention instead
+(half a layer's wait), and is forgotten
 (Scheduler.undo): its chunks run again later, over the same cache slots. A request's steps are stopped
 at most once, and once more for every INTERRUPT_EVERY of its steps that ran, so however many newcomers
-come, a long prompt loses at most one step's work and a 1 / INTERRUPT_EVERY share of the rest; a step with
-decodes, or of fewer than INTERRUPTIBLE_PREFILL_TOKENS tokens, always runs to its end.
+come, a long prompt loses at most one step's work and a 1 / INTERRUPT_EVERY share of the rest, and
+its later chunks are shorter (scheduler.INTERRUPTED_CHUNK); a step with decodes, or of fewer than
+INTERRUPTIBLE_PREFILL_TOKENS tokens, always runs to its end.
 """
 
 from __future__ import annotations
@@ -173,8 +175,6 @@ class LLMEngine:
         # whether a short request arrived since the current step began (module docstring, "Interrupted
         # steps"); None: steps are never interrupted (an offline LLM's engine)
         self.newcomer_waiting: Callable[[], bool] | None = None
-        # req_id -> [its steps interrupted, its steps run since its first interruption]
-        self._interruptions: dict[str, list[int]] = {}
         self.num_interrupted_steps = 0
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -359,8 +359,6 @@ class LLMEngine:
             runner_out, failures = self._execute(sched)
         except StepInterrupted:
             self.scheduler.undo(sched)
-            for s in sched.scheduled:
-                self._interruptions.setdefault(s.req_id, [0, 0])[0] += 1
             logger.debug(
                 "step of %d prefill tokens interrupted after %.1f ms for a newcomer",
                 sched.stats.num_prefill_tokens,
@@ -371,10 +369,6 @@ class LLMEngine:
         finally:
             if interruptible:
                 self.runner.interrupted = None
-        if self._interruptions:
-            for s in sched.scheduled:
-                if s.req_id in self._interruptions:
-                    self._interruptions[s.req_id][1] += 1
         executed = time.perf_counter()
         for req_id, chunk in (runner_out.prompt_logprobs or {}).items():
             found = self.prompt_logprobs.get(req_id)
@@ -413,8 +407,8 @@ class LLMEngine:
         )
 
     def _may_interrupt(self, req_id: str) -> bool:
-        interrupted, ran = self._interruptions.get(req_id, (0, 0))
-        return interrupted <= ran // INTERRUPT_EVERY
+        req = self.requests[req_id]
+        return req.num_interruptions <= req.num_steps_since_interrupted // INTERRUPT_EVERY
 
     def _observe_speculation(self, sched, runner_out, failures, seconds: float) -> None:
         """A decode-only step's cost (with the proposing for it) and tokens, for the speculation gate."""
@@ -539,7 +533,6 @@ class LLMEngine:
             prompt_logprobs = PromptLogprobs(req.num_prompt_tokens, self.prompt_logprobs.pop(req_id))
         if reason is not None:
             del self.requests[req_id], self.detokenizers[req_id]
-            self._interruptions.pop(req_id, None)
         return StepOutput(
             req_id=req_id,
             text=text,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from infer.config import EngineConfig
+from infer.core import scheduler
 from infer.engine import llm_engine
 from infer.engine.async_engine import AsyncEngine
 from infer.engine.llm_engine import LLMEngine
@@ -106,6 +107,20 @@ def test_a_request_is_interrupted_once_and_once_per_four_steps_run_and_decodes_n
     assert engine.num_interrupted_steps == len(asked)
     # the first chunk interrupted; four run (the rerun among them); the fifth interrupted; four run
     assert engine.num_interrupted_steps == 2
+
+
+def test_an_interrupted_prompt_gets_short_chunks(model_path, monkeypatch):
+    monkeypatch.setattr(scheduler, "INTERRUPTED_CHUNK", 48)
+    engine = engine_of(model_path)  # chunks of 128 tokens
+    steps = []
+    engine.newcomer_waiting = lambda: engine.num_interrupted_steps == 0  # one newcomer, in the first step
+    engine.add_request(long_prompts()["long-0"], GREEDY, "long")
+    while engine.has_unfinished():
+        engine.step()
+        steps.append(engine.last_stats.num_prefill_tokens)
+    # the first step (128 tokens) interrupted, then the 200-token prompt in chunks of at most 48
+    assert engine.num_interrupted_steps == 1
+    assert steps[:6] == [128, 48, 48, 48, 48, 8]
 
 
 def test_a_short_newcomer_stops_a_long_prefill_step_and_gets_its_token_first(model_path):
