@@ -22,9 +22,10 @@ ever measured, one step in PROBE_EVERY runs the others alone to measure it.
 The K rows are shared alike among the groups (at least one each, so every group progresses), and within
 a group go to the sequences with the fewest tokens generated: the rows rotate, every sequence progresses
 and completes. A group alone, or groups beside each other only, run at their full width (no one waits
-on them that is not one of them). The groups' admissions count in K too (the scheduler admits a
-group's new sequences only into the rows its decodes left): 128 new choices prefilled at once cost the
-others' step as much as 128 decodes.
+on them that is not one of them). The groups' admissions count in K too, a row per prompt token (the
+scheduler admits a group's new sequences only into the rows its decodes left): a prompt token costs the
+step a row of every linear, as a decode does, so 32 new choices of a 4-token prompt cost the others' step
+what 128 decodes do.
 """
 
 from __future__ import annotations

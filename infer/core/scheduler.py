@@ -102,6 +102,7 @@ class _StepPlan:
         self.spare: int | None = None
         self.crowded_units: int | None = None  # cost units left to the crowded groups' long chunks
         self.group_rows_left: int | None = None  # rows left to the groups' admissions (None: any)
+        self.group_rows_used = 0  # the groups' rows this step: decodes, then admissions' prompt tokens
         self.spec_token_ids: dict[Request, list[int]] = {}  # the proposals a decode feeds after its token
 
     def available(self, admission: bool) -> int:
@@ -386,7 +387,8 @@ class Scheduler:
         waiting_others = min(seats, sum(r.group_id not in crowded for r in self.waiting))
         decodes = [r for r in self.running if not r.is_prefill and r.group_id in crowded]
         held, limit = self.group_decode_bound.held_back(decodes, running_others + waiting_others)
-        plan.group_rows_left = None if limit is None else max(0, limit - (len(decodes) - len(held)))
+        plan.group_rows_used = len(decodes) - len(held)
+        plan.group_rows_left = None if limit is None else max(0, limit - plan.group_rows_used)
         return held
 
     def _spec_tokens(self, req: Request, budget: int) -> list[int]:
@@ -502,6 +504,9 @@ class Scheduler:
                 continue
             computed_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = self._num_new_tokens(req, num_hit, plan.available(admission=True), plan.crowded_units)
+            if self._over_group_rows(plan, req, num_new):
+                i += 1  # its prompt's tokens are rows of the step, as decodes are: more than are left
+                continue
             if num_new == 0 and plan.crowded_units is not None and self._cut(req, num_hit):
                 i += 1  # its group's chunks for this step are spent: others may pass
                 continue
@@ -532,13 +537,22 @@ class Scheduler:
             self._grant(plan, req, num_new, num_hit)
             groups.admitted(req)
             if plan.group_rows_left is not None and req.group_id in self._crowded:
-                plan.group_rows_left -= 1
+                plan.group_rows_left = max(0, plan.group_rows_left - num_new)
+                plan.group_rows_used += num_new
             if num_hit + num_new < req.num_tokens:
                 partial += 1
                 long_partial += self._is_long(req)
             if self._static:
                 self._wave_slots -= 1
                 wave_full = self._wave_slots == 0
+
+    def _over_group_rows(self, plan: _StepPlan, req: Request, num_new: int) -> bool:
+        """Whether admitting req's num_new prompt tokens would pass the rows the group bound leaves the
+        groups (group_decode_bound.py); a step with no group row yet admits one whatever its length, so
+        that the groups progress."""
+        if plan.group_rows_left is None or req.group_id not in self._crowded:
+            return False
+        return num_new > plan.group_rows_left and plan.group_rows_used > 0
 
     def _is_long(self, req: Request) -> bool:
         threshold = self.config.long_prefill_token_threshold

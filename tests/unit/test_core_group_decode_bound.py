@@ -27,8 +27,8 @@ def scheduler(slowdown: float = 2.0) -> Scheduler:
     return Scheduler(cfg, CacheConfig(num_blocks=4096, block_size=16))
 
 
-def group(name: str, n: int, max_tokens: int) -> list:
-    reqs = [make_request(f"{name}-{i}", 4, max_tokens=max_tokens, ignore_eos=True) for i in range(n)]
+def group(name: str, n: int, max_tokens: int, prompt_len: int = 4) -> list:
+    reqs = [make_request(f"{name}-{i}", prompt_len, max_tokens=max_tokens, ignore_eos=True) for i in range(n)]
     for req in reqs:
         req.group_id = name
     return reqs
@@ -143,15 +143,37 @@ def test_a_small_step_measured_slower_than_the_large_ones_keeps_the_safe_guess()
 
 def test_a_groups_new_sequences_beside_a_stream_enter_within_the_step_bound():
     """A stream running, then a group of 64 arrives: its admissions count in the step's rows like its
-    decodes, so no step carries all 64 prefills at once beside the stream, and all complete."""
+    decodes, a row per prompt token, so no step beside the stream costs more than twice the stream's
+    alone, and all complete."""
     s = scheduler()
     stream = make_request("stream", 4, max_tokens=400, ignore_eos=True)
-    widths = []
+    widths, costs = [], []
 
     def on_step(k, out):
         if any(x.req_id == "stream" for x in out.scheduled):
             widths.append(sum(x.req_id != "stream" for x in out.scheduled))
+            costs.append(step_seconds(out))
 
     done = run(s, {0: [stream], 40: group("n", 64, max_tokens=4)}, on_step)
     assert len(done) == 65
     assert 0 < max(widths) < 64
+    assert max(costs) <= 2 * (READ_S + ROW_S) + 1e-9
+
+
+@pytest.mark.parametrize("prompt_len", [4, 8])
+def test_a_groups_admissions_count_a_row_per_prompt_token(prompt_len):
+    """A group wider than the batch runs alone (its wide steps measured), then a stream joins: as the
+    group's sequences finish, its next ones are admitted into the rows the bound leaves, a row per prompt
+    token, so no step beside the stream costs more than twice the stream's alone (counting an admitted
+    sequence as one row would let the group's prefills make such steps 2.5-3.5x)."""
+    s = scheduler()
+    stream = make_request("stream", 4, max_tokens=300, ignore_eos=True)
+    costs = []
+
+    def on_step(k, out):
+        if any(x.req_id == "stream" for x in out.scheduled):
+            costs.append(step_seconds(out))
+
+    done = run(s, {0: group("n", 160, max_tokens=8, prompt_len=prompt_len), 5: [stream]}, on_step)
+    assert len(done) == 161
+    assert max(costs) <= 2 * (READ_S + ROW_S) + 1e-9
