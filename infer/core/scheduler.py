@@ -206,6 +206,12 @@ class Scheduler:
                 req.num_slow_gaps += 1
         self._last_decodes = []
 
+    def is_crowded(self, req_id: str) -> bool:
+        """Whether the request belongs to a group of several requests at the last schedule (one
+        client's flood, or one request's n choices)."""
+        req = self.requests.get(req_id)
+        return req is not None and req.group_id in self._crowded
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -661,19 +667,21 @@ class Scheduler:
         return SchedulerOutput(scheduled, num_prefill + num_decode, finished, plan.preempted_req_ids, stats)
 
     def undo(self, sched_out: SchedulerOutput) -> None:
-        """Forget a step of prefill chunks that was stopped before its end (LLMEngine: a long prefill step
-        interrupted for a newcomer), in place of `update`: each request's computed tokens go back to
-        where the step started. Its blocks stay its own, and none of them was cached (cache_blocks runs in
-        update), so the keys and values the step wrote are overwritten when the chunk runs again."""
+        """Forget a step that was stopped before its end (LLMEngine: a long step interrupted for a
+        newcomer), in place of `update`: each request's computed tokens go back to where the step
+        started (nothing was sampled). Its blocks stay its own, and none of them was cached (cache_blocks
+        runs in update), so the keys and values the step wrote are overwritten when it runs again."""
         for sched in sched_out.scheduled:
-            assert not sched.spec_token_ids, "a step with decodes is not undone"
+            assert not sched.spec_token_ids, "a step that verifies proposals is not undone"
             req = self.requests.get(sched.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens = sched.start_pos
-            req.num_prefill_tokens_computed -= sched.num_tokens
+            if not (req.num_output_tokens and sched.start_pos == req.num_tokens - 1):  # not a decode
+                req.num_prefill_tokens_computed -= sched.num_tokens
             req.num_interruptions += 1
         self._last_step = ([], 0)
+        self._last_decodes = []
 
     def update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[RequestOutput]:
         """Apply a step's results: cache newly full blocks, append sampled tokens, finish on EOS / stop

@@ -15,16 +15,18 @@ requests that still fail; those end with finish_reason "error" and the rest of t
 part again is safe: it writes the same tokens' keys and values to the same slots. It costs nothing until a
 step fails, and log2(batch) extra forwards when one does. Detokenizing (stop strings) is per request too.
 
-Interrupted steps. A step of long prefill chunks alone (no decode in it) takes hundreds of milliseconds on
-a CPU, and a short request that arrives meanwhile would wait for its end before its own prefill runs
-(which the scheduler then puts first, alone). Where the engine's owner says when such a request arrives
-(`newcomer_waiting`, set by AsyncEngine), the step stops before or after a layer's attention instead
-(half a layer's wait), and is forgotten
-(Scheduler.undo): its chunks run again later, over the same cache slots. A request's steps are stopped
-at most once, and once more for every INTERRUPT_EVERY of its steps that ran, so however many newcomers
-come, a long prompt loses at most one step's work and a 1 / INTERRUPT_EVERY share of the rest, and
-its later chunks are shorter (scheduler.INTERRUPTED_CHUNK); a step with decodes, or of fewer than
-INTERRUPTIBLE_PREFILL_TOKENS tokens, always runs to its end.
+Interrupted steps. A step of long prefill chunks takes hundreds of milliseconds on a CPU, and so does a
+step of a hundred decodes of one client's flood; a short request that arrives meanwhile would wait for its
+end before its own prefill runs (which the scheduler then puts first, alone). Where the engine's owner says
+when such a request arrives (`newcomer_waiting`, set by AsyncEngine), the step stops before or after a
+layer's attention instead (half a layer's wait), and is forgotten (Scheduler.undo): nothing was sampled,
+and its rows run again later over the same cache slots. A step may stop when it carries at least
+INTERRUPTIBLE_TOKENS tokens, no proposals to verify, and no decode but those of crowded groups (a client's
+flood, a request's n choices: a lone stream's token is never delayed); it then runs eagerly, not from a
+decode graph, which cannot stop halfway. A request's steps are stopped at most once, and once more for
+every INTERRUPT_EVERY of its steps that ran, so however many newcomers come, a request loses at most one
+step's work and a 1 / INTERRUPT_EVERY share of the rest, and a prompt's later chunks are shorter
+(scheduler.INTERRUPTED_CHUNK).
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ from infer.sampling_params import MAX_BAD_WORDS, SamplingParams, Unsatisfiable
 from infer.structured_outputs.compiler import GrammarCompiler
 
 logger = logging.getLogger("infer.engine")
-# a step of prefill chunks alone may be interrupted for a newcomer from this many tokens (module docstring)
-INTERRUPTIBLE_PREFILL_TOKENS = 128
+# a step may be interrupted for a newcomer from this many tokens (module docstring)
+INTERRUPTIBLE_TOKENS = 128
 INTERRUPT_EVERY = 4  # a request's steps are interrupted once, and once more per this many that ran
 
 
@@ -398,16 +400,22 @@ class LLMEngine:
 
     def _interruptible(self, sched: SchedulerOutput) -> bool:
         """Whether this step may stop for a newcomer (module docstring, "Interrupted steps")."""
-        return (
-            self.newcomer_waiting is not None
-            and isinstance(self.runner, ModelRunner)
-            and not sched.stats.num_decode_tokens
-            and sched.stats.num_prefill_tokens >= INTERRUPTIBLE_PREFILL_TOKENS
-            and all(self._may_interrupt(s.req_id) for s in sched.scheduled)
-        )
+        stats = sched.stats
+        if (
+            self.newcomer_waiting is None
+            or not isinstance(self.runner, ModelRunner)
+            or stats.num_spec_tokens
+            or stats.num_prefill_tokens + stats.num_decode_tokens < INTERRUPTIBLE_TOKENS
+        ):
+            return False
+        for s in sched.scheduled:
+            req = self.requests[s.req_id]
+            decode = req.num_output_tokens and s.start_pos == req.num_tokens - 1
+            if (decode and not self.scheduler.is_crowded(s.req_id)) or not self._may_interrupt(req):
+                return False
+        return True
 
-    def _may_interrupt(self, req_id: str) -> bool:
-        req = self.requests[req_id]
+    def _may_interrupt(self, req: Request) -> bool:
         return req.num_interruptions <= req.num_steps_since_interrupted // INTERRUPT_EVERY
 
     def _observe_speculation(self, sched, runner_out, failures, seconds: float) -> None:

@@ -106,7 +106,11 @@ class ModelRunner:
         self.last_prompt_logprobs = None
         if sched.is_empty:
             return None, []
-        if self.graphs is not None and (replayed := self.graphs.logits(sched.scheduled)) is not None:
+        if (  # a step that may be interrupted runs eagerly: a graph's replay cannot stop halfway
+            self.graphs is not None
+            and self.interrupted is None
+            and (replayed := self.graphs.logits(sched.scheduled)) is not None
+        ):
             return replayed
         start = time.perf_counter()
         input_ids, positions, meta = self._prepare(sched)

@@ -78,7 +78,7 @@ def test_interrupted_steps_leave_outputs_logprobs_and_cache_as_they_were(
 ):
     # prompt-logprob tokens cost more of the budget: their chunks are shorter; every rerun step may be
     # interrupted again, so that many are
-    monkeypatch.setattr(llm_engine, "INTERRUPTIBLE_PREFILL_TOKENS", 32)
+    monkeypatch.setattr(llm_engine, "INTERRUPTIBLE_TOKENS", 32)
     monkeypatch.setattr(llm_engine, "INTERRUPT_EVERY", 1)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=prompt_logprobs)
     expected = run(engine_of(model_path), long_prompts(), params)
@@ -95,8 +95,10 @@ def test_interrupted_steps_leave_outputs_logprobs_and_cache_as_they_were(
     assert {k.removeprefix("again-"): v for k, v in again.items()} == expected
 
 
-def test_a_request_is_interrupted_once_and_once_per_four_steps_run_and_decodes_never(model_path, monkeypatch):
-    monkeypatch.setattr(llm_engine, "INTERRUPTIBLE_PREFILL_TOKENS", 16)
+def test_a_request_is_interrupted_once_and_once_per_four_steps_run_and_a_lone_decode_never(
+    model_path, monkeypatch
+):
+    monkeypatch.setattr(llm_engine, "INTERRUPTIBLE_TOKENS", 16)
     engine = engine_of(model_path, budget=32)
     asked = []
     engine.newcomer_waiting = lambda: asked.append(engine.last_stats) or True  # a newcomer always waits
@@ -107,6 +109,42 @@ def test_a_request_is_interrupted_once_and_once_per_four_steps_run_and_decodes_n
     assert engine.num_interrupted_steps == len(asked)
     # the first chunk interrupted; four run (the rerun among them); the fifth interrupted; four run
     assert engine.num_interrupted_steps == 2
+
+
+def test_a_floods_decodes_are_interrupted_and_a_lone_streams_never(model_path, monkeypatch):
+    """A group's decode steps (one client's flood, a request's n choices) may stop; a step that carries
+    a decode of a request of its own never does; the outputs are as if nothing stopped."""
+    monkeypatch.setattr(llm_engine, "INTERRUPTIBLE_TOKENS", 2)
+    monkeypatch.setattr(llm_engine, "INTERRUPT_EVERY", 1)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = {f"flood-{i}": [5 + i, 9, 11, 40, 7 * i + 3] for i in range(4)}
+
+    def outputs(engine: LLMEngine) -> dict:
+        for req_id, prompt in prompts.items():
+            engine.add_request(prompt, params, req_id, group_id="flood")
+        engine.add_request([3, 4, 5], params, "stream")
+        results: dict = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                results[out.req_id] = results.get(out.req_id, []) + out.token_ids
+            engine.scheduler.check_integrity()
+        return results
+
+    undone: list = []
+    engine = engine_of(model_path)
+    engine.newcomer_waiting = EverySecond()
+    undo = engine.scheduler.undo
+
+    def recording_undo(sched_out):
+        undone.append([(s.req_id, s.start_pos) for s in sched_out.scheduled])
+        undo(sched_out)
+
+    engine.scheduler.undo = recording_undo
+    assert outputs(engine) == outputs(engine_of(model_path))
+    decoding = [step for step in undone if any(pos >= 5 for _, pos in step)]  # past the 5-token prompts
+    assert decoding  # a flood's decode steps were interrupted
+    # the stream (3 tokens of prompt) was in no interrupted step once it decoded
+    assert not any(req_id == "stream" and pos >= 3 for step in undone for req_id, pos in step)
 
 
 def test_an_interrupted_prompt_gets_short_chunks(model_path, monkeypatch):
