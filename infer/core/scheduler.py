@@ -167,6 +167,7 @@ class Scheduler:
         self._last_decodes: list[Request] = []  # "slo": the decodes of the last step, for observe_step
         self.pacer = PrefillPacer(scheduler_config.max_decode_slowdown)
         self._crowded: set[str] = set()  # this step's groups of several requests (group_shares.py)
+        self._held_for_newcomer = False  # the last paced step held the groups' decodes for a newcomer
         self._group_chunk = 0  # this step's cap on their prompts' chunks (0: none)
         self.group_decode_bound = GroupDecodeBound(self.pacer)
         # the last step's decodes and prefill cost units, for observe_step
@@ -384,7 +385,8 @@ class Scheduler:
     def _held_back_decodes(self, plan: _StepPlan) -> set[Request]:
         """The groups' decodes that wait this step so that the step costs the requests outside any group
         at most max_decode_slowdown x their own (those running and those the step may admit); the rows
-        that bound leaves to the groups' admissions go to plan.group_rows_left."""
+        that bound leaves to the groups' admissions go to plan.group_rows_left. A step that may admit a
+        short newcomer from outside the groups holds all of their decodes (not two steps in a row)."""
         crowded = self._crowded
         if not crowded:
             return set()
@@ -392,6 +394,17 @@ class Scheduler:
         seats = self.config.max_num_seqs - len(self.running)
         waiting_others = min(seats, sum(r.group_id not in crowded for r in self.waiting))
         decodes = [r for r in self.running if not r.is_prefill and r.group_id in crowded]
+        newcomer = seats > 0 and any(
+            r.group_id not in crowded and self._units(r, r.num_tokens, 0) <= plan.budget // 2
+            for r in itertools.islice(self.waiting, seats)
+        )
+        if newcomer and not self._held_for_newcomer:
+            # a short newcomer's prefill beside no group row: its first token waits for no flood's
+            # decodes (every other step at most, so that newcomers never starve the groups)
+            self._held_for_newcomer = True
+            plan.group_rows_used, plan.group_rows_left = 0, 0
+            return set(decodes)
+        self._held_for_newcomer = False
         held, limit = self.group_decode_bound.held_back(decodes, running_others + waiting_others)
         plan.group_rows_used = len(decodes) - len(held)
         plan.group_rows_left = None if limit is None else max(0, limit - plan.group_rows_used)

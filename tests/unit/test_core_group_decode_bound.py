@@ -177,3 +177,21 @@ def test_a_groups_admissions_count_a_row_per_prompt_token(prompt_len):
     done = run(s, {0: group("n", 160, max_tokens=8, prompt_len=prompt_len), 5: [stream]}, on_step)
     assert len(done) == 161
     assert max(costs) <= 2 * (READ_S + ROW_S) + 1e-9
+
+
+def test_a_short_newcomers_prefill_runs_beside_no_group_row_and_the_group_goes_on():
+    s = scheduler()
+    stream = make_request("stream", 4, max_tokens=40, ignore_eos=True)
+    steps = []
+
+    def on_step(k, out):
+        ids = [x.req_id for x in out.scheduled]
+        steps.append(("stream" in ids, sum(i != "stream" for i in ids)))
+
+    alone = make_request("alone", 4, max_tokens=30, ignore_eos=True)  # a step of one row is measured
+    done = run(s, {0: [alone], 25: group("n", 64, max_tokens=60), 45: [stream]}, on_step)
+    assert len(done) == 66
+    first = next(i for i, (has_stream, _) in enumerate(steps) if has_stream and i >= 45)
+    assert steps[first] == (True, 0)  # the stream's prefill alone
+    # then the group's rows beside the stream (but for the bound's one step measuring the stream alone)
+    assert sum(group_rows > 0 for _, group_rows in steps[first + 1 : first + 21]) >= 19
