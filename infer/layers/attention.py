@@ -35,20 +35,12 @@ from infer.layers.attention_reference import matmul_batched, sdpa_prefill
 from infer.layers.fp8_kv_cache import FP8_DTYPES, to_cache_dtype
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    meta: AttentionMetadata,
-    layer_idx: int,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """One layer's attention over the paged cache (its keys and values written first). A step that may
-    be interrupted (AttentionMetadata.interrupted) stops before it and after it: halfway through a
-    layer's work, its projections and MLP on either side."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, *args):
+    """One layer's attention over the paged cache, its keys and values written first (the arguments of
+    _attention). A step that may be interrupted (AttentionMetadata.interrupted) stops before it and
+    after it: halfway through a layer's work, its projections and MLP on either side."""
     meta.check_interrupted()  # nothing of this layer is written yet
-    out = _attention(q, k, v, meta, layer_idx, scale, sliding_window)
+    out = _attention(q, k, v, meta, *args)
     meta.check_interrupted()  # this layer's keys and values are written; a rerun overwrites them
     return out
 

@@ -17,17 +17,14 @@ from infer.engine import llm_engine
 from infer.engine.async_engine import AsyncEngine
 from infer.engine.llm_engine import LLMEngine
 from infer.sampling_params import SamplingParams
-from tests.models.tiny_models import save_byte_tokenizer, save_tiny_model
 
 BUDGET = 128  # the tiny model's 256 positions hold two such chunks and a decode's tokens
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    _, path = save_tiny_model("llama", tmp_path_factory.mktemp("interrupted"))
-    save_byte_tokenizer(path)
-    return str(path)
+def model_path(tiny):
+    return tiny[0]  # conftest's tiny llama with a byte tokenizer
 
 
 def long_prompts() -> dict[str, list[int]]:
