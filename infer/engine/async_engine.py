@@ -25,10 +25,10 @@ default): a decode step of many small ops then takes many times its length. `sta
 to GIL_SWITCH_INTERVAL_S, which bounds each such wait; a thread alone keeps the GIL whatever the interval.
 
 A short request (a prompt the scheduler would prefill first, alone: at most half the step's token budget)
-that arrives while the engine runs a long step of prefill chunks alone stops that step between two layers
-(LLMEngine's "Interrupted steps"): its first token then waits for a layer, not for the whole step. The
-event loop counts such arrivals; the engine thread notes the count when it takes its commands, and a
-step asks whether it moved since.
+that arrives while the engine runs a long step (prefill chunks, or a flood's wide decode step) stops that
+step halfway through a layer (LLMEngine's "Interrupted steps"): its first token then waits for half a
+layer, not for the whole step. The event loop counts such arrivals; the engine thread notes the count
+when it takes its commands, and a step asks whether it moved since.
 
 An engine that cannot go on (`LLMEngine.fatal_error`: a tensor-parallel rank died) ends every request
 with RequestFailed, refuses new ones, and calls `on_fatal`: the server then exits non-zero. The idle

@@ -362,8 +362,8 @@ class LLMEngine:
         except StepInterrupted:
             self.scheduler.undo(sched)
             logger.debug(
-                "step of %d prefill tokens interrupted after %.1f ms for a newcomer",
-                sched.stats.num_prefill_tokens,
+                "step of %d tokens interrupted after %.1f ms for a newcomer",
+                sched.num_batched_tokens,
                 1000 * (time.perf_counter() - scheduled),
             )
             self.num_interrupted_steps += 1

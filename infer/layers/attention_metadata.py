@@ -94,8 +94,8 @@ def batched_seqs(
 
 
 class StepInterrupted(Exception):
-    """A forward stopped between layers because `AttentionMetadata.interrupted` said so: the step is to be
-    run again from its start (infer/engine/llm_engine.py, "Interrupted steps")."""
+    """A forward stopped around a layer's attention because `AttentionMetadata.interrupted` said so: the
+    step is to be run again from its start (infer/engine/llm_engine.py, "Interrupted steps")."""
 
 
 @dataclass
@@ -107,7 +107,7 @@ class AttentionMetadata:
     # one (key_cache, value_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     query_dtype: torch.dtype | None = None  # the model's; None: the cache's (an fp8 cache's: bfloat16)
-    # asked before each layer's attention: True stops the forward there (StepInterrupted)
+    # asked before and after each layer's attention: True stops the forward there (StepInterrupted)
     interrupted: Callable[[], bool] | None = None
     # derived once per forward (not per layer) in __post_init__
     batch_seqs: list[int] = field(init=False, default_factory=list)  # served by one batched call

@@ -82,8 +82,8 @@ class ModelRunner:
                 max_len=decode_graphs_max_len,
             )
         self.last_prepare_s = 0.0
-        # set by the engine for a step it may stop (llm_engine.py, "Interrupted steps"): asked between
-        # layers and prompt-logprob parts, True raises StepInterrupted out of `logits`
+        # set by the engine for a step it may stop (llm_engine.py, "Interrupted steps"): asked around each
+        # layer's attention and between prompt-logprob parts, True raises StepInterrupted out of `logits`
         self.interrupted: Callable[[], bool] | None = None
         self.last_prompt_logprobs: dict | None = None  # of the last `logits` call
         self.history: dict[str, list[int]] = {}  # no-cache mode only: each request's tokens so far
