@@ -126,7 +126,7 @@ def fresh_prompt(prompt: str | list[int]) -> str | list[int]:
 
 def measure_newcomers(url: str, prompt: str | list[int], every: float) -> dict:
     newcomer = {"prompt": "Once upon a time", "max_tokens": 1, "temperature": 0}
-    alone = sorted(stream_times(url, newcomer)[0] for _ in range(5))[2]
+    alone = sorted(first_token_time(url, newcomer) for _ in range(5))[2]
     long_ttft: dict[bool, float] = {}
     newcomers: list[float] = []
 
@@ -140,7 +140,7 @@ def measure_newcomers(url: str, prompt: str | list[int], every: float) -> dict:
         while beside and worker.is_alive():
             time.sleep(every)
             if worker.is_alive():
-                newcomers.append(stream_times(url, newcomer)[0])
+                newcomers.append(first_token_time(url, newcomer))
         worker.join()
     newcomers.sort()
     return {

@@ -40,6 +40,7 @@ import json
 import multiprocessing
 import os
 import statistics
+import string
 import time
 
 import httpx
@@ -80,7 +81,7 @@ def heavy_request(kind: str, model: str, i: int, max_model_len: int, max_n: int 
     half = max(16, max_model_len // 2)
     # ~4 characters a token, trimmed by the server (from the left); each sentence begins with the
     # request's own tag, so that no prefix cache serves it
-    tag = "".join("abcdefghijklmnopqrstuvwxyz"[i // 26**k % 26] for k in range(5))
+    tag = "".join(string.ascii_lowercase[i // 26**k % 26] for k in range(5))
     long_prompt = ((tag + " " + WORDS) * (half // 11 + 1))[: half * 4]
     base = {"model": model, "temperature": 0}
     if kind in ("prompt_logprobs", "long_prompt"):

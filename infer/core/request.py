@@ -116,6 +116,11 @@ class Request:
     def is_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
 
+    def decodes_from(self, start: int) -> bool:
+        """Whether a step that feeds this request's tokens from position start is a decode: it feeds
+        the last sampled token."""
+        return bool(self.num_output_tokens) and start == self.num_tokens - 1
+
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
 

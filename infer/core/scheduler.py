@@ -395,7 +395,7 @@ class Scheduler:
         waiting_others = min(seats, sum(r.group_id not in crowded for r in self.waiting))
         decodes = [r for r in self.running if not r.is_prefill and r.group_id in crowded]
         newcomer = seats > 0 and any(
-            r.group_id not in crowded and self._units(r, r.num_tokens, 0) <= plan.budget // 2
+            r.group_id not in crowded and self._is_short(r, plan.budget)
             for r in itertools.islice(self.waiting, seats)
         )
         if newcomer and not self._held_for_newcomer:
@@ -436,7 +436,7 @@ class Scheduler:
             # a short newcomer's prefill first, alone, so that its first token waits neither for a long
             # prompt's chunk nor for the long prompts queued before it (it is paced like any stream once
             # it decodes); else a long head shares the step with the running prompts' chunks
-            short = [self._units(r, r.num_tokens, 0) <= plan.budget // 2 for r in self.waiting]
+            short = [self._is_short(r, plan.budget) for r in self.waiting]
             if short[0]:
                 plan.paced = 0
             elif any(short):
@@ -573,6 +573,11 @@ class Scheduler:
             return False
         return num_new > plan.group_rows_left and plan.group_rows_used > 0
 
+    def _is_short(self, req: Request, budget: int) -> bool:
+        """Whether req's whole prompt is a short newcomer's, which a step runs first, alone: at most half
+        the step's budget (AsyncEngine counts such arrivals by the same rule, in tokens)."""
+        return self._units(req, req.num_tokens, 0) <= budget // 2
+
     def _is_long(self, req: Request) -> bool:
         threshold = self.config.long_prefill_token_threshold
         return 0 < threshold < req.num_prompt_tokens
@@ -649,7 +654,7 @@ class Scheduler:
                     spec_token_ids=spec,
                 )
             )
-            if req.num_output_tokens and start == req.num_tokens - 1:  # feeds the last sampled token
+            if req.decodes_from(start):
                 num_decode += num_new + len(spec)
                 num_spec += len(spec)
                 decodes.append(req)
@@ -690,7 +695,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens = sched.start_pos
-            if not (req.num_output_tokens and sched.start_pos == req.num_tokens - 1):  # not a decode
+            if not req.decodes_from(sched.start_pos):
                 req.num_prefill_tokens_computed -= sched.num_tokens
             req.num_interruptions += 1
         self._last_step = ([], 0)

@@ -177,8 +177,8 @@ class AsyncEngine:
                 yield out
 
     def _is_short(self, prompt: str | list[int]) -> bool:
-        """Whether the scheduler would prefill the prompt first, alone (a text's UTF-8 bytes bound its
-        tokens from above)."""
+        """Whether the scheduler would prefill the prompt first, alone (Scheduler._is_short's rule, before
+        there is a Request: a text's UTF-8 bytes bound its tokens from above)."""
         size = len(prompt.encode()) if isinstance(prompt, str) else len(prompt)
         return size <= self.engine.scheduler_config.max_num_batched_tokens // 2
 

@@ -410,8 +410,8 @@ class LLMEngine:
             return False
         for s in sched.scheduled:
             req = self.requests[s.req_id]
-            decode = req.num_output_tokens and s.start_pos == req.num_tokens - 1
-            if (decode and not self.scheduler.is_crowded(s.req_id)) or not self._may_interrupt(req):
+            lone_decode = req.decodes_from(s.start_pos) and not self.scheduler.is_crowded(s.req_id)
+            if lone_decode or not self._may_interrupt(req):
                 return False
         return True
 
