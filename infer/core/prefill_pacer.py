@@ -58,8 +58,8 @@ does not wait for them).
 A crowded group (one client's several requests in flight, where the server tells clients apart, or one
 request's n choices) is one client flooding the server: its prompts' chunks in a step are cut together
 to `group_chunk`. Beside anyone else, that is a step of at most about max_decode_slowdown x a decode-only
-one at the latest chunks' price (a few dozen tokens for a 135M model at a 4k context, where a chunk's
-attention costs more than its weights), so other clients' gaps keep their bound; the flood's prefill
+one at the latest chunks' price (on a 2-core CPU, where a 135M model's prefill token costs about a tenth
+of its decode step, under ten tokens), so other clients' gaps keep their bound; the flood's prefill
 then runs at that chunk's cost per token. Alone, the flood gets GROUP_ALONE_CHUNK tokens a step: near
 the largest chunks' cost per token (a newcomer stops such a step between layers: llm_engine.py). A lone
 long prompt keeps its whole chunks and the order above (its time to first token is bounded too).
@@ -87,7 +87,7 @@ SPEND_SHARE = 0.8  # of a credit a chunk may be priced at
 STALL_FACTOR = 2.0  # a chunk is charged at most this many times its price
 RATE_SAMPLES = 3  # the latest chunks of about a size whose median cost per token prices the next
 PROMPT_SLOWDOWN = 1.5  # a prompt's time to first token held behind streams, at most this x its time alone
-GROUP_CHUNK_FLOOR = 32  # a crowded group's chunk beside others at least: a step still reads every weight
+GROUP_CHUNK_FLOOR = 4  # a crowded group's chunk beside others at least, so that it progresses
 GROUP_ALONE_CHUNK = 256  # a crowded group's chunk while no one else runs or waits (module docstring)
 
 

@@ -366,7 +366,7 @@ def test_the_group_chunk_costs_a_step_of_the_allowed_slowdown_at_the_measured_pr
     assert pacer.group_chunk(1, others=False) == GROUP_ALONE_CHUNK
     pacer.slowdown = 4
     assert pacer.group_chunk(1, others=True) == 2400
-    pacer.slowdown = 1.01
+    pacer.slowdown = 1.001
     assert pacer.group_chunk(1, others=True) == GROUP_CHUNK_FLOOR
 
 
