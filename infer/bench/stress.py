@@ -97,7 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fairness-lead", type=float, default=1.0, help="seconds the heavy client starts first")
     p.add_argument("--fairness-bound", type=float, default=2.0, help="bystander TTFT / ITL p99 vs alone")
     p.add_argument(
-        "--fairness-repeat", type=int, default=1, help="bystander runs beside each kind; the median judged"
+        "--fairness-repeat",
+        type=int,
+        default=1,
+        help="bystander runs alone and beside each kind; their medians judged",
     )
     p.add_argument("--settle-timeout", type=float, default=30.0, help="seconds for /metrics to reach idle")
     p.add_argument("--timeout", type=float, default=120.0, help="client timeout per request, seconds")
