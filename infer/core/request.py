@@ -74,9 +74,9 @@ class Request:
     stop_reason: int | str | None = field(init=False, default=None)  # the stop token id or stop string
     num_preemptions: int = field(init=False, default=0)
     num_slow_gaps: int = field(init=False, default=0)  # "slo": its decode steps longer than its tpot
-    # steps of its prefill stopped for a newcomer (Scheduler.undo), and its steps run since the first
+    # its steps stopped for a newcomer (Scheduler.undo), and the seconds they are counted for (llm_engine.py)
     num_interruptions: int = field(init=False, default=0)
-    num_steps_since_interrupted: int = field(init=False, default=0)
+    seconds_lost: float = field(init=False, default=0.0)
     # the prefill pacer's: seconds this stream may still be slowed by, and the tokens it was credited for
     pace_credit: float = field(init=False, default=0.0)
     pace_credited_tokens: int = field(init=False, default=0)

@@ -684,7 +684,7 @@ class Scheduler:
         finished, self._finished_req_ids = self._finished_req_ids, []
         return SchedulerOutput(scheduled, num_prefill + num_decode, finished, plan.preempted_req_ids, stats)
 
-    def undo(self, sched_out: SchedulerOutput) -> None:
+    def undo(self, sched_out: SchedulerOutput, seconds: float) -> None:
         """Forget a step that was stopped before its end (LLMEngine: a long step interrupted for a
         newcomer), in place of `update`: each request's computed tokens go back to where the step
         started (nothing was sampled). Its blocks stay its own, and none of them was cached (cache_blocks
@@ -698,6 +698,7 @@ class Scheduler:
             if not req.decodes_from(sched.start_pos):
                 req.num_prefill_tokens_computed -= sched.num_tokens
             req.num_interruptions += 1
+            req.seconds_lost += seconds
         self._last_step = ([], 0)
         self._last_decodes = []
 
@@ -716,8 +717,6 @@ class Scheduler:
             req = self.requests.get(sched.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            if req.num_interruptions:
-                req.num_steps_since_interrupted += 1
             if sched.spec_token_ids:
                 accepted = runner_out.accepted_token_ids.get(req.req_id, [])
                 outputs.append(self._update_spec(req, sched, accepted, sampled[req.req_id], now))

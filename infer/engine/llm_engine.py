@@ -21,12 +21,15 @@ end before its own prefill runs (which the scheduler then puts first, alone). Wh
 when such a request arrives (`newcomer_waiting`, set by AsyncEngine), the step stops before or after a
 layer's attention instead (half a layer's wait), and is forgotten (Scheduler.undo): nothing was sampled,
 and its rows run again later over the same cache slots. A step may stop when it carries at least
-INTERRUPTIBLE_TOKENS tokens, no proposals to verify, and no decode but those of crowded groups (a client's
-flood, a request's n choices: a lone stream's token is never delayed); it then runs eagerly, not from a
-decode graph, which cannot stop halfway. A request's steps are stopped at most once, and once more for
-every INTERRUPT_EVERY of its steps that ran, so however many newcomers come, a request loses at most one
-step's work and a 1 / INTERRUPT_EVERY share of the rest, and a prompt's later chunks are shorter
-(scheduler.INTERRUPTED_CHUNK).
+INTERRUPTIBLE_TOKENS tokens or INTERRUPTIBLE_PREFILL_TOKENS of prefill (a prompt token costs a CPU what
+several decodes do), no proposals to verify, and no decode but those of crowded groups (a client's flood,
+a request's n choices: a lone stream's token is never delayed); it then runs eagerly, not from a decode
+graph, which cannot stop halfway. A request's step is stopped only while its stopped steps, each
+counted as at least the last long step that ran whole, add up to at most 1 / INTERRUPT_EVERY of its time
+since it arrived: however many newcomers come, its stops cost it at most one step and a 1 /
+INTERRUPT_EVERY share of the rest. By time, not by its own steps, so that a request the scheduler held
+meanwhile (a prompt behind the streams) may stop again for the next newcomer. A prompt's later chunks
+are shorter (scheduler.INTERRUPTED_CHUNK).
 """
 
 from __future__ import annotations
@@ -62,9 +65,11 @@ from infer.sampling_params import MAX_BAD_WORDS, SamplingParams, Unsatisfiable
 from infer.structured_outputs.compiler import GrammarCompiler
 
 logger = logging.getLogger("infer.engine")
-# a step may be interrupted for a newcomer from this many tokens (module docstring)
+# a step may be interrupted for a newcomer from this many tokens, or this many of prefill (module docstring)
 INTERRUPTIBLE_TOKENS = 128
-INTERRUPT_EVERY = 4  # a request's steps are interrupted once, and once more per this many that ran
+INTERRUPTIBLE_PREFILL_TOKENS = 32
+INTERRUPT_EVERY = 4  # a request's stopped steps lose at most 1 / this of its time in the engine (and one)
+LONG_STEP_PRIOR_S = 0.1  # what a stop is counted for before any long step ran whole
 
 
 @dataclass
@@ -183,6 +188,8 @@ class LLMEngine:
         self.prompt_logprobs: dict[str, list[PromptLogprobChunk]] = {}  # req_id -> computed chunks
         self.last_stats = StepStats()
         self.last_timing = StepTiming()
+        # the last step of at least INTERRUPTIBLE_TOKENS that ran to its end (before one did, a guess)
+        self._long_step_s = LONG_STEP_PRIOR_S
         self._ids = itertools.count()
         # the step trace (infer.engine.trace), None unless asked for: then one `is not None` per step
         budget = self.scheduler_config.max_num_batched_tokens
@@ -360,11 +367,13 @@ class LLMEngine:
         try:
             runner_out, failures = self._execute(sched)
         except StepInterrupted:
-            self.scheduler.undo(sched)
+            stopped = time.perf_counter() - scheduled
+            # a stop charged as a whole step: steps stopped early must not stop again and again
+            self.scheduler.undo(sched, max(stopped, self._long_step_s))
             logger.debug(
                 "step of %d tokens interrupted after %.1f ms for a newcomer",
                 sched.num_batched_tokens,
-                1000 * (time.perf_counter() - scheduled),
+                1000 * stopped,
             )
             self.num_interrupted_steps += 1
             return []
@@ -372,6 +381,8 @@ class LLMEngine:
             if interruptible:
                 self.runner.interrupted = None
         executed = time.perf_counter()
+        if sched.num_batched_tokens >= INTERRUPTIBLE_TOKENS:
+            self._long_step_s = executed - scheduled
         for req_id, chunk in (runner_out.prompt_logprobs or {}).items():
             found = self.prompt_logprobs.get(req_id)
             if found is not None:  # a recomputed position keeps its first value (PromptLogprobs)
@@ -405,7 +416,8 @@ class LLMEngine:
             self.newcomer_waiting is None
             or not isinstance(self.runner, ModelRunner)
             or stats.num_spec_tokens
-            or stats.num_prefill_tokens + stats.num_decode_tokens < INTERRUPTIBLE_TOKENS
+            or stats.num_prefill_tokens < INTERRUPTIBLE_PREFILL_TOKENS
+            and stats.num_prefill_tokens + stats.num_decode_tokens < INTERRUPTIBLE_TOKENS
         ):
             return False
         for s in sched.scheduled:
@@ -416,7 +428,7 @@ class LLMEngine:
         return True
 
     def _may_interrupt(self, req: Request) -> bool:
-        return req.num_interruptions <= req.num_steps_since_interrupted // INTERRUPT_EVERY
+        return req.seconds_lost <= (time.monotonic() - req.arrival_time) / INTERRUPT_EVERY
 
     def _observe_speculation(self, sched, runner_out, failures, seconds: float) -> None:
         """A decode-only step's cost (with the proposing for it) and tokens, for the speculation gate."""

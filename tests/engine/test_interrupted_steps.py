@@ -57,16 +57,26 @@ def run(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams
     return results
 
 
-class EverySecond:
-    """An owner whose newcomers arrive at every second question: steps stop after a layer has written its
-    keys and values (the tiny model has two), or at the prompt-logprob parts."""
+class EveryOtherStep:
+    """An owner whose newcomer arrives in every other step that may stop, at its second question: the
+    step stops after a layer has written its keys and values (the tiny model has two), or at the
+    prompt-logprob parts. With every request's steps allowed to stop (`always_stoppable`; the allowance
+    has its own test), the steps between run whole."""
 
-    def __init__(self) -> None:
-        self.calls = 0
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.step = None  # the StepStats of the step asking (each schedule() makes a new one)
+        self.steps = self.questions = 0
 
     def __call__(self) -> bool:
-        self.calls += 1
-        return self.calls % 2 == 0
+        if self.engine.last_stats is not self.step:
+            self.step, self.steps, self.questions = self.engine.last_stats, self.steps + 1, 0
+        self.questions += 1
+        return self.steps % 2 == 1 and self.questions == 2
+
+
+def always_stoppable(monkeypatch) -> None:
+    monkeypatch.setattr(LLMEngine, "_may_interrupt", lambda self, req: True)
 
 
 @pytest.mark.parametrize("prompt_logprobs", [None, 2])
@@ -76,12 +86,12 @@ def test_interrupted_steps_leave_outputs_logprobs_and_cache_as_they_were(
     # prompt-logprob tokens cost more of the budget: their chunks are shorter; every rerun step may be
     # interrupted again, so that many are
     monkeypatch.setattr(llm_engine, "INTERRUPTIBLE_TOKENS", 32)
-    monkeypatch.setattr(llm_engine, "INTERRUPT_EVERY", 1)
+    always_stoppable(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=prompt_logprobs)
     expected = run(engine_of(model_path), long_prompts(), params)
 
     engine = engine_of(model_path)
-    engine.newcomer_waiting = EverySecond()
+    engine.newcomer_waiting = EveryOtherStep(engine)
     assert run(engine, long_prompts(), params) == expected
     assert engine.num_interrupted_steps >= 2
     assert engine.scheduler.kv_cache_manager.num_used_blocks == 0  # every block back in the pool
@@ -92,27 +102,39 @@ def test_interrupted_steps_leave_outputs_logprobs_and_cache_as_they_were(
     assert {k.removeprefix("again-"): v for k, v in again.items()} == expected
 
 
-def test_a_request_is_interrupted_once_and_once_per_four_steps_run_and_a_lone_decode_never(
-    model_path, monkeypatch
-):
+def test_a_request_stops_again_only_once_its_lost_work_is_a_quarter_of_its_time(model_path, monkeypatch):
+    """A newcomer always waits: the first chunk's step stops at its first layer; the next stops only once
+    the work thrown away is at most a quarter of the request's time since it arrived (its arrival set
+    back here, in place of waiting), whether or not its own steps ran meanwhile; the output is whole."""
     monkeypatch.setattr(llm_engine, "INTERRUPTIBLE_TOKENS", 16)
     engine = engine_of(model_path, budget=32)
     asked = []
-    engine.newcomer_waiting = lambda: asked.append(engine.last_stats) or True  # a newcomer always waits
-    prompt = {"long": long_prompts()["long-0"][:250]}  # 8 chunks of at most 32 tokens
-    assert run(engine, prompt, GREEDY) == run(engine_of(model_path, budget=32), prompt, GREEDY)
-    # asked only in steps of prefill chunks alone, each time stopped at its first layer
+    engine.newcomer_waiting = lambda: asked.append(engine.last_stats) or True
+    prompt = long_prompts()["long-0"][:250]  # 8 chunks of at most 32 tokens
+    req = engine.add_request(prompt, GREEDY, "long")
+    outputs = engine.step()
+    assert not outputs and engine.num_interrupted_steps == 1 and req.num_computed_tokens == 0
+    assert req.num_interruptions == 1 and req.seconds_lost > 0
+    req.arrival_time = time.monotonic()  # what it lost is more than a quarter of its time: runs whole
+    engine.step()
+    assert engine.num_interrupted_steps == 1 and req.num_computed_tokens == 32
+    req.arrival_time = time.monotonic() - 4 * req.seconds_lost - 1  # held a while: may stop again
+    engine.step()
+    assert engine.num_interrupted_steps == 2 and req.num_computed_tokens == 32
+    # asked only in steps of prefill chunks alone
     assert asked and all(not s.num_decode_tokens and s.num_prefill_tokens >= 16 for s in asked)
-    assert engine.num_interrupted_steps == len(asked)
-    # the first chunk interrupted; four run (the rerun among them); the fifth interrupted; four run
-    assert engine.num_interrupted_steps == 2
+    engine.newcomer_waiting = None
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.token_ids]
+    assert tokens == run(engine_of(model_path, budget=32), {"long": prompt}, GREEDY)["long"][0]
 
 
 def test_a_floods_decodes_are_interrupted_and_a_lone_streams_never(model_path, monkeypatch):
     """A group's decode steps (one client's flood, a request's n choices) may stop; a step that carries
     a decode of a request of its own never does; the outputs are as if nothing stopped."""
     monkeypatch.setattr(llm_engine, "INTERRUPTIBLE_TOKENS", 2)
-    monkeypatch.setattr(llm_engine, "INTERRUPT_EVERY", 1)
+    always_stoppable(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = {f"flood-{i}": [5 + i, 9, 11, 40, 7 * i + 3] for i in range(4)}
 
@@ -129,12 +151,12 @@ def test_a_floods_decodes_are_interrupted_and_a_lone_streams_never(model_path, m
 
     undone: list = []
     engine = engine_of(model_path)
-    engine.newcomer_waiting = EverySecond()
+    engine.newcomer_waiting = EveryOtherStep(engine)
     undo = engine.scheduler.undo
 
-    def recording_undo(sched_out):
+    def recording_undo(sched_out, seconds):
         undone.append([(s.req_id, s.start_pos) for s in sched_out.scheduled])
-        undo(sched_out)
+        undo(sched_out, seconds)
 
     engine.scheduler.undo = recording_undo
     assert outputs(engine) == outputs(engine_of(model_path))
