@@ -72,6 +72,12 @@ INTERRUPT_EVERY = 4  # a request's stopped steps lose at most 1 / this of its ti
 LONG_STEP_PRIOR_S = 0.1  # what a stop is counted for before any long step ran whole
 
 
+def _is_long(stats: StepStats) -> bool:
+    """Whether a step carries enough to be worth stopping for a newcomer (module docstring)."""
+    total = stats.num_prefill_tokens + stats.num_decode_tokens
+    return stats.num_prefill_tokens >= INTERRUPTIBLE_PREFILL_TOKENS or total >= INTERRUPTIBLE_TOKENS
+
+
 @dataclass
 class StepOutput:
     """What one request gained in one step (or its end)."""
@@ -188,7 +194,7 @@ class LLMEngine:
         self.prompt_logprobs: dict[str, list[PromptLogprobChunk]] = {}  # req_id -> computed chunks
         self.last_stats = StepStats()
         self.last_timing = StepTiming()
-        # the last step of at least INTERRUPTIBLE_TOKENS that ran to its end (before one did, a guess)
+        # the last step long enough to stop (_is_long) that ran to its end (before one did, a guess)
         self._long_step_s = LONG_STEP_PRIOR_S
         self._ids = itertools.count()
         # the step trace (infer.engine.trace), None unless asked for: then one `is not None` per step
@@ -381,7 +387,7 @@ class LLMEngine:
             if interruptible:
                 self.runner.interrupted = None
         executed = time.perf_counter()
-        if sched.num_batched_tokens >= INTERRUPTIBLE_TOKENS:
+        if _is_long(sched.stats):
             self._long_step_s = executed - scheduled
         for req_id, chunk in (runner_out.prompt_logprobs or {}).items():
             found = self.prompt_logprobs.get(req_id)
@@ -416,8 +422,7 @@ class LLMEngine:
             self.newcomer_waiting is None
             or not isinstance(self.runner, ModelRunner)
             or stats.num_spec_tokens
-            or stats.num_prefill_tokens < INTERRUPTIBLE_PREFILL_TOKENS
-            and stats.num_prefill_tokens + stats.num_decode_tokens < INTERRUPTIBLE_TOKENS
+            or not _is_long(stats)
         ):
             return False
         for s in sched.scheduled:
