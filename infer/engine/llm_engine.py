@@ -25,11 +25,11 @@ INTERRUPTIBLE_TOKENS tokens or INTERRUPTIBLE_PREFILL_TOKENS of prefill (a prompt
 several decodes do), no proposals to verify, and no decode but those of crowded groups (a client's flood,
 a request's n choices: a lone stream's token is never delayed); it then runs eagerly, not from a decode
 graph, which cannot stop halfway. A request's step is stopped only while its stopped steps, each
-counted as at least the last long step that ran whole, add up to at most 1 / INTERRUPT_EVERY of its time
-since it arrived: however many newcomers come, its stops cost it at most one step and a 1 /
-INTERRUPT_EVERY share of the rest. By time, not by its own steps, so that a request the scheduler held
-meanwhile (a prompt behind the streams) may stop again for the next newcomer. A prompt's later chunks
-are shorter (scheduler.INTERRUPTED_CHUNK).
+counted as at least its whole step (at the last whole long step's time per token), add up to at most
+1 / INTERRUPT_EVERY of its time since it arrived: however many newcomers come, its stops cost it at most
+one step and a 1 / INTERRUPT_EVERY share of the rest. By time, not by its own steps, so that a request
+the scheduler held meanwhile (a prompt behind the streams) may stop again for the next newcomer. A
+prompt's later chunks are shorter (scheduler.INTERRUPTED_CHUNK).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ logger = logging.getLogger("infer.engine")
 INTERRUPTIBLE_TOKENS = 128
 INTERRUPTIBLE_PREFILL_TOKENS = 32
 INTERRUPT_EVERY = 4  # a request's stopped steps lose at most 1 / this of its time in the engine (and one)
-LONG_STEP_PRIOR_S = 0.1  # what a stop is counted for before any long step ran whole
+LONG_STEP_PRIOR_S = 0.1  # a step of INTERRUPTIBLE_TOKENS, before any long step ran whole
 
 
 def _is_long(stats: StepStats) -> bool:
@@ -194,8 +194,9 @@ class LLMEngine:
         self.prompt_logprobs: dict[str, list[PromptLogprobChunk]] = {}  # req_id -> computed chunks
         self.last_stats = StepStats()
         self.last_timing = StepTiming()
-        # the last step long enough to stop (_is_long) that ran to its end (before one did, a guess)
-        self._long_step_s = LONG_STEP_PRIOR_S
+        # (seconds, tokens) of the last step long enough to stop (_is_long) that ran to its end (before
+        # one did, a guess)
+        self._long_step = (LONG_STEP_PRIOR_S, INTERRUPTIBLE_TOKENS)
         self._ids = itertools.count()
         # the step trace (infer.engine.trace), None unless asked for: then one `is not None` per step
         budget = self.scheduler_config.max_num_batched_tokens
@@ -374,8 +375,10 @@ class LLMEngine:
             runner_out, failures = self._execute(sched)
         except StepInterrupted:
             stopped = time.perf_counter() - scheduled
-            # a stop charged as a whole step: steps stopped early must not stop again and again
-            self.scheduler.undo(sched, max(stopped, self._long_step_s))
+            # a stop counted as its whole step (the last long step's time per token): steps stopped
+            # early must not stop again and again
+            seconds, tokens = self._long_step
+            self.scheduler.undo(sched, max(stopped, seconds * sched.num_batched_tokens / tokens))
             logger.debug(
                 "step of %d tokens interrupted after %.1f ms for a newcomer",
                 sched.num_batched_tokens,
@@ -388,7 +391,7 @@ class LLMEngine:
                 self.runner.interrupted = None
         executed = time.perf_counter()
         if _is_long(sched.stats):
-            self._long_step_s = executed - scheduled
+            self._long_step = (executed - scheduled, sched.num_batched_tokens)
         for req_id, chunk in (runner_out.prompt_logprobs or {}).items():
             found = self.prompt_logprobs.get(req_id)
             if found is not None:  # a recomputed position keeps its first value (PromptLogprobs)
