@@ -229,7 +229,7 @@ async def run_fairness(
                 problems.append(f"{kind}: " + ", ".join(f"{k} {ratios[k]:.1f}x" for k in bad))
             if any(not s.isdigit() or s.startswith("5") for s in statuses):
                 problems.append(f"{kind}: the heavy client saw {json.dumps(statuses)}")
-    counts = {"bystander runs": max(2, repeat) + len(kinds) * repeat}
+    counts = {"bystander runs": len(alone) + len(kinds) * repeat}
     own_key = "its own" if args.heavy_api_key and args.heavy_api_key != args.api_key else "the bystander's"
     return {"num_requests": num_requests, "duration_s": time.perf_counter() - started, "counts": counts,
             "alone": base, "alone_runs": alone, "kinds": rows, "bound": args.fairness_bound,

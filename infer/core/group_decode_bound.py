@@ -7,8 +7,8 @@ the stream's tokens waits for it. So while requests outside any group (or alone 
 only request, where the server groups a client's requests) run or wait (the others, B of them), the
 groups' decode rows in a step are limited to K, the most for which the step's decode cost
 stays within max_decode_slowdown (S) times the cost of the others' step alone, less the prefill pacer's
-margin for what a price misses (SPEND_SHARE of the slowdown: a grammar's mask, a logit_bias, the server's
-own work beside the step):
+margin for what a price misses (PrefillPacer.spendable_beside, SPEND_SHARE of the slowdown: a grammar's
+mask, a logit_bias, the server's own work beside the step), as its group chunks do:
 
     cost(B + K) <= (1 + SPEND_SHARE x (S - 1)) x cost(B)
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from infer.core.prefill_pacer import SPEND_SHARE, PrefillPacer
+from infer.core.prefill_pacer import PrefillPacer
 from infer.core.request import Request
 
 PROBE_EVERY = 32  # steps between runs of the others alone, when no step of about their size is known
@@ -71,7 +71,7 @@ class GroupDecodeBound:
         above = costs.above(num_others)
         if not above or above[-1][0] <= 2 * num_others or above[-1][1] <= base:
             return num_others  # no wider step measured, or none dearer: no cost to trust past 2B
-        limit = (1 + SPEND_SHARE * (self.pacer.slowdown - 1)) * base
+        limit = base + self.pacer.spendable_beside(base)
         ceiling = 2 * above[-1][0] - num_others  # at most a doubling past what was measured
         n0, t0 = num_others, base
         for n, t in above:

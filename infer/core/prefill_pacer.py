@@ -153,7 +153,13 @@ class PrefillPacer:
         price = self.seconds_per_unit(GROUP_CHUNK_FLOOR, num_decodes)
         if decode is None or price is None:
             return GROUP_CHUNK_FLOOR
-        return max(GROUP_CHUNK_FLOOR, int(SPEND_SHARE * (self.slowdown - 1) * decode / price[0]))
+        return max(GROUP_CHUNK_FLOOR, int(self.spendable_beside(decode) / price[0]))
+
+    def spendable_beside(self, decode: float) -> float:
+        """What a step beside others may cost over their decode-only step of `decode` seconds: SPEND_SHARE
+        of the slowdown they allow, a margin for what a price misses (the group's chunks here, its
+        decode rows in group_decode_bound.py)."""
+        return SPEND_SHARE * (self.slowdown - 1) * decode
 
     def credit_of(self, req: Request, decode: float) -> float:
         """req's credit now, after earning for the tokens it has made and those it may still make (up to

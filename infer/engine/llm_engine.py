@@ -72,7 +72,7 @@ INTERRUPT_EVERY = 4  # a request's stopped steps lose at most 1 / this of its ti
 LONG_STEP_PRIOR_S = 0.1  # a step of INTERRUPTIBLE_TOKENS, before any long step ran whole
 
 
-def _is_long(stats: StepStats) -> bool:
+def _worth_stopping(stats: StepStats) -> bool:
     """Whether a step carries enough to be worth stopping for a newcomer (module docstring)."""
     total = stats.num_prefill_tokens + stats.num_decode_tokens
     return stats.num_prefill_tokens >= INTERRUPTIBLE_PREFILL_TOKENS or total >= INTERRUPTIBLE_TOKENS
@@ -194,8 +194,8 @@ class LLMEngine:
         self.prompt_logprobs: dict[str, list[PromptLogprobChunk]] = {}  # req_id -> computed chunks
         self.last_stats = StepStats()
         self.last_timing = StepTiming()
-        # (seconds, tokens) of the last step long enough to stop (_is_long) that ran to its end (before
-        # one did, a guess)
+        # (seconds, tokens) of the last step worth stopping (_worth_stopping) that ran to its end (before one
+        # did, a guess)
         self._long_step = (LONG_STEP_PRIOR_S, INTERRUPTIBLE_TOKENS)
         self._ids = itertools.count()
         # the step trace (infer.engine.trace), None unless asked for: then one `is not None` per step
@@ -390,7 +390,7 @@ class LLMEngine:
             if interruptible:
                 self.runner.interrupted = None
         executed = time.perf_counter()
-        if _is_long(sched.stats):
+        if _worth_stopping(sched.stats):
             self._long_step = (executed - scheduled, sched.num_batched_tokens)
         for req_id, chunk in (runner_out.prompt_logprobs or {}).items():
             found = self.prompt_logprobs.get(req_id)
@@ -425,7 +425,7 @@ class LLMEngine:
             self.newcomer_waiting is None
             or not isinstance(self.runner, ModelRunner)
             or stats.num_spec_tokens
-            or not _is_long(stats)
+            or not _worth_stopping(stats)
         ):
             return False
         for s in sched.scheduled:
