@@ -7,10 +7,10 @@ the stream's tokens waits for it. So while requests outside any group (or alone 
 only request, where the server groups a client's requests) run or wait (the others, B of them), the
 groups' decode rows in a step are limited to K, the most for which the step's decode cost
 stays within max_decode_slowdown (S) times the cost of the others' step alone, less the prefill pacer's
-margin for what a price misses (PrefillPacer.spendable_beside, SPEND_SHARE of the slowdown: a grammar's
+margin for what a price misses (PrefillPacer.spendable_beside, BESIDE_SHARE of the slowdown: a grammar's
 mask, a logit_bias, the server's own work beside the step), as its group chunks do:
 
-    cost(B + K) <= (1 + SPEND_SHARE x (S - 1)) x cost(B)
+    cost(B + K) <= (1 + BESIDE_SHARE x (S - 1)) x cost(B)
 
 cost(n) is what a decode-only step of n rows measured, the prefill pacer's table by batch size
 (PrefillPacer.decode_costs, decode_costs.py): K runs up to where that cost first crosses the bound

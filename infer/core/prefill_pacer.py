@@ -57,10 +57,11 @@ does not wait for them).
 
 A crowded group (one client's several requests in flight, where the server tells clients apart, or one
 request's n choices) is one client flooding the server: its prompts' chunks in a step are cut together
-to `group_chunk`. Beside anyone else, that is a step of at most about max_decode_slowdown x a decode-only
-one at the latest chunks' price (on a 2-core CPU, where a 135M model's prefill token costs about a tenth
-of its decode step, under ten tokens), so other clients' gaps keep their bound; the flood's prefill
-then runs at that chunk's cost per token. Alone, the flood gets GROUP_ALONE_CHUNK tokens a step: near
+to `group_chunk`. Beside anyone else, that is a step of at most about 1 + BESIDE_SHARE x
+(max_decode_slowdown - 1) decode-only ones at the latest chunks' price (on a 2-core CPU, where a 135M
+model's prefill token costs about a tenth of its decode step and more deep in a long prompt, a few
+tokens), so other clients' gaps keep their bound; the flood's prefill then runs at that chunk's cost
+per token. Alone, the flood gets GROUP_ALONE_CHUNK tokens a step: near
 the largest chunks' cost per token (a newcomer stops such a step between layers: llm_engine.py). A lone
 long prompt keeps its whole chunks and the order above (its time to first token is bounded too).
 docs/robustness.md, "Long prompts: the streams' gaps against the prompt's first token", has what no
@@ -87,7 +88,10 @@ SPEND_SHARE = 0.8  # of a credit a chunk may be priced at
 STALL_FACTOR = 2.0  # a chunk is charged at most this many times its price
 RATE_SAMPLES = 3  # the latest chunks of about a size whose median cost per token prices the next
 PROMPT_SLOWDOWN = 1.5  # a prompt's time to first token held behind streams, at most this x its time alone
-GROUP_CHUNK_FLOOR = 4  # a crowded group's chunk beside others at least, so that it progresses
+GROUP_CHUNK_FLOOR = 1  # a crowded group's chunk beside others at least, so that it progresses
+# of the slowdown others allow, what a crowded group's step beside them is planned to take: they judge
+# each gap (a p99 lands on the worst steps), and the rest is the margin for what a price misses
+BESIDE_SHARE = 0.5
 GROUP_ALONE_CHUNK = 256  # a crowded group's chunk while no one else runs or waits (module docstring)
 
 
@@ -145,7 +149,7 @@ class PrefillPacer:
         """The cost units of a crowded group's prompt chunks in one step (one client's several requests
         in flight, or one request's n choices). Beside others (requests outside the group, running or
         waiting): a step that costs at most about max_decode_slowdown x a decode-only step of
-        num_decodes (at least one; SPEND_SHARE of it, a margin for what the price misses), at the
+        num_decodes (at least one; BESIDE_SHARE of it, a margin for what the price misses), at the
         latest chunks' price, at least GROUP_CHUNK_FLOOR; alone, GROUP_ALONE_CHUNK."""
         if not others:
             return GROUP_ALONE_CHUNK
@@ -156,10 +160,10 @@ class PrefillPacer:
         return max(GROUP_CHUNK_FLOOR, int(self.spendable_beside(decode) / price[0]))
 
     def spendable_beside(self, decode: float) -> float:
-        """What a step beside others may cost over their decode-only step of `decode` seconds: SPEND_SHARE
+        """What a step beside others may cost over their decode-only step of `decode` seconds: BESIDE_SHARE
         of the slowdown they allow, a margin for what a price misses (the group's chunks here, its
         decode rows in group_decode_bound.py)."""
-        return SPEND_SHARE * (self.slowdown - 1) * decode
+        return BESIDE_SHARE * (self.slowdown - 1) * decode
 
     def credit_of(self, req: Request, decode: float) -> float:
         """req's credit now, after earning for the tokens it has made and those it may still make (up to

@@ -48,6 +48,9 @@ class ServerArgs:
     max_queued_requests: int = 1024
     max_request_bytes: int = 4 * 2**20  # a 4 MiB body holds ~1M tokens of text, beyond any context here
     header_timeout: float = 5.0  # to send a request's headers (nginx: 60 s; a client sends them at once)
+    # an idle connection kept this long: beyond the 5 s after which httpx (the openai client) drops its
+    # own, so that the client closes first and never sends a request into the server's close
+    timeout_keep_alive: float = 20.0
     trust_request_chat_template: bool = False
     responses_store_mb: int = 64  # /v1/responses kept for GET and previous_response_id
     drain_timeout: float = 30.0
@@ -117,6 +120,12 @@ def add_server_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         type=float,
         default=ServerArgs.header_timeout,
         help="seconds a client may take to send a request's headers; past it the connection is closed",
+    )
+    parser.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=ServerArgs.timeout_keep_alive,
+        help="seconds an idle connection is kept open for the client's next request",
     )
     parser.add_argument(
         "--trust-request-chat-template",
@@ -526,6 +535,8 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
     if not args.header_timeout > 0:
         raise ValueError(f"--header-timeout must be > 0 seconds, got {args.header_timeout}")
+    if not args.timeout_keep_alive > 0:
+        raise ValueError(f"--timeout-keep-alive must be > 0 seconds, got {args.timeout_keep_alive}")
     if not 1 <= args.port <= 65535 and args.port != 0:
         raise ValueError(f"--port must be in [1, 65535] (or 0 for any free port), got {args.port}")
     if args.cuda_graphs:
@@ -544,6 +555,7 @@ def to_server_args(args: argparse.Namespace) -> ServerArgs:
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
         header_timeout=args.header_timeout,
+        timeout_keep_alive=args.timeout_keep_alive,
         trust_request_chat_template=args.trust_request_chat_template,
         responses_store_mb=args.responses_store_mb,
         drain_timeout=args.drain_timeout,

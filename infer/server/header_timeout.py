@@ -3,7 +3,7 @@
 uvicorn has none: a connection that sends part of a request line, or nothing, and then waits is held
 for as long as the client likes, and enough of them (slowloris) take every socket the server has. Here
 the clock starts when a connection opens, and again at the first byte of a next request on a connection
-kept alive (uvicorn's keep-alive timeout, 5 s, bounds the wait between requests); it stops once the headers
+kept alive (--timeout-keep-alive bounds the wait between requests); it stops once the headers
 are complete, when uvicorn starts the request. At the bound the connection is closed without an answer,
 as nginx does (a 408 on a connection kept alive could be read as the answer to the client's next request).
 """

@@ -169,6 +169,7 @@ def run(args: ServerArgs, state: ServerState | None = None) -> int:
         host=args.host,
         port=args.port,
         http=with_header_timeout(AutoHTTPProtocol, args.header_timeout),
+        timeout_keep_alive=args.timeout_keep_alive,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         access_log=args.log_level == "debug",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -199,6 +200,17 @@ def test_incomplete_headers_are_closed_at_the_header_timeout(small_server):
     with socket.create_connection(("127.0.0.1", small_server.port), timeout=60) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.slow  # a server of its own
+def test_an_idle_connection_outlives_the_clients_keep_alive(small_server):
+    """httpx (and so the openai client) reuses a connection idle up to 5 s: the server keeps it longer,
+    or a request sent as the server closes it is reset (a ReadError on a POST, not retried)."""
+    with socket.create_connection(("127.0.0.1", small_server.port), timeout=60) as sock:
+        for _ in range(2):
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+            time.sleep(5.5)
 
 
 @pytest.mark.slow  # a server of its own
