@@ -81,7 +81,7 @@ def test_oracle_bench_accepts_all_at_one_none_at_zero_and_keeps_greedy_output(tm
     assert set(found) == {f"oracle_k{k}@{n}" for k in (1, 2, 3, 4) for n in (1, 3)}
     for name, case in found.items():
         k, streams, modes = case["knobs"]["k"], case["knobs"]["streams"], case["modes"]
-        assert set(modes) == {"plain", "a=0", "a=0.5", "a=0.8", "a=1"}, name
+        assert set(modes) == {"plain", "a=0", "a=0.5", "a=0.8", "a=1", "a=0 gated", "a=0.8 gated"}, name
         assert modes["plain"]["drafted"] == 0, name
         for mode, m in modes.items():
             assert m["same_as_plain"] == streams, (name, mode)  # greedy output is plain decoding's
@@ -94,6 +94,8 @@ def test_oracle_bench_accepts_all_at_one_none_at_zero_and_keeps_greedy_output(tm
         assert zero["drafted"] == k * zero["drafts"] - streams * k * (k - 1) // 2, name
         assert one["steps"] < modes["plain"]["steps"] or k == 0, name  # accepted tokens save steps
         assert 0 < modes["a=0.5"]["accepted"] < modes["a=0.5"]["drafted"], name
+        # every step speculates but where the gate decides: it measures plain steps too (MIN_PLAIN)
+        assert modes["a=0"]["speculated"] == 1.0 and 0 < modes["a=0 gated"]["speculated"] < 1.0, name
     assert "oracle" in out.getvalue()
     assert all(v["passed"] for v in doc["benchmarks"]["speculative-decoding"]["verdicts"])
 

@@ -31,7 +31,9 @@ proposes the target's own greedy continuation (OracleProposer, taken from a plai
 first), right at each position with probability a until the first wrong proposal, for a in 0, 0.5, 0.8,
 1.0, alternated with plain decoding on the same engine, speculating whatever the batch (repeat_text's
 prompts, --streams). Reported: decode speed-up over plain per (K, a), and whether every stream's greedy
-output was plain's.
+output was plain's. At a = 0 and 0.8 also `gated`: the engine's SpeculationGate deciding per step, its
+measurements kept from one repeat to the next as a server's are, and the share of its decisions that
+speculated: where verifying loses it turns itself off, where it pays it stays on.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from infer.bench.micro.harness import Context, RequestSpec, compare, drive, mean
 from infer.bench.micro.oracle_proposer import OracleProposer
 from infer.bench.micro.report import BenchResult, CaseResult, Verdict, mode_table, render_table
 from infer.bench.prompts import CORPUS
+from infer.core.speculation_gate import SpeculationGate
 
 NAME = "speculative-decoding"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -49,6 +52,7 @@ STREAMS = (1, 8, 32)
 SMALL_STREAMS = (1, 8)
 WORKLOADS = ("repeat_text", "code", "free_text")
 ORACLE_ACCEPTANCES = (0.0, 0.5, 0.8, 1.0)
+ORACLE_GATED = (0.0, 0.8)  # acceptances also run with the gate deciding: one where it loses, one in between
 ORACLE_SAME = ("streams = plain", "same_as_plain", "")
 MAX_TOKENS, SMALL_MAX_TOKENS = 128, 24
 PASSAGE_LINES = 6
@@ -256,20 +260,38 @@ def oracle_engine(ctx: Context, specs: list[RequestSpec], k: int):
     return engine, oracle
 
 
-def oracle_mode(engine, oracle: OracleProposer, specs: list[RequestSpec], acceptance: float | None):
-    """A run of the workload with the oracle at this acceptance (None: plain decoding), its counts."""
+def oracle_mode(
+    engine, oracle: OracleProposer, specs: list[RequestSpec], acceptance: float | None, gated: bool = False
+):
+    """A run of the workload with the oracle at this acceptance (None: plain decoding), its counts;
+    gated: the mode's own SpeculationGate decides each step, kept from run to run as a server keeps its
+    measurements (else every step speculates)."""
 
     learned = [oracle.continuation(s.prompt_ids)[1] for s in specs]
+    gate = SpeculationGate(len(specs), by_gain=gated)
+    decide = gate.speculate
+    decisions = [0, 0]  # a run's [plain, speculated]
+
+    def counted(running: int, decoding: int) -> bool:
+        verdict = decide(running, decoding)
+        decisions[verdict] += 1
+        return verdict
+
+    gate.speculate = counted
 
     def once():
         oracle.acceptance = acceptance
+        engine.speculation_gate = gate
+        decisions[:] = [0, 0]
         before = spec_counts(engine.scheduler)
         run = drive(engine, specs)
         after = spec_counts(engine.scheduler)
+        proposing = acceptance is not None and any(decisions)  # plain: nothing proposed, whatever the gate
         run.extra = {
             # every position of the K, counted or not yet (the engine's list grows with the first accept)
             **spec_figures(run, before, after, oracle.k),
             "same_as_plain": sum(r.output_token_ids == t for r, t in zip(run.requests, learned, strict=True)),
+            "speculated": ratio(decisions[1], sum(decisions)) if proposing else 0.0,
         }
         return run
 
@@ -313,13 +335,17 @@ def acceptance_name(a: float | None) -> str:
 def run_oracle_case(ctx: Context, specs: list[RequestSpec], k: int, acceptances) -> CaseResult:
     engine, oracle = oracle_engine(ctx, specs, k)
     modes = {acceptance_name(a): oracle_mode(engine, oracle, specs, a) for a in (None, *acceptances)}
-    best, _ = compare(ctx, modes)
+    gated = [f"{acceptance_name(a)} gated" for a in ORACLE_GATED]
+    for a, name in zip(ORACLE_GATED, gated, strict=True):
+        modes[name] = oracle_mode(engine, oracle, specs, a, gated=True)
+    best, _ = compare(ctx, modes, varying=gated)  # the gate's choices follow the step times
     plain = best["plain"]["decode_tok_s"]
     ratios = {f"{m}_speedup": ratio(v["decode_tok_s"], plain) for m, v in best.items() if m != "plain"}
     name = f"oracle_k{k}@{len(specs)}"
     graphs = graphs_state(engine)
     ctx.print(f"\n=== {name} ({graphs}) ===")
-    ctx.print(mode_table(best, [*COLUMNS[:5], ("per position", "per_pos", "s"), ORACLE_SAME]))
+    columns = [*COLUMNS[:5], ("per position", "per_pos", "s"), ("speculated", "speculated", "%"), ORACLE_SAME]
+    ctx.print(mode_table(best, columns))
     knobs = {"workload": "repeat_text", "streams": len(specs), "max_tokens": specs[0].max_tokens, "k": k}
     knobs["graphs"] = graphs
     return CaseResult(name, knobs, best, ratios)
@@ -345,12 +371,14 @@ def run_oracle(ctx: Context, tokenizer, streams_list, max_tokens: int) -> BenchR
         for k in ctx.oracle:
             cases.append(run_oracle_case(ctx, specs, k, ORACLE_ACCEPTANCES))
     ctx.print("\n=== Speculative decoding with the oracle: decode speed-up over plain, per acceptance ===")
+    names = [acceptance_name(a) for a in ORACLE_ACCEPTANCES] + [
+        f"{acceptance_name(a)} gated" for a in ORACLE_GATED
+    ]
     rows = [
         [str(c.knobs["streams"]), str(c.knobs["k"]), f"{c.modes['plain']['decode_tok_s']:.2f}"]
-        + [f"{c.ratios[f'{acceptance_name(a)}_speedup']:.2f}x" for a in ORACLE_ACCEPTANCES]
+        + [f"{c.ratios[f'{name}_speedup']:.2f}x" for name in names]
         for c in cases
     ]
-    names = [acceptance_name(a) for a in ORACLE_ACCEPTANCES]
     ctx.print(render_table(["streams", "K", "plain tok/s/stream", *names], rows))
     return BenchResult(NAME, cases, oracle_verdicts(cases), {})
 
