@@ -148,9 +148,9 @@ class PrefillPacer:
     def group_chunk(self, num_decodes: int, others: bool) -> int:
         """The cost units of a crowded group's prompt chunks in one step (one client's several requests
         in flight, or one request's n choices). Beside others (requests outside the group, running or
-        waiting): a step that costs at most about max_decode_slowdown x a decode-only step of
-        num_decodes (at least one; BESIDE_SHARE of it, a margin for what the price misses), at the
-        latest chunks' price, at least GROUP_CHUNK_FLOOR; alone, GROUP_ALONE_CHUNK."""
+        waiting): a step that costs at most about a decode-only step of num_decodes (at least one) and
+        spendable_beside it, at the latest chunks' price, at least GROUP_CHUNK_FLOOR; alone,
+        GROUP_ALONE_CHUNK."""
         if not others:
             return GROUP_ALONE_CHUNK
         decode = self.decode_seconds(max(1, num_decodes))

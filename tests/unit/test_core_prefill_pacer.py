@@ -356,16 +356,17 @@ def test_no_step_is_empty_while_requests_run():
 
 
 def test_the_group_chunk_costs_a_step_of_the_allowed_slowdown_at_the_measured_price():
-    """Beside others, a decode step of 10 ms and a prefill unit of 10 us: a chunk worth half of one decode
-    step (500 units) at max_decode_slowdown 2, 1,500 at 4; never under the floor; the floor before any
-    measure. A group alone gets GROUP_ALONE_CHUNK."""
+    """Beside others, a decode step of 2^-7 s (7.8 ms) and a prefill unit of 2^-17 s (exact in binary, so
+    no rounding): a chunk worth half of one decode step (512 units) at max_decode_slowdown 2, 1,536 at 4;
+    never under the floor; the floor before any measure. A group alone gets GROUP_ALONE_CHUNK."""
     assert PrefillPacer(max_decode_slowdown=2).group_chunk(1, others=True) == GROUP_CHUNK_FLOOR
-    pacer = pacer_with_decode(0.010)
-    pacer.observe([make_request("x", 4)], 1000, 0.010 + 0.010)  # 1,000 units beside it: 10 ms more
-    assert abs(pacer.group_chunk(1, others=True) - 500) <= 1  # float rounding
+    decode = 2.0**-7
+    pacer = pacer_with_decode(decode)
+    pacer.observe([make_request("x", 4)], 1024, 2 * decode)  # 1,024 units beside it: a decode step more
+    assert pacer.group_chunk(1, others=True) == 512
     assert pacer.group_chunk(1, others=False) == GROUP_ALONE_CHUNK
     pacer.slowdown = 4
-    assert abs(pacer.group_chunk(1, others=True) - 1500) <= 1
+    assert pacer.group_chunk(1, others=True) == 1536
     pacer.slowdown = 1.001
     assert pacer.group_chunk(1, others=True) == GROUP_CHUNK_FLOOR
 

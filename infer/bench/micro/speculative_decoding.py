@@ -332,13 +332,17 @@ def acceptance_name(a: float | None) -> str:
     return "plain" if a is None else f"a={a:g}"
 
 
+def gated_name(a: float) -> str:
+    return f"{acceptance_name(a)} gated"
+
+
 def run_oracle_case(ctx: Context, specs: list[RequestSpec], k: int, acceptances) -> CaseResult:
     engine, oracle = oracle_engine(ctx, specs, k)
     modes = {acceptance_name(a): oracle_mode(engine, oracle, specs, a) for a in (None, *acceptances)}
-    gated = [f"{acceptance_name(a)} gated" for a in ORACLE_GATED]
-    for a, name in zip(ORACLE_GATED, gated, strict=True):
-        modes[name] = oracle_mode(engine, oracle, specs, a, gated=True)
-    best, _ = compare(ctx, modes, varying=gated)  # the gate's choices follow the step times
+    for a in ORACLE_GATED:
+        modes[gated_name(a)] = oracle_mode(engine, oracle, specs, a, gated=True)
+    # the gate's choices follow the step times
+    best, _ = compare(ctx, modes, varying=[gated_name(a) for a in ORACLE_GATED])
     plain = best["plain"]["decode_tok_s"]
     ratios = {f"{m}_speedup": ratio(v["decode_tok_s"], plain) for m, v in best.items() if m != "plain"}
     name = f"oracle_k{k}@{len(specs)}"
@@ -371,9 +375,7 @@ def run_oracle(ctx: Context, tokenizer, streams_list, max_tokens: int) -> BenchR
         for k in ctx.oracle:
             cases.append(run_oracle_case(ctx, specs, k, ORACLE_ACCEPTANCES))
     ctx.print("\n=== Speculative decoding with the oracle: decode speed-up over plain, per acceptance ===")
-    names = [acceptance_name(a) for a in ORACLE_ACCEPTANCES] + [
-        f"{acceptance_name(a)} gated" for a in ORACLE_GATED
-    ]
+    names = [acceptance_name(a) for a in ORACLE_ACCEPTANCES] + [gated_name(a) for a in ORACLE_GATED]
     rows = [
         [str(c.knobs["streams"]), str(c.knobs["k"]), f"{c.modes['plain']['decode_tok_s']:.2f}"]
         + [f"{c.ratios[f'{name}_speedup']:.2f}x" for name in names]
