@@ -67,15 +67,26 @@ from infer.structured_outputs.compiler import GrammarCompiler
 logger = logging.getLogger("infer.engine")
 # a step may be interrupted for a newcomer from this many tokens, or this many of prefill (module docstring)
 INTERRUPTIBLE_TOKENS = 128
-INTERRUPTIBLE_PREFILL_TOKENS = 32
+# a newcomer that waits for a step whose prompt tokens add half a step's time has its first token up
+# to 1.5x as late: a few prompt tokens are worth stopping for (docs/robustness.md)
+INTERRUPTIBLE_PREFILL_TOKENS = 8
 INTERRUPT_EVERY = 4  # a request's stopped steps lose at most 1 / this of its time in the engine (and one)
 LONG_STEP_PRIOR_S = 0.1  # a step of INTERRUPTIBLE_TOKENS, before any long step ran whole
+# the steps whose time per token prices a stopped step: this many prompt tokens, or INTERRUPTIBLE_TOKENS
+# in all (a shorter step's time is mostly its weights' read, which would price a long one too high)
+LONG_STEP_PREFILL_TOKENS = 32
 
 
 def _worth_stopping(stats: StepStats) -> bool:
     """Whether a step carries enough to be worth stopping for a newcomer (module docstring)."""
     total = stats.num_prefill_tokens + stats.num_decode_tokens
     return stats.num_prefill_tokens >= INTERRUPTIBLE_PREFILL_TOKENS or total >= INTERRUPTIBLE_TOKENS
+
+
+def _is_long(stats: StepStats) -> bool:
+    """Whether a step's time per token prices a stopped step (LONG_STEP_PREFILL_TOKENS)."""
+    total = stats.num_prefill_tokens + stats.num_decode_tokens
+    return stats.num_prefill_tokens >= LONG_STEP_PREFILL_TOKENS or total >= INTERRUPTIBLE_TOKENS
 
 
 @dataclass
@@ -390,7 +401,7 @@ class LLMEngine:
             if interruptible:
                 self.runner.interrupted = None
         executed = time.perf_counter()
-        if _worth_stopping(sched.stats):
+        if _is_long(sched.stats):
             self._long_step = (executed - scheduled, sched.num_batched_tokens)
         for req_id, chunk in (runner_out.prompt_logprobs or {}).items():
             found = self.prompt_logprobs.get(req_id)

@@ -130,6 +130,18 @@ def test_a_request_stops_again_only_once_its_lost_work_is_a_quarter_of_its_time(
     assert tokens == run(engine_of(model_path, budget=32), {"long": prompt}, GREEDY)["long"][0]
 
 
+@pytest.mark.parametrize("prompt_len, stops", [(8, True), (7, False)])
+def test_a_step_of_a_few_prompt_tokens_stops_for_a_newcomer(model_path, prompt_len, stops):
+    """A few prompt tokens add much to a CPU step (half a decode step's time for 8 on a 135M model): a
+    newcomer does not wait for them. Fewer run whole."""
+    engine = engine_of(model_path)
+    engine.newcomer_waiting = lambda: True
+    req = engine.add_request(list(range(3, 3 + prompt_len)), GREEDY, "short")
+    outputs = engine.step()
+    assert engine.num_interrupted_steps == int(stops)
+    assert req.num_computed_tokens == (0 if stops else prompt_len) and bool(outputs) != stops
+
+
 def test_a_floods_decodes_are_interrupted_and_a_lone_streams_never(model_path, monkeypatch):
     """A group's decode steps (one client's flood, a request's n choices) may stop; a step that carries
     a decode of a request of its own never does; the outputs are as if nothing stopped."""
