@@ -7,10 +7,11 @@
 // channels, the two inputs of each pair side by side), so one vector of codes, converted, is one
 // operand of vdpbf16ps whose 16 lanes are 16 output channels, and x enters as one broadcast pair:
 //
-//   decode (M <= 4 rows): per tile of up to 4 blocks (64 channels), per input pair:
+//   int8 activations (the caller's choice: infer/quant/linear.py), with VNNI: x rounded to int8 per
+//       row, vpdpbusd on 4-input quads of the codes (run_a8, below: 2.6x the multiply-add rate of
+//       vdpbf16ps here); decodes (M <= 4 rows) read the codes straight into the sums (run_decode_a8)
+//   bf16 activations, decode (M <= 4 rows): per tile of up to 4 blocks (64 channels), per input pair:
 //       convert each block's 32 codes in registers -> bf16; acc[row][block] += dp(x pair, w)
-//   batch (M > 4), the default: x rounded to int8 per row, vpdpbusd on 4-input quads of the same
-//       codes (run_a8, below: 2.6x the multiply-add rate of vdpbf16ps here)
 //   with AMX (Sapphire Rapids), int8 activations at every row count (int4: from 2 rows): the same int8
 //       sums on the tiles (run_amx_a8, below; 64 inputs a tile product, 32 for groups of 32), the codes
 //       rearranged into B tiles as they are read
@@ -474,33 +475,49 @@ __attribute__((noinline)) void group_sums_8x2(const Problem& P, const Activation
 }
 #undef INFER_DP
 
+// group g's int32 sums acc ([ROWS][NB], rows m0.., blocks b0..) folded into c as floats: the weights'
+// scales and offsets applied, and int8 codes' shift of x taken back
+template <int BITS, int ROWS, int NB>
+inline void fold_group(const Problem& P, const Activations& A, const __m512i* acc, int64_t b0, int64_t g, int64_t m0,
+                       __m512* c) {
+  const int64_t groups = P.K / P.group;
+  for (int b = 0; b < NB; ++b) {
+    const int64_t n = (b0 + b) * kLanes;
+    const __m512 scale = load_half(P.scales + g * P.N + n);
+    __m512 back = _mm512_setzero_ps();  // what the sums hold beyond sum_k xq * q
+    if (BITS == 8) {
+      const __m512i qsum =
+          P.qsums16 ? _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.qsums16 + g * P.N + n)))
+                    : _mm512_loadu_si512(P.qsums32 + g * P.N + n);
+      back = _mm512_mul_ps(_mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(qsum));
+    }
+    const __m512 offset = group_offset(P, g, n, scale);  // -z * s
+    for (int r = 0; r < ROWS; ++r) {
+      __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(acc[r * NB + b]), back), scale);
+      v = _mm512_fmadd_ps(_mm512_set1_ps(A.sums[(m0 + r) * groups + g]), offset, v);
+      c[r * NB + b] = _mm512_add_ps(c[r * NB + b], v);
+    }
+  }
+}
+
+// row m's sums of block b0 + b (c), times x's scale, plus the bias -> y
+inline void store_a8(const Problem& P, const Activations& A, int64_t m, int64_t block, __m512 c) {
+  const int64_t n = block * kLanes;
+  __m512 v = _mm512_mul_ps(c, _mm512_set1_ps(A.scale[m]));
+  if (P.bias) v = _mm512_add_ps(v, infer_vec::vload(P.bias + n));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(P.y + m * P.N + n), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 // rows m0..m0+ROWS x blocks b0..b0+NB over quads [q0, q1) (whole groups); folds into c ([ROWS][NB])
 template <int BITS, int ROWS, int NB>
 void multiply_a8(const Problem& P, const Activations& A, const __m512i* buf, int64_t b0, int64_t q0, int64_t q1,
                  int64_t m0, __m512* c) {
-  const int64_t quads_per_group = P.group / 4, groups = P.K / P.group;
+  const int64_t quads_per_group = P.group / 4;
   for (int64_t g0 = q0; g0 < q1; g0 += quads_per_group) {
     __m512i acc[ROWS * NB];
     if constexpr (ROWS == 8 && NB == 2) group_sums_8x2<BITS>(P, A, buf, q0, g0, g0 + quads_per_group, m0, acc);
     else group_sums<BITS, ROWS, NB>(P, A, buf, q0, g0, g0 + quads_per_group, m0, acc);
-    const int64_t g = g0 / quads_per_group;
-    for (int b = 0; b < NB; ++b) {
-      const int64_t n = (b0 + b) * kLanes;
-      const __m512 scale = load_half(P.scales + g * P.N + n);
-      __m512 back = _mm512_setzero_ps();  // what the sums hold beyond sum_k xq * q
-      if (BITS == 8) {
-        const __m512i qsum =
-            P.qsums16 ? _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(P.qsums16 + g * P.N + n)))
-                      : _mm512_loadu_si512(P.qsums32 + g * P.N + n);
-        back = _mm512_mul_ps(_mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(qsum));
-      }
-      const __m512 offset = group_offset(P, g, n, scale);  // -z * s
-      for (int r = 0; r < ROWS; ++r) {
-        __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(acc[r * NB + b]), back), scale);
-        v = _mm512_fmadd_ps(_mm512_set1_ps(A.sums[(m0 + r) * groups + g]), offset, v);
-        c[r * NB + b] = _mm512_add_ps(c[r * NB + b], v);
-      }
-    }
+    fold_group<BITS, ROWS, NB>(P, A, acc, b0, g0 / quads_per_group, m0, c);
   }
 }
 
@@ -530,14 +547,8 @@ void batch_tile_a8(const Problem& P, const Activations& A, int64_t b0, __m512i* 
       m0 += rows;
     }
   }
-  for (int64_t m = 0; m < P.M; ++m) {
-    for (int b = 0; b < NB; ++b) {
-      const int64_t n = (b0 + b) * kLanes;
-      __m512 v = _mm512_mul_ps(c[m * NB + b], _mm512_set1_ps(A.scale[m]));
-      if (P.bias) v = _mm512_add_ps(v, infer_vec::vload(P.bias + n));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(P.y + m * P.N + n), (__m256i)_mm512_cvtneps_pbh(v));
-    }
-  }
+  for (int64_t m = 0; m < P.M; ++m)
+    for (int b = 0; b < NB; ++b) store_a8(P, A, m, b0 + b, c[m * NB + b]);
 }
 
 void run_a8(const Problem& P) {
@@ -554,6 +565,62 @@ void run_a8(const Problem& P) {
       const bool pair = b0 + 1 < blocks;
       if (P.bits == 8) pair ? batch_tile_a8<8, 2>(P, A, b0, buf, c) : batch_tile_a8<8, 1>(P, A, b0, buf, c);
       else pair ? batch_tile_a8<4, 2>(P, A, b0, buf, c) : batch_tile_a8<4, 1>(P, A, b0, buf, c);
+    }
+  });
+}
+
+// ---- decodes (up to kDecode rows) with int8 activations: the batch path's sums and folds, the codes
+// taken straight from the weight (read once: no buffer) ----
+template <int BITS, int ROWS, int NB>
+void decode_tile_a8(const Problem& P, const Activations& A, int64_t b0) {
+  const int64_t quads_per_group = P.group / 4, groups = P.K / P.group;
+  __m512 c[ROWS * NB];
+  for (auto& v : c) v = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[ROWS * NB];
+    for (auto& a : acc) a = _mm512_setzero_si512();
+    for (int64_t q = g * quads_per_group; q < (g + 1) * quads_per_group; ++q) {
+      __m512i w[NB];
+      for (int b = 0; b < NB; ++b) w[b] = quad_codes<BITS>(P, b0 + b, q);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512i xs = _mm512_set1_epi32(A.q[q * P.M + r]);
+        for (int b = 0; b < NB; ++b) acc[r * NB + b] = dot4<BITS>(acc[r * NB + b], w[b], xs);
+      }
+    }
+    fold_group<BITS, ROWS, NB>(P, A, acc, b0, g, 0, c);
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int b = 0; b < NB; ++b) store_a8(P, A, r, b0 + b, c[r * NB + b]);
+}
+
+template <int BITS, int ROWS>
+void decode_blocks_a8(const Problem& P, const Activations& A, int64_t b0, int64_t nb) {
+  switch (nb) {
+    case 1: return decode_tile_a8<BITS, ROWS, 1>(P, A, b0);
+    case 2: return decode_tile_a8<BITS, ROWS, 2>(P, A, b0);
+    case 3: return decode_tile_a8<BITS, ROWS, 3>(P, A, b0);
+    default: return decode_tile_a8<BITS, ROWS, 4>(P, A, b0);
+  }
+}
+
+template <int BITS>
+void decode_a8(const Problem& P, const Activations& A, int64_t b0, int64_t nb) {
+  switch (P.M) {
+    case 1: return decode_blocks_a8<BITS, 1>(P, A, b0, nb);
+    case 2: return decode_blocks_a8<BITS, 2>(P, A, b0, nb);
+    case 3: return decode_blocks_a8<BITS, 3>(P, A, b0, nb);
+    default: return decode_blocks_a8<BITS, 4>(P, A, b0, nb);
+  }
+}
+
+void run_decode_a8(const Problem& P) {
+  const Activations& A = quantize_x(P);
+  const int64_t blocks = P.N / kLanes, tiles = (blocks + kDecode - 1) / kDecode;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b0 = t * kDecode, nb = std::min(kDecode, blocks - b0);
+      if (P.bits == 8) decode_a8<8>(P, A, b0, nb);
+      else decode_a8<4>(P, A, b0, nb);
     }
   });
 }
@@ -766,7 +833,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
   if (int8_activations && M > 0 && infer_amx::permitted())
     return run_amx_a8(P), y;
 #endif
-  if (int8_activations && M > kDecode) return run_a8(P), y;
+  if (int8_activations && M > 0) return (M > kDecode ? run_a8(P) : run_decode_a8(P)), y;
 #endif
   if (M > 0) run(P);
   return y;
