@@ -9,7 +9,8 @@
 //
 //   int8 activations (the caller's choice: infer/quant/linear.py), with VNNI: x rounded to int8 per
 //       row, vpdpbusd on 4-input quads of the codes (run_a8, below: 2.6x the multiply-add rate of
-//       vdpbf16ps here); decodes (M <= 4 rows) read the codes straight into the sums (run_decode_a8)
+//       vdpbf16ps here); decodes (M <= 4 rows) read the codes straight into the sums (run_decode_a8:
+//       the caller asks for it with int8 codes only)
 //   bf16 activations, decode (M <= 4 rows): per tile of up to 4 blocks (64 channels), per input pair:
 //       convert each block's 32 codes in registers -> bf16; acc[row][block] += dp(x pair, w)
 //   with AMX (Sapphire Rapids), int8 activations at every row count (int4: from 2 rows): the same int8

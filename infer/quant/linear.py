@@ -53,9 +53,10 @@ logger = logging.getLogger("infer.quant")
 GROUP_SIZE = 128  # int4's group: AWQ's and GPTQ's default, what torch's int4 kernel was tuned for
 HEAD_BITS = 8  # the LM head, int8 per channel either way: int4 costs perplexity (docs/quantization.md)
 # Steps of more than decode_rows(...) rows run with int8 activations (W8A8: rows rounded to 8 bits, each
-# with its own scale; 2.6x the multiply-add rate of bf16 with VNNI). With VNNI that is every row count:
-# a decode's codes converted to bf16 in registers took more time than their bytes' reads (one stream
-# 8-20% slower, docs/quantization.md); a build without it keeps bf16 activations up to DECODE_ROWS rows.
+# with its own scale; 2.6x the multiply-add rate of bf16 with VNNI); decodes of up to DECODE_ROWS rows
+# keep bf16 activations, but for int8 codes with VNNI: converting those to bf16 in registers took longer
+# than reading them (one stream 1.6x slower a step on the 1B, docs/quantization.md), where int4's
+# conversion is cheaper than their rearrangement for vpdpbusd (1.2-1.3x faster on the 1B).
 # With AMX tiles (the kernel's "+amx" builds) W8A8 runs on them, int8 weights at every row count and
 # int4 from 2 rows: there the bf16-activation decodes (vdpbf16ps, slow on those cores) were compute-bound
 # from 1-2 rows, and the tiles read int8 codes at the DRAM's speed (docs/quantization.md).
@@ -241,7 +242,7 @@ def decode_rows(ops, bits: int, group_size: int) -> int:
     """The most rows a step of the kernel takes with bf16 activations (above them, int8: see DECODE_ROWS)."""
     if "+amx" in ops.isa():
         return 0 if bits == 8 else 1
-    return 0 if "vnni" in ops.isa() else DECODE_ROWS
+    return 0 if bits == 8 and "vnni" in ops.isa() else DECODE_ROWS
 
 
 def _unsigned_int4(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:

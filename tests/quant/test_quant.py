@@ -129,8 +129,8 @@ def _w8a8_reference(x: torch.Tensor, qw) -> torch.Tensor:
 )
 def test_int8_activation_paths_round_x_per_row_and_sum_exactly(bits, group, symmetric, monkeypatch):
     """Every step the kernel runs with int8 activations (with AMX on the tiles: int8 weights at every row
-    count, int4 from 2 rows; with VNNI every row count, up to 4 rows straight from the codes, more
-    through a buffer; else none) is x rounded to int8 per row times the
+    count, int4 from 2 rows; else with VNNI int8 weights at every row count, up to 4 rows straight from
+    the codes, and int4 from 5 rows) is x rounded to int8 per row times the
     codes, summed exactly: its output is that product rounded once to bf16 (float32 folding aside), a
     tighter bound than the float reference's."""
     monkeypatch.setattr(quant_linear, "INT8_ACTIVATIONS", True)
