@@ -3,9 +3,9 @@
 Each QuantizedLinear repacks its `QuantizedWeight` for the fastest path this machine has, chosen once:
 
     "infer"   the C++ kernel (infer/kernels/quant_linear.cpp), bf16 models on an AVX-512 BF16 CPU, every
-              step: decodes of up to 4 rows convert the codes to bf16 in registers (vdpbf16ps: the
-              weights' bytes set the time); larger steps round x to int8 per row (vpdpbusd, with VNNI;
-              with AMX, from 2 rows up, on the tiles).
+              step: x rounded to int8 per row (vpdpbusd, with VNNI; with AMX on the tiles), but for
+              decodes of up to 4 rows of int4 codes (with AMX: one row), converted to bf16 in registers
+              (vdpbf16ps), cheaper there than the codes' rearrangement for vpdpbusd (DECODE_ROWS).
               6-bit weights (GGUF's Q6_K, groups of 16) run through their own kernel
               (infer/kernels/six_bit_linear.cpp: int8 activations, vpdpbusd), CPUs with AVX-512 VNNI too.
     "torch"   torch's weight-only kernels (`_weight_int8pack_mm` for int8 per channel without zero points,
