@@ -9,8 +9,9 @@
 //
 //   int8 activations (the caller's choice: infer/quant/linear.py), with VNNI: x rounded to int8 per
 //       row, vpdpbusd on 4-input quads of the codes (run_a8, below: 2.6x the multiply-add rate of
-//       vdpbf16ps here); decodes (M <= 4 rows) read the codes straight into the sums (run_decode_a8:
-//       the caller asks for it with int8 codes only)
+//       vdpbf16ps here); decodes (M <= 4 rows) of int8 codes read them straight into the sums
+//       (run_decode_a8); int4 decodes take the bf16 path, whose conversion costs less than the codes'
+//       rearrangement for vpdpbusd
 //   bf16 activations, decode (M <= 4 rows): per tile of up to 4 blocks (64 channels), per input pair:
 //       convert each block's 32 codes in registers -> bf16; acc[row][block] += dp(x pair, w)
 //   with AMX (Sapphire Rapids), int8 activations at every row count (int4: from 2 rows): the same int8
@@ -570,8 +571,8 @@ void run_a8(const Problem& P) {
   });
 }
 
-// ---- decodes (up to kDecode rows) with int8 activations: the batch path's sums and folds, the codes
-// taken straight from the weight (read once: no buffer) ----
+// ---- decodes (up to kDecode rows) of int8 codes with int8 activations: the batch path's sums and folds,
+// the codes taken straight from the weight (read once: no buffer) ----
 template <int BITS, int ROWS, int NB>
 void decode_tile_a8(const Problem& P, const Activations& A, int64_t b0) {
   const int64_t quads_per_group = P.group / 4, groups = P.K / P.group;
@@ -619,9 +620,8 @@ void run_decode_a8(const Problem& P) {
   const int64_t blocks = P.N / kLanes, tiles = (blocks + kDecode - 1) / kDecode;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b0 = t * kDecode, nb = std::min(kDecode, blocks - b0);
-      if (P.bits == 8) decode_a8<8>(P, A, b0, nb);
-      else decode_a8<4>(P, A, b0, nb);
+      const int64_t b0 = t * kDecode;
+      decode_a8<8>(P, A, b0, std::min(kDecode, blocks - b0));
     }
   });
 }
@@ -834,7 +834,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& weight, const at:
   if (int8_activations && M > 0 && infer_amx::permitted())
     return run_amx_a8(P), y;
 #endif
-  if (int8_activations && M > 0) return (M > kDecode ? run_a8(P) : run_decode_a8(P)), y;
+  if (int8_activations && M > kDecode) return run_a8(P), y;
+  if (int8_activations && M > 0 && bits == 8) return run_decode_a8(P), y;
 #endif
   if (M > 0) run(P);
   return y;
