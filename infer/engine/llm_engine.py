@@ -77,16 +77,12 @@ LONG_STEP_PRIOR_S = 0.1  # a step of INTERRUPTIBLE_TOKENS, before any long step 
 LONG_STEP_PREFILL_TOKENS = 32
 
 
-def _worth_stopping(stats: StepStats) -> bool:
-    """Whether a step carries enough to be worth stopping for a newcomer (module docstring)."""
+def _carries(stats: StepStats, prefill_tokens: int) -> bool:
+    """Whether a step carries `prefill_tokens` prompt tokens or INTERRUPTIBLE_TOKENS in all: with
+    INTERRUPTIBLE_PREFILL_TOKENS, worth stopping for a newcomer; with LONG_STEP_PREFILL_TOKENS, long
+    enough for its time per token to price a stopped step (module docstring)."""
     total = stats.num_prefill_tokens + stats.num_decode_tokens
-    return stats.num_prefill_tokens >= INTERRUPTIBLE_PREFILL_TOKENS or total >= INTERRUPTIBLE_TOKENS
-
-
-def _is_long(stats: StepStats) -> bool:
-    """Whether a step's time per token prices a stopped step (LONG_STEP_PREFILL_TOKENS)."""
-    total = stats.num_prefill_tokens + stats.num_decode_tokens
-    return stats.num_prefill_tokens >= LONG_STEP_PREFILL_TOKENS or total >= INTERRUPTIBLE_TOKENS
+    return stats.num_prefill_tokens >= prefill_tokens or total >= INTERRUPTIBLE_TOKENS
 
 
 @dataclass
@@ -205,8 +201,8 @@ class LLMEngine:
         self.prompt_logprobs: dict[str, list[PromptLogprobChunk]] = {}  # req_id -> computed chunks
         self.last_stats = StepStats()
         self.last_timing = StepTiming()
-        # (seconds, tokens) of the last step worth stopping (_worth_stopping) that ran to its end (before one
-        # did, a guess)
+        # (seconds, tokens) of the last long step (LONG_STEP_PREFILL_TOKENS) that ran to its end (before
+        # one did, a guess)
         self._long_step = (LONG_STEP_PRIOR_S, INTERRUPTIBLE_TOKENS)
         self._ids = itertools.count()
         # the step trace (infer.engine.trace), None unless asked for: then one `is not None` per step
@@ -401,7 +397,7 @@ class LLMEngine:
             if interruptible:
                 self.runner.interrupted = None
         executed = time.perf_counter()
-        if _is_long(sched.stats):
+        if _carries(sched.stats, LONG_STEP_PREFILL_TOKENS):
             self._long_step = (executed - scheduled, sched.num_batched_tokens)
         for req_id, chunk in (runner_out.prompt_logprobs or {}).items():
             found = self.prompt_logprobs.get(req_id)
@@ -436,7 +432,7 @@ class LLMEngine:
             self.newcomer_waiting is None
             or not isinstance(self.runner, ModelRunner)
             or stats.num_spec_tokens
-            or not _worth_stopping(stats)
+            or not _carries(stats, INTERRUPTIBLE_PREFILL_TOKENS)
         ):
             return False
         for s in sched.scheduled:

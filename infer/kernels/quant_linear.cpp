@@ -148,6 +148,15 @@ inline void store(const Problem& P, int64_t m, int64_t block, __m512 acc) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(P.y + m * P.N + n), (__m256i)_mm512_cvtneps_pbh(acc));
 }
 
+// a decode's channel blocks in tiles of up to kDecode, spread over the threads: tile(b0, nb)
+template <typename Tile>
+void decode_tiles(const Problem& P, const Tile& tile) {
+  const int64_t blocks = P.N / kLanes, tiles = (blocks + kDecode - 1) / kDecode;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) tile(t * kDecode, std::min(kDecode, blocks - t * kDecode));
+  });
+}
+
 // ---- decode: up to kDecode rows, blocks b0..b0+NB, every chunk converted in registers ----
 
 template <int BITS, int ROWS, int NB>
@@ -573,7 +582,7 @@ void run_a8(const Problem& P) {
 
 // ---- decodes (up to kDecode rows) of int8 codes with int8 activations: the batch path's sums and folds,
 // the codes taken straight from the weight (read once: no buffer) ----
-template <int BITS, int ROWS, int NB>
+template <int ROWS, int NB>
 void decode_tile_a8(const Problem& P, const Activations& A, int64_t b0) {
   const int64_t quads_per_group = P.group / 4, groups = P.K / P.group;
   __m512 c[ROWS * NB];
@@ -583,45 +592,36 @@ void decode_tile_a8(const Problem& P, const Activations& A, int64_t b0) {
     for (auto& a : acc) a = _mm512_setzero_si512();
     for (int64_t q = g * quads_per_group; q < (g + 1) * quads_per_group; ++q) {
       __m512i w[NB];
-      for (int b = 0; b < NB; ++b) w[b] = quad_codes<BITS>(P, b0 + b, q);
+      for (int b = 0; b < NB; ++b) w[b] = quad_codes<8>(P, b0 + b, q);
       for (int r = 0; r < ROWS; ++r) {
         const __m512i xs = _mm512_set1_epi32(A.q[q * P.M + r]);
-        for (int b = 0; b < NB; ++b) acc[r * NB + b] = dot4<BITS>(acc[r * NB + b], w[b], xs);
+        for (int b = 0; b < NB; ++b) acc[r * NB + b] = dot4<8>(acc[r * NB + b], w[b], xs);
       }
     }
-    fold_group<BITS, ROWS, NB>(P, A, acc, b0, g, 0, c);
+    fold_group<8, ROWS, NB>(P, A, acc, b0, g, 0, c);
   }
   for (int r = 0; r < ROWS; ++r)
     for (int b = 0; b < NB; ++b) store_a8(P, A, r, b0 + b, c[r * NB + b]);
 }
 
-template <int BITS, int ROWS>
+template <int ROWS>
 void decode_blocks_a8(const Problem& P, const Activations& A, int64_t b0, int64_t nb) {
   switch (nb) {
-    case 1: return decode_tile_a8<BITS, ROWS, 1>(P, A, b0);
-    case 2: return decode_tile_a8<BITS, ROWS, 2>(P, A, b0);
-    case 3: return decode_tile_a8<BITS, ROWS, 3>(P, A, b0);
-    default: return decode_tile_a8<BITS, ROWS, 4>(P, A, b0);
-  }
-}
-
-template <int BITS>
-void decode_a8(const Problem& P, const Activations& A, int64_t b0, int64_t nb) {
-  switch (P.M) {
-    case 1: return decode_blocks_a8<BITS, 1>(P, A, b0, nb);
-    case 2: return decode_blocks_a8<BITS, 2>(P, A, b0, nb);
-    case 3: return decode_blocks_a8<BITS, 3>(P, A, b0, nb);
-    default: return decode_blocks_a8<BITS, 4>(P, A, b0, nb);
+    case 1: return decode_tile_a8<ROWS, 1>(P, A, b0);
+    case 2: return decode_tile_a8<ROWS, 2>(P, A, b0);
+    case 3: return decode_tile_a8<ROWS, 3>(P, A, b0);
+    default: return decode_tile_a8<ROWS, 4>(P, A, b0);
   }
 }
 
 void run_decode_a8(const Problem& P) {
   const Activations& A = quantize_x(P);
-  const int64_t blocks = P.N / kLanes, tiles = (blocks + kDecode - 1) / kDecode;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b0 = t * kDecode;
-      decode_a8<8>(P, A, b0, std::min(kDecode, blocks - b0));
+  decode_tiles(P, [&](int64_t b0, int64_t nb) {
+    switch (P.M) {
+      case 1: return decode_blocks_a8<1>(P, A, b0, nb);
+      case 2: return decode_blocks_a8<2>(P, A, b0, nb);
+      case 3: return decode_blocks_a8<3>(P, A, b0, nb);
+      default: return decode_blocks_a8<4>(P, A, b0, nb);
     }
   });
 }
@@ -768,13 +768,9 @@ void run_amx_a8(const Problem& P) {
 void run(const Problem& P) {
   const int64_t blocks = P.N / kLanes;
   if (P.M <= kDecode) {
-    const int64_t tiles = (blocks + kDecode - 1) / kDecode;
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t b0 = t * kDecode, nb = std::min(kDecode, blocks - b0);
-        if (P.bits == 8) decode<8>(P, b0, nb);
-        else decode<4>(P, b0, nb);
-      }
+    decode_tiles(P, [&](int64_t b0, int64_t nb) {
+      if (P.bits == 8) decode<8>(P, b0, nb);
+      else decode<4>(P, b0, nb);
     });
     return;
   }
