@@ -55,8 +55,8 @@ HEAD_BITS = 8  # the LM head, int8 per channel either way: int4 costs perplexity
 # Steps of more than decode_rows(...) rows run with int8 activations (W8A8: rows rounded to 8 bits, each
 # with its own scale; 2.6x the multiply-add rate of bf16 with VNNI); decodes of up to DECODE_ROWS rows
 # keep bf16 activations, but for int8 codes with VNNI: converting those to bf16 in registers took longer
-# than reading them (one stream 1.6x slower a step on the 1B, docs/quantization.md), where int4's
-# conversion is cheaper than their rearrangement for vpdpbusd (1.2-1.3x faster on the 1B).
+# than reading them (docs/quantization.md), where int4's conversion costs less than their rearrangement
+# for vpdpbusd.
 # With AMX tiles (the kernel's "+amx" builds) W8A8 runs on them, int8 weights at every row count and
 # int4 from 2 rows: there the bf16-activation decodes (vdpbf16ps, slow on those cores) were compute-bound
 # from 1-2 rows, and the tiles read int8 codes at the DRAM's speed (docs/quantization.md).
